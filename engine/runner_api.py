@@ -1,0 +1,54 @@
+"""The contract between the scheduler (what to compute) and a model runner (how).
+
+The scheduler hands a `ScheduledBatch` to `ModelRunner.execute`; the runner computes the new
+tokens' KV into the listed blocks, runs the model, and samples one token for each sequence
+that reached its sampling point. The real runner (torch/Triton) and the simulated runner
+(`--simulate`) both implement it, so everything above it is shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    request_id: str
+    token_ids: list[int]  # tokens to compute this step: a prompt chunk, or the last sampled token
+    start_pos: int  # tokens already in the KV cache (position of token_ids[0])
+    block_table: list[int]  # physical blocks covering positions [0, start_pos + len(token_ids))
+    sample: bool  # True when this step completes the prompt or decodes: sample one token
+    sampling_params: SamplingParams
+    num_generated: int = 0  # tokens generated before this step (seeds stay reproducible)
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[ScheduledSeq]
+    finished_request_ids: list[str] = field(default_factory=list)  # drop per-request runner state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when logprobs were requested
+    top_logprobs: list[tuple[int, float]] | None = None  # top-N (token_id, logprob), best first
+
+
+class ModelRunner(Protocol):
+    block_size: int
+    num_kv_blocks: int  # blocks the KV pool holds (from the memory budget)
+    vocab_size: int
+    max_model_len: int
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        """Run one step. Returns one SampledToken per seq with `sample=True`, in batch order."""
+        ...

@@ -1,0 +1,1 @@
+"""kvgate: Kubernetes-native LLM serving."""

