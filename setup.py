@@ -8,7 +8,13 @@ from pathlib import Path
 
 from setuptools import setup
 
-ROOTS = {"kvgate": "kvgate", "kvgate.api": "api", "kvgate.engine": "engine", "kvgate.epp": "epp", "kvgate.operator": "operator"}
+ROOTS = {
+    "kvgate": "kvgate",
+    "kvgate.api": "api",
+    "kvgate.engine": "engine",
+    "kvgate.epp": "epp",
+    "kvgate.operator": "operator",
+}
 
 
 def _packages() -> tuple[list[str], dict[str, str]]:
