@@ -1,0 +1,124 @@
+"""The datastore: everything signal collectors learn, and the only thing the scheduler reads.
+
+Collectors (discovery, metrics scraper, KV-event subscribers) write; the scheduler reads a
+consistent enough view without locks because everything runs on one asyncio loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvgate.epp.prefix_index import PreciseIndex
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    address: str  # "ip:port" as Envoy's ORIGINAL_DST cluster reads it
+    kv_events: str | None = None  # ZMQ PUB address, e.g. tcp://10.0.0.7:5557
+    kv_replay: str | None = None  # ZMQ ROUTER replay address, when the engine offers one
+    name: str = ""  # pod name in Kubernetes; informative only
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # 0..1
+    max_lora: int = 0
+    running_loras: frozenset[str] = frozenset()
+    waiting_loras: frozenset[str] = frozenset()
+    updated_at: float = 0.0  # monotonic; 0 = never scraped
+    consecutive_failures: int = 0
+
+
+@dataclass(slots=True)
+class EndpointState:
+    endpoint: Endpoint
+    metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
+    inflight: int = 0  # requests this EPP routed here whose responses have not finished
+    kv_events_live: bool = False  # the subscriber is connected and in sequence
+
+    @property
+    def address(self) -> str:
+        return self.endpoint.address
+
+    def age(self, now: float) -> float:
+        m = self.metrics
+        return float("inf") if m.updated_at == 0.0 else now - m.updated_at
+
+    def load(self) -> int:
+        """Requests on the endpoint: the scrape, or our own count when it is fresher (larger)."""
+        m = self.metrics
+        return max(m.waiting + m.running, self.inflight)
+
+
+Listener = Callable[[Endpoint, bool], None]  # (endpoint, added?)
+
+
+class Datastore:
+    def __init__(self, unreachable_after_failures: int = 3) -> None:
+        self._states: dict[str, EndpointState] = {}
+        self.index = PreciseIndex()
+        self.synced = False  # discovery has delivered its first full endpoint list
+        self.unreachable_after_failures = unreachable_after_failures
+        self._listeners: list[Listener] = []
+
+    # -- discovery ---------------------------------------------------------------------------
+    def subscribe(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
+        wanted = {e.address: e for e in endpoints}
+        for address in list(self._states):
+            if address not in wanted or wanted[address] != self._states[address].endpoint:
+                self.remove(address)
+        for address, endpoint in wanted.items():
+            if address not in self._states:
+                self.add(endpoint)
+        self.synced = True
+
+    def add(self, endpoint: Endpoint) -> None:
+        if endpoint.address in self._states:
+            return
+        self._states[endpoint.address] = EndpointState(endpoint)
+        for listener in self._listeners:
+            listener(endpoint, True)
+
+    def remove(self, address: str) -> None:
+        state = self._states.pop(address, None)
+        if state is None:
+            return
+        self.index.clear(address)
+        for listener in self._listeners:
+            listener(state.endpoint, False)
+
+    # -- reads -------------------------------------------------------------------------------
+    def get(self, address: str) -> EndpointState | None:
+        return self._states.get(address)
+
+    def all(self) -> list[EndpointState]:
+        return list(self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def reachable(self, state: EndpointState) -> bool:
+        m = state.metrics
+        return m.updated_at != 0.0 and m.consecutive_failures < self.unreachable_after_failures
+
+    # -- writes (scraper) --------------------------------------------------------------------
+    def update_metrics(self, address: str, metrics: EndpointMetrics) -> None:
+        state = self._states.get(address)
+        if state is not None:
+            state.metrics = metrics
+
+    def scrape_failed(self, address: str) -> None:
+        state = self._states.get(address)
+        if state is not None:
+            state.metrics.consecutive_failures += 1
+
+
+def now() -> float:
+    return time.monotonic()

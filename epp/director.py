@@ -1,0 +1,97 @@
+"""``pick(request) -> Decision``: the whole routing decision, independent of Envoy's protocol."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kvgate.epp.datastore import Datastore, EndpointState
+from kvgate.epp.request import InferenceRequest
+from kvgate.epp.saturation import SaturationDetector
+from kvgate.epp.scheduling.framework import SchedulingContext, SchedulingProfile
+
+log = logging.getLogger("kvgate.epp.director")
+
+
+@dataclass
+class Decision:
+    status: int  # 200 routed; 429 / 503 / 500 answered by the EPP itself
+    targets: list[str] = field(default_factory=list)  # "ip:port", chosen first, then fallbacks
+    reason: str = ""
+    error_type: str = ""
+    scheduler_seconds: float = 0.0
+    plugin_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def routed(self) -> bool:
+        return self.status == 200
+
+
+class Director:
+    def __init__(
+        self,
+        datastore: Datastore,
+        profile: SchedulingProfile,
+        saturation: SaturationDetector,
+    ) -> None:
+        self.datastore = datastore
+        self.profile = profile
+        self.saturation = saturation
+
+    def candidates(self, request: InferenceRequest) -> list[EndpointState]:
+        reachable = self.datastore.reachable
+        endpoints = [e for e in self.datastore.all() if reachable(e)]
+        if request.subset is not None:
+            allowed = set(request.subset)
+            endpoints = [e for e in endpoints if e.address in allowed]
+        return endpoints
+
+    def pick(self, request: InferenceRequest) -> Decision:
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        candidates = self.candidates(request)
+        if not candidates:
+            if request.subset is not None:
+                why = (
+                    "no endpoint in the subset hint is eligible" if request.subset else "subset hint is empty"
+                )
+            else:
+                why = "no ready endpoints in the pool"
+            return Decision(503, reason=why, error_type="service_unavailable")
+        if request.priority < 0 and self.saturation.saturated(self.datastore.all(), now):
+            return Decision(
+                429,
+                reason=f"pool saturated; objective {request.objective!r} (priority {request.priority}) is sheddable",
+                error_type="rate_limit_exceeded",
+            )
+        ctx = SchedulingContext(request, self.datastore, now)
+        result = self.profile.run(ctx, candidates)
+        if not result.targets:
+            return Decision(
+                429,
+                reason=f"every endpoint was filtered out ({result.filtered_out} of {len(candidates)})",
+                error_type="rate_limit_exceeded",
+                plugin_seconds=ctx.plugin_seconds,
+            )
+        chosen = result.targets[0]
+        self.profile.pre_request(ctx, chosen)
+        chosen.inflight += 1
+        elapsed = time.perf_counter() - t0
+        scores = result.breakdown.get(chosen.address, {})
+        reason = f"profile={self.profile.name} score={result.scores[chosen.address]:.3f} " + " ".join(
+            f"{k}={v:.2f}" for k, v in scores.items()
+        )
+        return Decision(
+            200,
+            targets=[t.address for t in result.targets],
+            reason=reason,
+            scheduler_seconds=elapsed,
+            plugin_seconds=ctx.plugin_seconds,
+        )
+
+    def finished(self, address: str) -> None:
+        """The response for a request routed to ``address`` ended (any outcome)."""
+        state = self.datastore.get(address)
+        if state is not None and state.inflight > 0:
+            state.inflight -= 1

@@ -1,0 +1,1 @@
+"""Scheduling: filters → weighted scorers → picker, composed into profiles from config."""

@@ -1,0 +1,252 @@
+"""GIE's ``EndpointPickerConfig`` (YAML) → scheduling profiles, plus kvgate's built-in profiles."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvgate.epp.saturation import SaturationDetector
+from kvgate.epp.scheduling import filters, pickers, scorers
+from kvgate.epp.scheduling.framework import Filter, Picker, Plugin, SchedulingProfile, Scorer
+
+API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
+KIND = "EndpointPickerConfig"
+
+PLUGIN_TYPES: dict[str, type] = {
+    cls.type_name: cls
+    for cls in (
+        filters.FreshMetricsFilter,
+        filters.LowQueueFilter,
+        filters.LeastQueueFilter,
+        filters.LeastKVCacheFilter,
+        filters.LoraAffinityFilter,
+        scorers.QueueScorer,
+        scorers.KVCacheUtilizationScorer,
+        scorers.LoadAwareScorer,
+        scorers.LoraAffinityScorer,
+        scorers.PrefixCacheScorer,
+        scorers.PrecisePrefixCacheScorer,
+        pickers.MaxScorePicker,
+        pickers.RandomPicker,
+        pickers.WeightedRandomPicker,
+        pickers.RoundRobinPicker,
+    )
+}
+
+
+class ConfigError(ValueError):
+    """The picker configuration is invalid; the message says where."""
+
+
+class PluginSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str
+    name: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProfilePluginRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    plugin_ref: str = Field(alias="pluginRef")
+    weight: float | None = None
+
+
+class ProfileSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    plugins: list[ProfilePluginRef]
+
+
+class SaturationSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    queue_depth_threshold: float = Field(5.0, alias="queueDepthThreshold", gt=0)
+    kv_cache_util_threshold: float = Field(0.8, alias="kvCacheUtilThreshold", gt=0)
+    metrics_staleness_threshold: float = Field(2.0, alias="metricsStalenessThreshold", gt=0)
+
+    @field_validator("metrics_staleness_threshold", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        return parse_duration(v) if isinstance(v, str) else v
+
+
+class EndpointPickerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: str = Field(API_VERSION, alias="apiVersion")
+    kind: str = KIND
+    plugins: list[PluginSpec] = Field(default_factory=list)
+    scheduling_profiles: list[ProfileSpec] = Field(default_factory=list, alias="schedulingProfiles")
+    saturation_detector: SaturationSpec = Field(default_factory=SaturationSpec, alias="saturationDetector")
+    # kvgate extension: InferenceObjective name -> priority (negative = sheddable)
+    objectives: dict[str, int] = Field(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v != KIND:
+            raise ValueError(f"kind must be {KIND}, got {v!r}")
+        return v
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|m)?\s*", text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 50ms, 2s)")
+    value = float(m.group(1))
+    return value * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
+
+
+# GIE's default profile (queue 2, kv-cache 2, approximate prefix 3) and kvgate's own.
+BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
+    "default": {
+        "plugins": [
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "prefix-cache-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "default",
+                "plugins": [
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
+    # kvgate: exact prefix from KV events, traded against absolute load so a busy holder loses.
+    "precise-prefix": {
+        "plugins": [
+            {"type": "precise-prefix-cache-scorer"},
+            {"type": "load-aware-scorer", "parameters": {"threshold": 16}},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "precise-prefix",
+                "plugins": [
+                    {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "load-aware-scorer", "weight": 4},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
+    "round-robin": {
+        "plugins": [{"type": "round-robin-picker"}],
+        "schedulingProfiles": [{"name": "round-robin", "plugins": [{"pluginRef": "round-robin-picker"}]}],
+    },
+    "random": {
+        "plugins": [{"type": "random-picker"}],
+        "schedulingProfiles": [{"name": "random", "plugins": [{"pluginRef": "random-picker"}]}],
+    },
+}
+DEFAULT_PROFILE = "precise-prefix"
+
+
+def load_config(path: str | None, profile: str | None = None) -> EndpointPickerConfig:
+    """A config file, else the named built-in profile (kvgate's precise-prefix by default)."""
+    if path:
+        try:
+            with open(path) as fh:
+                raw = yaml.safe_load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read --config-file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config-file {path} is not valid YAML: {exc}") from None
+        return parse_config(raw, source=path)
+    name = profile or DEFAULT_PROFILE
+    if name not in BUILTIN_PROFILES:
+        raise ConfigError(f"unknown profile {name!r}; built-in profiles: {', '.join(BUILTIN_PROFILES)}")
+    return parse_config(BUILTIN_PROFILES[name], source=f"built-in profile {name}")
+
+
+def parse_config(raw: Any, source: str = "config") -> EndpointPickerConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping (an EndpointPickerConfig)")
+    try:
+        cfg = EndpointPickerConfig.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"{source}: {where}: {first['msg']}") from None
+    build_profiles(cfg, source)  # fail early on unknown plugins / bad parameters
+    return cfg
+
+
+def _camel_to_snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+# GIE parameter spellings that do not map mechanically onto ours.
+_PARAM_ALIASES = {"maxNumOfEndpoints": "max_num_of_endpoints", "lruCapacityPerServer": "lru_capacity"}
+
+
+def _instantiate(spec: PluginSpec, source: str) -> Plugin:
+    cls = PLUGIN_TYPES.get(spec.type)
+    if cls is None:
+        raise ConfigError(
+            f"{source}: unknown plugin type {spec.type!r}; known: {', '.join(sorted(PLUGIN_TYPES))}"
+        )
+    allowed = {f.name for f in fields(cls) if f.init and f.name not in ("name", "rng")}
+    kwargs: dict[str, Any] = {}
+    for key, value in spec.parameters.items():
+        attr = _PARAM_ALIASES.get(key, _camel_to_snake(key))
+        if attr == "max_prefix_blocks_to_match":
+            attr = "max_prefix_blocks"
+        if attr not in allowed:
+            raise ConfigError(f"{source}: plugin {spec.type!r} has no parameter {key!r}")
+        if isinstance(value, str) and attr.endswith("_seconds"):
+            value = parse_duration(value)
+        kwargs[attr] = value
+    try:
+        return cls(name=spec.name or spec.type, **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: plugin {spec.type!r}: {exc}") from None
+
+
+def build_profiles(cfg: EndpointPickerConfig, source: str = "config") -> list[SchedulingProfile]:
+    instances: dict[str, Plugin] = {}
+    for spec in cfg.plugins:
+        plugin = _instantiate(spec, source)
+        if plugin.name in instances:
+            raise ConfigError(f"{source}: two plugins are named {plugin.name!r}")
+        instances[plugin.name] = plugin
+    if not cfg.scheduling_profiles:
+        raise ConfigError(f"{source}: schedulingProfiles is empty")
+    profiles: list[SchedulingProfile] = []
+    for prof in cfg.scheduling_profiles:
+        flt: list[Filter] = []
+        scr: list[tuple[Scorer, float]] = []
+        pick: Picker | None = None
+        for ref in prof.plugins:
+            plugin = instances.get(ref.plugin_ref)
+            if plugin is None:
+                raise ConfigError(
+                    f"{source}: profile {prof.name!r} refers to unknown plugin {ref.plugin_ref!r}"
+                )
+            if hasattr(plugin, "score"):
+                scr.append((plugin, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
+            elif hasattr(plugin, "filter"):
+                flt.append(plugin)  # type: ignore[arg-type]
+            elif hasattr(plugin, "pick"):
+                if pick is not None:
+                    raise ConfigError(f"{source}: profile {prof.name!r} has two pickers")
+                pick = plugin  # type: ignore[assignment]
+        profiles.append(SchedulingProfile(prof.name, flt, scr, pick or pickers.MaxScorePicker()))
+    return profiles
+
+
+def saturation_detector(cfg: EndpointPickerConfig) -> SaturationDetector:
+    s = cfg.saturation_detector
+    return SaturationDetector(
+        s.queue_depth_threshold, s.kv_cache_util_threshold, s.metrics_staleness_threshold
+    )

@@ -1,0 +1,88 @@
+"""Filters: endpoints in, the eligible subset out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvgate.epp.datastore import EndpointState
+from kvgate.epp.scheduling.framework import SchedulingContext
+
+
+@dataclass
+class FreshMetricsFilter:
+    """Drops endpoints whose metrics are older than ``stalenessSeconds`` (or never scraped)."""
+
+    type_name: ClassVar[str] = "fresh-metrics-filter"
+    name: str = type_name
+    staleness_seconds: float = 2.0
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        limit = self.staleness_seconds
+        return [e for e in endpoints if e.age(ctx.now) <= limit]
+
+
+@dataclass
+class LowQueueFilter:
+    """Keeps endpoints whose waiting queue is at most ``threshold`` (GIE's low-queue filter)."""
+
+    type_name: ClassVar[str] = "low-queue-filter"
+    name: str = type_name
+    threshold: int = 128
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        return [e for e in endpoints if e.metrics.waiting <= self.threshold]
+
+
+@dataclass
+class LeastQueueFilter:
+    """Keeps the endpoints in the lowest band of waiting queue length.
+
+    The band is (max - min) / len(endpoints) wide, as in GIE's least-queue filter, so a handful
+    of nearly-equal endpoints all survive while clear outliers are dropped.
+    """
+
+    type_name: ClassVar[str] = "least-queue-filter"
+    name: str = type_name
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        if not endpoints:
+            return endpoints
+        queues = [e.metrics.waiting for e in endpoints]
+        lo, hi = min(queues), max(queues)
+        band = (hi - lo) / len(endpoints)
+        return [e for e, q in zip(endpoints, queues, strict=True) if q <= lo + band]
+
+
+@dataclass
+class LeastKVCacheFilter:
+    """Keeps the endpoints in the lowest band of KV-cache use (GIE's least-kv-cache filter)."""
+
+    type_name: ClassVar[str] = "least-kv-cache-filter"
+    name: str = type_name
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        if not endpoints:
+            return endpoints
+        use = [e.metrics.kv_usage for e in endpoints]
+        lo, hi = min(use), max(use)
+        band = (hi - lo) / len(endpoints)
+        return [e for e, u in zip(endpoints, use, strict=True) if u <= lo + band]
+
+
+@dataclass
+class LoraAffinityFilter:
+    """Prefers endpoints that already run the request's adapter, else ones with a free slot."""
+
+    type_name: ClassVar[str] = "lora-affinity-filter"
+    name: str = type_name
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        model = ctx.request.target_model
+        loaded = [
+            e for e in endpoints if model in e.metrics.running_loras or model in e.metrics.waiting_loras
+        ]
+        if loaded:
+            return loaded
+        free = [e for e in endpoints if len(e.metrics.running_loras) < e.metrics.max_lora]
+        return free or endpoints

@@ -1,0 +1,111 @@
+"""Plugin interfaces and the profile that runs them (GIE's filter / scorer / picker split)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from kvgate.epp.datastore import Datastore, EndpointState
+from kvgate.epp.request import InferenceRequest
+
+
+@dataclass
+class SchedulingContext:
+    request: InferenceRequest
+    datastore: Datastore
+    now: float  # monotonic seconds, one clock reading per request
+    # plugin name -> seconds spent; read by the metrics exporter
+    plugin_seconds: dict[str, float] = field(default_factory=dict)
+    # shared per-request scratch space (e.g. block keys computed once, used by several plugins)
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+class Plugin(Protocol):
+    type_name: ClassVar[str]
+    name: str
+
+
+@runtime_checkable
+class Filter(Plugin, Protocol):
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]: ...
+
+
+@runtime_checkable
+class Scorer(Plugin, Protocol):
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        """One score in [0, 1] per endpoint, in the same order."""
+        ...
+
+
+@runtime_checkable
+class Picker(Plugin, Protocol):
+    def pick(
+        self, ctx: SchedulingContext, endpoints: list[EndpointState], scores: list[float]
+    ) -> list[EndpointState]:
+        """The chosen endpoint first, then fallbacks (possibly none)."""
+        ...
+
+
+@runtime_checkable
+class PreRequest(Plugin, Protocol):
+    """Told which endpoint a request was sent to (e.g. to remember where a prefix went)."""
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None: ...
+
+
+@dataclass
+class ProfileResult:
+    targets: list[EndpointState]  # empty: filters left nothing
+    scores: dict[str, float]  # address -> weighted total
+    breakdown: dict[str, dict[str, float]]  # address -> scorer name -> raw score
+    filtered_out: int
+
+
+@dataclass
+class SchedulingProfile:
+    name: str
+    filters: list[Filter]
+    scorers: list[tuple[Scorer, float]]
+    picker: Picker
+    _pre_request: list[PreRequest] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        # resolved once: isinstance() against a Protocol costs microseconds per call
+        self._pre_request = [p for p in self.plugins() if callable(getattr(p, "pre_request", None))]  # type: ignore[misc]
+
+    def plugins(self) -> list[Plugin]:
+        return [*self.filters, *(s for s, _ in self.scorers), self.picker]
+
+    def run(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> ProfileResult:
+        timings = ctx.plugin_seconds
+        endpoints = candidates
+        for f in self.filters:
+            t0 = time.perf_counter()
+            endpoints = f.filter(ctx, endpoints)
+            timings[f.name] = time.perf_counter() - t0
+            if not endpoints:
+                return ProfileResult([], {}, {}, len(candidates))
+        totals = [0.0] * len(endpoints)
+        breakdown: dict[str, dict[str, float]] = {e.address: {} for e in endpoints}
+        for scorer, weight in self.scorers:
+            t0 = time.perf_counter()
+            scores = scorer.score(ctx, endpoints)
+            timings[scorer.name] = time.perf_counter() - t0
+            for i, s in enumerate(scores):
+                s = min(1.0, max(0.0, s))  # a plugin's bug must not dominate the sum
+                totals[i] += weight * s
+                breakdown[endpoints[i].address][scorer.name] = s
+        t0 = time.perf_counter()
+        targets = self.picker.pick(ctx, endpoints, totals)
+        timings[self.picker.name] = time.perf_counter() - t0
+        return ProfileResult(
+            targets,
+            {e.address: t for e, t in zip(endpoints, totals, strict=True)},
+            breakdown,
+            len(candidates) - len(endpoints),
+        )
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
+        for plugin in self._pre_request:
+            plugin.pre_request(ctx, target)

@@ -1,0 +1,180 @@
+"""Scorers: one score in [0, 1] per endpoint; the profile multiplies by a weight and sums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvgate.epp.datastore import EndpointState
+from kvgate.epp.prefix_index import ApproximateIndex, block_keys, root_key
+from kvgate.epp.scheduling.framework import SchedulingContext
+
+
+@dataclass
+class QueueScorer:
+    """Shorter waiting queue scores higher, min-max normalised over the candidates (GIE)."""
+
+    type_name: ClassVar[str] = "queue-scorer"
+    name: str = type_name
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        queues = [e.metrics.waiting for e in endpoints]
+        lo, hi = min(queues), max(queues)
+        if hi == lo:
+            return [1.0] * len(endpoints)
+        span = hi - lo
+        return [(hi - q) / span for q in queues]
+
+
+@dataclass
+class KVCacheUtilizationScorer:
+    """More free KV cache scores higher: 1 - utilisation."""
+
+    type_name: ClassVar[str] = "kv-cache-utilization-scorer"
+    name: str = type_name
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        return [1.0 - e.metrics.kv_usage for e in endpoints]
+
+
+@dataclass
+class LoadAwareScorer:
+    """Absolute load: 1 when idle, falling linearly to 0 at ``threshold`` requests in flight.
+
+    Unlike the min-max queue scorer, equal-but-high load does not score 1, and a gap of N
+    requests costs the same whatever the others carry, which is what lets a prefix holder
+    lose once it is clearly busier than its peers. Load is the larger of the scraped
+    running+waiting count and the requests this EPP has in flight there (fresher than a scrape).
+    """
+
+    type_name: ClassVar[str] = "load-aware-scorer"
+    name: str = type_name
+    threshold: float = 16.0
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        t = self.threshold
+        return [max(0.0, 1.0 - e.load() / t) for e in endpoints]
+
+
+@dataclass
+class LoraAffinityScorer:
+    """1 if the adapter is already loaded (running or waiting), 0.5 if a slot is free, else 0."""
+
+    type_name: ClassVar[str] = "lora-affinity-scorer"
+    name: str = type_name
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        model = ctx.request.target_model
+        out: list[float] = []
+        for e in endpoints:
+            m = e.metrics
+            if model in m.running_loras or model in m.waiting_loras:
+                out.append(1.0)
+            elif len(m.running_loras) < m.max_lora:
+                out.append(0.5)
+            elif m.max_lora == 0:
+                out.append(1.0)  # no LoRA on this engine: the base model is always "loaded"
+            else:
+                out.append(0.0)
+        return out
+
+
+@dataclass
+class PrefixCacheScorer:
+    """GIE's approximate prefix scorer: prompt text hashed in character blocks, remembered per
+    endpoint when this EPP routes there. Needs no tokenizer and no engine cooperation."""
+
+    type_name: ClassVar[str] = "prefix-cache-scorer"
+    name: str = type_name
+    block_size: int = 64  # characters
+    max_prefix_blocks: int = 256
+    lru_capacity: int = 200_000
+    index: ApproximateIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.index = ApproximateIndex(self.lru_capacity)
+
+    def _keys(self, ctx: SchedulingContext) -> list[int]:
+        cache_key = f"{self.name}:keys"
+        keys = ctx.cache.get(cache_key)
+        if keys is None:
+            text = ctx.request.prompt_text
+            parent = hash((root_key(None), ctx.request.target_model))
+            keys = []
+            size = self.block_size
+            for start in range(0, min(len(text), size * self.max_prefix_blocks) - size + 1, size):
+                parent = hash((parent, text[start : start + size]))
+                keys.append(parent)
+            ctx.cache[cache_key] = keys
+        return keys
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        keys = self._keys(ctx)
+        if not keys:
+            return [0.0] * len(endpoints)
+        hits = self.index.prefix_blocks(keys, [e.address for e in endpoints])
+        n = len(keys)
+        return [hits[e.address] / n for e in endpoints]
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
+        self.index.record(self._keys(ctx), target.address)
+
+
+@dataclass
+class PrecisePrefixCacheScorer:
+    """Fraction of the request's token blocks the endpoint holds, as the longest run from the
+    start, read from the KV-event index. Endpoints that publish no events fall back to an
+    approximate index of the same token-block keys, fed by our own routing."""
+
+    type_name: ClassVar[str] = "precise-prefix-cache-scorer"
+    name: str = type_name
+    block_size: int = 16  # tokens; must equal the engine's KV block size
+    lru_capacity: int = 200_000
+    # How long our own routing counts as "cached there" on an endpoint that does publish
+    # events: covers the gap before its BlockStored arrives, so a burst of same-prefix
+    # requests does not scatter.
+    recent_window_seconds: float = 2.0
+    fallback: ApproximateIndex = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fallback = ApproximateIndex(self.lru_capacity)
+
+    def _keys(self, ctx: SchedulingContext) -> list[int]:
+        keys = ctx.cache.get("token-block-keys")
+        if keys is None:
+            req = ctx.request
+            keys = block_keys(req.token_ids, self.block_size) if req.body else []
+            ctx.cache["token-block-keys"] = keys
+        return keys
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        keys = self._keys(ctx)
+        if not keys:
+            return [0.0] * len(endpoints)
+        live = [e.address for e in endpoints if e.kv_events_live]
+        blind = [e.address for e in endpoints if not e.kv_events_live]
+        hits: dict[str, int] = {}
+        if live:
+            hits = ctx.datastore.index.prefix_blocks(keys, live)
+            if self.recent_window_seconds > 0:
+                recent = self.fallback.prefix_blocks(keys, live, since=ctx.now - self.recent_window_seconds)
+                for address, n in recent.items():
+                    if n > hits[address]:
+                        hits[address] = n
+        if blind:
+            hits.update(self.fallback.prefix_blocks(keys, blind))
+        n = len(keys)
+        return [hits[e.address] / n for e in endpoints]
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
+        self.fallback.record(self._keys(ctx), target.address, ctx.now)
+
+
+__all__ = [
+    "KVCacheUtilizationScorer",
+    "LoadAwareScorer",
+    "LoraAffinityScorer",
+    "PrecisePrefixCacheScorer",
+    "PrefixCacheScorer",
+    "QueueScorer",
+]

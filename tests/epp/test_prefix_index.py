@@ -1,0 +1,101 @@
+"""The precise index under BlockStored / BlockRemoved / AllBlocksCleared, and the approximate LRU."""
+
+from __future__ import annotations
+
+from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, block_keys
+
+BS = 4
+TOKENS = list(range(100, 116))  # four full blocks
+
+
+def stored(hashes, parent, tokens):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS)
+
+
+def test_block_keys_chain_and_ignore_partial_block() -> None:
+    keys = block_keys([*TOKENS, 1, 2], BS)
+    assert len(keys) == 4
+    assert block_keys(TOKENS[:8], BS) == keys[:2]  # a prefix has the same leading keys
+    other = block_keys([999, *TOKENS[1:]], BS)
+    assert all(a != b for a, b in zip(keys, other, strict=True))  # chained: first change ripples
+
+
+def test_keys_do_not_depend_on_engine_hashes() -> None:
+    a, b = PreciseIndex(), PreciseIndex()
+    a.apply("e1", [stored([1, 2, 3, 4], None, TOKENS)])
+    b.apply("e1", [stored([77, 88], None, TOKENS[:8]), stored([5, 6], 88, TOKENS[8:])])
+    keys = block_keys(TOKENS, BS)
+    assert a.prefix_blocks(keys, ["e1"]) == b.prefix_blocks(keys, ["e1"]) == {"e1": 4}
+
+
+def test_longest_consecutive_prefix_per_endpoint() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [stored([1, 2, 3, 4], None, TOKENS)])
+    idx.apply("e2", [stored([9], None, TOKENS[:4])])
+    keys = block_keys([*TOKENS, 7, 7, 7, 7], BS)
+    assert idx.prefix_blocks(keys, ["e1", "e2", "e3"]) == {"e1": 4, "e2": 1, "e3": 0}
+
+
+def test_block_removed_applies_by_engine_hash() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [stored([1, 2, 3, 4], None, TOKENS)])
+    idx.apply("e1", [BlockRemoved([3])])
+    keys = block_keys(TOKENS, BS)
+    assert idx.prefix_blocks(keys, ["e1"]) == {"e1": 2}  # the hole ends the consecutive run
+    idx.apply("e1", [BlockRemoved([12345])])  # unknown hash: ignored
+    assert idx.block_count("e1") == 3
+
+
+def test_all_blocks_cleared_drops_only_that_endpoint() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [stored([1, 2], None, TOKENS[:8])])
+    idx.apply("e2", [stored([1, 2], None, TOKENS[:8])])
+    idx.apply("e1", [AllBlocksCleared()])
+    keys = block_keys(TOKENS[:8], BS)
+    assert idx.prefix_blocks(keys, ["e1", "e2"]) == {"e1": 0, "e2": 2}
+    assert idx.block_count("e1") == 0
+
+
+def test_unknown_parent_is_an_orphan_not_a_wrong_entry() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [stored([5, 6], 4242, TOKENS[8:])])  # the parent's BlockStored was lost
+    assert idx.block_count("e1") == 0
+    assert idx.orphan_blocks == 2
+
+
+def test_replayed_duplicate_is_counted_once() -> None:
+    idx = PreciseIndex()
+    ev = stored([1, 2], None, TOKENS[:8])
+    idx.apply("e1", [ev, ev])
+    idx.apply("e1", [BlockRemoved([1, 2])])
+    assert idx.block_count("e1") == 0
+
+
+def test_same_tokens_under_two_engine_hashes_need_both_removals() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [stored([1], None, TOKENS[:4]), stored([2], None, TOKENS[:4])])
+    keys = block_keys(TOKENS[:4], BS)
+    idx.apply("e1", [BlockRemoved([1])])
+    assert idx.prefix_blocks(keys, ["e1"]) == {"e1": 1}
+    idx.apply("e1", [BlockRemoved([2])])
+    assert idx.prefix_blocks(keys, ["e1"]) == {"e1": 0}
+
+
+def test_lora_blocks_do_not_match_base_model() -> None:
+    idx = PreciseIndex()
+    idx.apply("e1", [BlockStored([1], None, TOKENS[:4], BS, lora_id=3)])
+    assert idx.prefix_blocks(block_keys(TOKENS[:4], BS), ["e1"]) == {"e1": 0}
+    assert idx.prefix_blocks(block_keys(TOKENS[:4], BS, lora_id=3), ["e1"]) == {"e1": 1}
+
+
+def test_approximate_index_is_lru_bounded_and_time_aware() -> None:
+    idx = ApproximateIndex(capacity=3)
+    idx.record([1, 2, 3], "a", when=10.0)
+    idx.record([4], "b", when=20.0)  # evicts key 1, the least recently used
+    assert len(idx) == 3
+    assert idx.prefix_blocks([1, 2], ["a"]) == {"a": 0}
+    assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 2}
+    assert idx.prefix_blocks([2, 3], ["a"], since=15.0) == {"a": 0}
+    idx.forget_endpoint("a")
+    assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 0}
