@@ -42,3 +42,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested

@@ -1,0 +1,149 @@
+"""Maps requests to paged KV blocks: allocation, prefix-cache lookups, freeing.
+
+Full blocks are cached only after their KV has been computed (`cache_computed_blocks`, called
+once a step has run), so a prefix hit never points at KV a runner has yet to write, and
+BlockStored events describe KV that really exists.
+"""
+
+from __future__ import annotations
+
+from kvgate.api.kv_events import KVEvent
+from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvgate.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be positive")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, block_size, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request have gone through `register` already.
+        self._num_registered: dict[str, int] = {}
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- hashing -------------------------------------------------------------------------
+    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
+        """Hash every full block among the first `num_tokens` tokens that is not hashed yet."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_tokens // bs):
+            parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], request.lora_id)
+            hashes.append(parent)
+
+    # -- lookups and allocation ----------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request's tokens: (blocks, number of tokens).
+
+        Never the whole sequence: the last token must be computed so the model can sample.
+        Has no side effects; the hit is counted when `allocate` accepts it.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks * self.block_size)
+        hits: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+        num_computed_hit_tokens: int = 0,
+    ) -> list[int] | None:
+        """Make room for `num_new_tokens` more tokens (after any prefix hit being accepted).
+
+        Returns the request's block ids, or None (changing nothing) when the pool is short.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            blocks = self._blocks[request.request_id] = []
+            self._num_registered[request.request_id] = 0
+        total = request.num_computed_tokens + num_computed_hit_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(blocks) - len(computed_blocks)
+        # Hits sitting in the free queue stop being free once touched.
+        revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - revived:
+            if not blocks:
+                del self._blocks[request.request_id]
+                del self._num_registered[request.request_id]
+            return None
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            blocks.extend(computed_blocks)
+            request.block_ids.extend(b.block_id for b in computed_blocks)
+            self._num_registered[request.request_id] = len(blocks)
+        if num_new_blocks > 0:
+            new = self.pool.take(num_new_blocks)
+            blocks.extend(new)
+            request.block_ids.extend(b.block_id for b in new)
+        if request.num_computed_tokens == 0 and self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_hit_tokens
+        return request.block_ids
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is now computed; emits BlockStored."""
+        if not self.enable_caching:
+            return
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            return
+        done = self._num_registered[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        if num_full <= done:
+            return
+        self._extend_hashes(request, num_full * self.block_size)
+        bs = self.block_size
+        self.pool.register(
+            blocks[done:num_full],
+            request.block_hashes[done:num_full],
+            request.block_hashes[done - 1] if done else None,
+            request.all_token_ids[done * bs : num_full * bs],
+            request.lora_id,
+        )
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks to the pool; cached ones stay findable until evicted."""
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        request.block_ids = []
+        if blocks:
+            self.pool.release(reversed(blocks))
+
+    def num_blocks_of(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    def reset_prefix_cache(self) -> bool:
+        self.pool.reset_prefix_cache()
+        return True
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.pool.drain_events()

@@ -1,0 +1,267 @@
+"""The engine loop: admit requests, schedule a step, run it, turn sampled tokens into outputs.
+
+Synchronous and single-threaded on purpose: the server drives `step()` from one loop and calls
+`add_request` / `abort_request` from that same loop between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.api.kv_events import KVEvent
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.runner_api import ModelRunner, SampledToken
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, blocks held by requests
+    num_kv_blocks: int
+    block_size: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    max_model_len: int = 0
+
+
+def _load_tokenizer(config: EngineConfig) -> Any:
+    from kvgate.api.tokenizer import ModelNotFoundError, load_tokenizer
+
+    source = config.tokenizer or config.model
+    try:
+        return load_tokenizer(source)
+    except ModelNotFoundError:
+        if not config.simulate or config.tokenizer:
+            raise
+        # A simulated engine may pose as a model that is not on this machine; any real
+        # vocabulary makes its text look plausible.
+        log.warning("simulate: no tokenizer for %r here, using the default model's", source)
+        return load_tokenizer("default")
+
+
+def _build_runner(config: EngineConfig, tokenizer: Any) -> ModelRunner:
+    if config.simulate:
+        from kvgate.engine.sim_runner import SimulatedRunner
+
+        return SimulatedRunner(config, tokenizer, eos_token_id=getattr(tokenizer, "eos_token_id", None))
+    # Imported by name, lazily: it pulls in torch, which the simulate path never needs.
+    from kvgate.engine.model_runner import TorchModelRunner
+
+    return TorchModelRunner(config)  # type: ignore[no-any-return]
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner | None = None, tokenizer: Any = None
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
+        self.runner: ModelRunner = runner if runner is not None else _build_runner(config, self.tokenizer)
+        self.block_size = self.runner.block_size
+        num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks
+        if num_blocks < 1:
+            raise ValueError("the KV cache has no room for a single block; give it more memory")
+        self.max_model_len = self._resolve_max_model_len(num_blocks)
+        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv,
+        )
+        eos = getattr(self.tokenizer, "eos_token_ids", None)
+        if not eos:
+            single = getattr(self.tokenizer, "eos_token_id", None)
+            eos = {single} if single is not None else set()
+        self.eos_token_ids = frozenset(int(i) for i in eos)
+        self.vocab_size = self.runner.vocab_size
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._token_text: dict[int, str] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def _resolve_max_model_len(self, num_blocks: int) -> int:
+        cfg = self.config
+        limit = self.runner.max_model_len
+        if cfg.max_model_len is not None:
+            if cfg.max_model_len < 2:
+                raise ValueError("max_model_len must be at least 2")
+            if cfg.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len {cfg.max_model_len} exceeds the model's context length {limit}"
+                )
+            limit = cfg.max_model_len
+        capacity = num_blocks * self.block_size
+        if capacity < limit:
+            # One request alone must always fit, or preemption could never make progress.
+            log.warning("KV pool holds %d tokens; capping max_model_len %d to it", capacity, limit)
+            limit = capacity
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < limit:
+            # Without chunking a whole (re)computed sequence must fit in one step's budget.
+            limit = cfg.max_num_batched_tokens
+        return limit
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError with a message fit to show the user."""
+        params.validate()
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request; fan out n > 1 above it")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"prompt has {n} tokens, which leaves no room for a completion. Please shorten the prompt."
+            )
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is out of vocabulary (0..{self.vocab_size - 1})")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            lora_id=lora_id,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False when it is not known."""
+        request = self.scheduler.abort_request(request_id)
+        self._detok.pop(request_id, None)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # -- the loop ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.execute(batch)
+        by_id = {s.request_id: s for s in sampled}
+        touched = self.scheduler.update(batch, sampled)
+        return [self._output(req, by_id[req.request_id]) for req in touched]
+
+    def _output(self, request: Request, sampled: SampledToken) -> RequestOutput:
+        rid = request.request_id
+        params = request.sampling_params
+        token = sampled.token_id
+        self.generation_tokens_total += 1
+        if request.num_output_tokens == 1:
+            self.prompt_tokens_total += request.num_prompt_tokens
+
+        new_logprobs: list[PositionLogprobs] | None = None
+        if request.logprobs is not None:
+            position = self._position_logprobs(sampled)
+            request.logprobs.append(position)
+            request.cumulative_logprob += position.sampled.logprob
+            new_logprobs = [position]
+
+        detok = self._detok[rid]
+        # Stopped already, before any text: by EOS or a stop token id, which stay out of the text.
+        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        delta = "" if ended_by_token and not params.include_stop_str_in_output else detok.add_token(token)
+        if detok.stop_string is not None and not request.is_finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, detok.stop_string)
+        if request.is_finished:
+            delta += detok.flush()
+            del self._detok[rid]
+
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=request.prompt_token_ids,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            token_ids=list(request.output_token_ids),
+            text=detok.emitted_text,
+            new_token_ids=[token],
+            delta_text=delta,
+            logprobs=list(request.logprobs) if request.logprobs is not None else None,
+            new_logprobs=new_logprobs,
+            finished=request.is_finished,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time,
+            finished_time=request.finished_time,
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+        )
+
+    def _decoded(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 1 << 16:
+                self._token_text[token_id] = text
+        return text
+
+    def _position_logprobs(self, sampled: SampledToken) -> PositionLogprobs:
+        lp = sampled.logprob if sampled.logprob is not None else 0.0
+        return PositionLogprobs(
+            sampled=TokenLogprob(sampled.token_id, lp, self._decoded(sampled.token_id)),
+            top=[TokenLogprob(t, p, self._decoded(t)) for t, p in (sampled.top_logprobs or [])],
+        )
+
+    # -- introspection -------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(),
+            num_kv_blocks=self.kv.num_blocks,
+            block_size=self.block_size,
+            prefix_cache_queries_total=self.kv.prefix_cache_queries,
+            prefix_cache_hits_total=self.kv.prefix_cache_hits,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            max_model_len=self.max_model_len,
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.kv.drain_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()

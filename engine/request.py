@@ -1,0 +1,97 @@
+"""Per-request state the scheduler, KV cache manager and engine share."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvgate.engine.outputs import FinishReason, PositionLogprobs
+from kvgate.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # eos, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine (n > 1 fans out into several requests above the engine).
+
+    `all_token_ids` is prompt + output; `num_computed_tokens` of them have KV in the cache.
+    After a preemption the whole of `all_token_ids` is recomputed as if it were the prompt.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    lora_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    # Admission order among requests with equal arrival times (keeps ordering total).
+    seq_no: int = 0
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
+    block_hashes: list[int] = field(default_factory=list)  # of each full block of all_token_ids
+    block_ids: list[int] = field(default_factory=list)  # physical blocks, in position order
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def sort_key(self) -> tuple[float, int]:
+        return (self.arrival_time, self.seq_no)

@@ -1,0 +1,216 @@
+"""Continuous batching: which tokens of which requests to compute in the next step.
+
+One token budget per step. Running requests go first (their decode token, or the next chunk
+of a prompt that is being prefilled in pieces), then waiting requests in arrival order. When
+the pool runs dry, the most recently arrived running request is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed (prefix hits make that
+cheap when its blocks have not been evicted meanwhile).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by (arrival_time, seq_no)
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # since the last batch, for the runner to forget
+        self.num_preemptions_total = 0
+        self._next_seq_no = 0
+
+    # -- admission and removal -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.seq_no = self._next_seq_no
+        self._next_seq_no += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish_request(
+        self, request: Request, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """End a request wherever it is (waiting, running, mid-prefill) and free its blocks."""
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        request.finished_time = time.time()
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- scheduling ----------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(victim)
+
+    def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_table=request.block_ids,
+            sample=end == request.num_tokens,
+            sampling_params=request.sampling_params,
+            num_generated=request.num_output_tokens,
+        )
+
+    def schedule(self) -> ScheduledBatch:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        scheduled: set[str] = set()
+        preempted = False
+
+        # 1. Running requests, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                i += 1
+                continue
+            num_new = min(num_new, budget, cfg.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv.allocate(request, num_new) is None:
+                # Free room by recomputing the newest arrival later; maybe this very request.
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                seqs.append(self._seq(request, num_new))
+                scheduled.add(request.request_id)
+                request.num_computed_tokens += num_new
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, in order, while there is room. Not after a preemption: the
+        #    pool is short and admitting more would only thrash.
+        now = time.time()
+        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate(request, num_new, hit_blocks, num_hit) is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            seqs.append(self._seq(request, num_new))
+            scheduled.add(request.request_id)
+            request.num_computed_tokens += num_new
+            budget -= num_new
+
+        # An empty batch never reaches the runner, so finished ids wait for the next real one.
+        finished: list[str] = []
+        if seqs:
+            finished, self._finished_ids = self._finished_ids, []
+        return ScheduledBatch(seqs=seqs, finished_request_ids=finished)
+
+    # -- after the step ------------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[Request]:
+        """Record the step's results: cache computed blocks, append tokens, stop finished ones.
+
+        Returns the requests that received a token this step (finished ones included; check
+        `is_finished`). Stop strings are the engine's job (they need text).
+        """
+        by_id = {s.request_id: s for s in sampled}
+        touched: list[Request] = []
+        now = time.time()
+        for seq in batch.seqs:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            self.kv.cache_computed_blocks(request)
+            if not seq.sample:
+                continue
+            token = by_id.get(seq.request_id)
+            if token is None:
+                raise RuntimeError(f"runner returned no token for {seq.request_id}")
+            request.append_output_token(token.token_id)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched.append(request)
+            status, reason = self._check_stop(request, token.token_id)
+            if status is not None:
+                self.finish_request(request, status, reason)
+        return touched
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.sampling_params
+        n_out = request.num_output_tokens
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token_id
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

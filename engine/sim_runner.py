@@ -1,0 +1,147 @@
+"""A model runner with no model, for `--simulate`: real scheduling, KV blocks and events, fake math.
+
+Each step sleeps as long as the timing model says (prefill cost per computed token, plus a
+decode cost that grows with the batch) and returns tokens that are a pure function of
+(request seed or id, output position), so a request yields the same text whether its prefix
+was cached, whether it was preempted and recomputed, and on every engine replica. Tokens are
+drawn from ordinary word pieces of the vocabulary so the text reads like (nonsense) words.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import time
+from typing import Any
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.runner_api import SampledToken, ScheduledBatch
+
+_MASK = 0xFFFFFFFFFFFFFFFF
+_WORD = re.compile(r"^[Ġ▁ ][a-z]{2,9}$")
+_DEFAULT_MAX_MODEL_LEN = 8192
+# With no max_tokens and no ignore_eos, a simulated answer ends with EOS after this many tokens
+# at most (a real model stops on its own; an endless simulated one would only hit the context).
+_MAX_NATURAL_LEN = 256
+
+
+def _mix(x: int) -> int:
+    """splitmix64 finaliser: a cheap, well-spread, stable 64-bit hash step."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _stable_str_hash(s: str) -> int:
+    return int.from_bytes(hashlib.blake2b(s.encode(), digest_size=8).digest(), "little")
+
+
+def word_token_ids(tokenizer: Any) -> list[int]:
+    """Ids of vocabulary entries that are a space-prefixed lowercase word ("Ġhouse", "▁house")."""
+    backend = getattr(tokenizer, "backend", tokenizer)  # kvgate's Tokenizer wraps a `tokenizers` one
+    vocab: dict[str, int] = backend.get_vocab()
+    return sorted(i for tok, i in vocab.items() if _WORD.match(tok))
+
+
+def _vocab_size(tokenizer: Any) -> int | None:
+    if isinstance(getattr(tokenizer, "vocab_size", None), int):
+        return int(tokenizer.vocab_size)
+    for attr in ("get_vocab_size", "__len__"):
+        fn = getattr(tokenizer, attr, None)
+        if callable(fn):
+            try:
+                return int(fn())
+            except TypeError:
+                continue
+    return None
+
+
+class SimulatedRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any | None = None,
+        eos_token_id: int | None = None,
+        sleep: Any = time.sleep,
+    ) -> None:
+        sim = config.simulation
+        self.sim = sim
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or sim.num_kv_blocks
+        self.max_model_len = config.max_model_len or _DEFAULT_MAX_MODEL_LEN
+        self.vocab_size = (_vocab_size(tokenizer) if tokenizer is not None else None) or sim.vocab_size
+        self.eos_token_id = eos_token_id
+        words = word_token_ids(tokenizer) if tokenizer is not None else []
+        if not words:  # no tokenizer: any id clear of the low special range
+            words = list(range(min(256, self.vocab_size // 2), self.vocab_size))
+        if eos_token_id is not None:
+            words = [w for w in words if w != eos_token_id]
+        self._words = words
+        self._sleep = sleep
+        self.steps = 0
+        self.simulated_seconds = 0.0
+
+    def _request_key(self, request_id: str, seed: int | None) -> int:
+        return _mix(seed & _MASK) if seed is not None else _stable_str_hash(request_id)
+
+    def step_duration(self, batch: ScheduledBatch) -> float:
+        prefill_tokens = 0
+        decode_seqs = 0
+        for seq in batch.seqs:
+            if seq.num_generated > 0 and len(seq.token_ids) == 1:
+                decode_seqs += 1
+            else:
+                prefill_tokens += len(seq.token_ids)
+        if not batch.seqs:
+            return 0.0
+        sim = self.sim
+        return (
+            sim.prefill_time_per_token * prefill_tokens + sim.itl_base + sim.itl_per_seq * decode_seqs
+        ) * sim.time_scale
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        self.steps += 1
+        delay = self.step_duration(batch)
+        if delay > 0:
+            self._sleep(delay)
+            self.simulated_seconds += delay
+        out: list[SampledToken] = []
+        words = self._words
+        for seq in batch.seqs:
+            if not seq.sample:
+                continue
+            params = seq.sampling_params
+            key = self._request_key(seq.request_id, params.seed)
+            pos = seq.num_generated
+            r = _mix(key ^ _mix(pos))
+            token = words[r % len(words)]
+            if (
+                self.eos_token_id is not None
+                and params.max_tokens is None
+                and not params.ignore_eos
+                and pos + 1 >= 8 + key % _MAX_NATURAL_LEN
+            ):
+                token = self.eos_token_id
+            sampled = SampledToken(request_id=seq.request_id, token_id=token)
+            if params.logprobs is not None:
+                self._fake_logprobs(sampled, r, params.logprobs)
+            out.append(sampled)
+        return out
+
+    def _fake_logprobs(self, sampled: SampledToken, r: int, n: int) -> None:
+        """Well-formed logprobs: the sampled token is the most likely, the rest trail off."""
+        best = -((r >> 8) % 1000 + 1) / 2000.0  # in [-0.5, -0.0005]
+        sampled.logprob = best
+        top = [(sampled.token_id, best)]
+        words = self._words
+        x = r
+        for k in range(1, n):
+            x = _mix(x)
+            alt = words[x % len(words)]
+            if alt == sampled.token_id:
+                alt = words[(x + 1) % len(words)]
+            top.append((alt, best - 1.0 - k * 0.75 - math.log1p(k)))
+        sampled.top_logprobs = top[:n] if n > 0 else []

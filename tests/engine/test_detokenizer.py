@@ -1,0 +1,98 @@
+"""Incremental detokenization and stop strings, on the default model's real byte-level BPE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvgate.engine.detokenizer import IncrementalDetokenizer
+
+MULTIBYTE = "Grüße aus Köln 🎉🎉 und 世界 ok"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from kvgate.api.tokenizer import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def _stream(tok: Any, text: str, prompt: str = "Say:", **kw: Any) -> tuple[list[str], IncrementalDetokenizer]:
+    d = IncrementalDetokenizer(tok, tok.encode(prompt), **kw)
+    deltas = [d.add_token(t) for t in tok.encode(text)]
+    deltas.append(d.flush())
+    return deltas, d
+
+
+def test_multibyte_characters_split_over_tokens_never_leak_replacement_chars(tok: Any) -> None:
+    ids = tok.encode(MULTIBYTE)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the test really splits characters
+    deltas, d = _stream(tok, MULTIBYTE)
+    assert "".join(deltas) == MULTIBYTE == d.text
+    assert not any("\ufffd" in x for x in deltas)
+    # Released as soon as complete: the emoji comes out in one piece, not at the end.
+    assert "🎉" in deltas and deltas[-1] == ""
+
+
+def test_leading_space_of_the_first_output_token_is_kept(tok: Any) -> None:
+    deltas, _ = _stream(tok, " Paris is nice.", prompt="The capital of France is")
+    assert "".join(deltas) == " Paris is nice."
+
+
+def test_an_unfinished_character_at_the_end_is_flushed(tok: Any) -> None:
+    ids = tok.encode("ok 🎉")
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    out = "".join(d.add_token(t) for t in ids[:-1])
+    assert "\ufffd" not in out
+    assert out + d.flush() == tok.decode(ids[:-1])
+
+
+def test_special_tokens_are_skipped_or_kept(tok: Any) -> None:
+    eos = tok.eos_token_id
+    ids = [*tok.encode("hi"), eos]
+    d = IncrementalDetokenizer(tok, [])
+    assert "".join(d.add_token(t) for t in ids) + d.flush() == "hi"
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert "".join(d.add_token(t) for t in ids) + d.flush() == "hi" + tok.decode(
+        [eos], skip_special_tokens=False
+    )
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_never_streamed(tok: Any) -> None:
+    text = "alpha beta STOP-HERE gamma"
+    stop = "P-HE"  # starts inside one token and ends inside another
+    deltas, d = _stream(tok, text, stop=[stop])
+    assert d.stop_string == stop
+    assert "".join(deltas) == "alpha beta STO" == d.text
+    for i in range(len(deltas)):
+        assert stop not in "".join(deltas[: i + 1])
+
+
+def test_include_stop_str_in_output(tok: Any) -> None:
+    deltas, d = _stream(tok, "one two three four", stop=["three"], include_stop_str_in_output=True)
+    assert "".join(deltas) == "one two three"
+    assert d.add_token(tok.encode(" more")[0]) == ""  # nothing after a stop
+
+
+def test_earliest_of_several_stop_strings_completed_by_one_token_wins(tok: Any) -> None:
+    deltas, d = _stream(tok, "a b c d e f", stop=["d e", "c d e"])
+    assert "".join(deltas) == "a b " and d.stop_string == "c d e"
+
+
+def test_text_that_may_become_a_stop_string_is_held_back_then_released(tok: Any) -> None:
+    d = IncrementalDetokenizer(tok, [], stop=["END."])
+    released = ""
+    for t in tok.encode("the EN"):
+        released += d.add_token(t)
+    assert released == "the "  # "EN" could start "END."
+    for t in tok.encode("D is near"):
+        released += d.add_token(t)
+    assert released == "the END is near"
+    assert d.stop_string is None and released + d.flush() == "the END is near"
+
+
+def test_held_back_text_is_released_at_the_end(tok: Any) -> None:
+    deltas, d = _stream(tok, "wait for it E", stop=["END"])
+    assert deltas[-1] == "E" and "".join(deltas) == "wait for it E"
+    assert d.stop_string is None

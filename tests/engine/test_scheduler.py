@@ -1,0 +1,193 @@
+"""Scheduler: token budget, chunked prefill, running first, max_num_seqs, preemption, abort."""
+
+from __future__ import annotations
+
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.request import Request, RequestStatus
+from kvgate.engine.runner_api import ScheduledBatch
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.sim_runner import SimulatedRunner
+
+BS = 4
+
+
+def _setup(
+    num_blocks: int = 64, max_tokens: int = 32, max_seqs: int = 8, chunked: bool = True
+) -> tuple[Scheduler, SimulatedRunner]:
+    kv = KVCacheManager(num_blocks, BS)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_seqs,
+            max_num_batched_tokens=max_tokens,
+            max_model_len=256,
+            enable_chunked_prefill=chunked,
+        ),
+        kv,
+    )
+    runner = SimulatedRunner(
+        EngineConfig(block_size=BS, num_kv_blocks=num_blocks, simulation=SimulationConfig(time_scale=0))
+    )
+    return sched, runner
+
+
+def _add(sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, t: float = 0.0) -> Request:
+    base = 1000 * (sched._next_seq_no + 1)  # distinct prompts: no accidental prefix hits
+    req = Request(
+        rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens), arrival_time=t
+    )
+    sched.add_request(req)
+    return req
+
+
+def _step(sched: Scheduler, runner: SimulatedRunner) -> ScheduledBatch:
+    batch = sched.schedule()
+    sched.update(batch, runner.execute(batch) if batch.seqs else [])
+    return batch
+
+
+def _drain(sched: Scheduler, runner: SimulatedRunner, limit: int = 1000) -> int:
+    steps = 0
+    while sched.has_unfinished_requests():
+        _step(sched, runner)
+        steps += 1
+        assert steps < limit, "scheduler made no progress"
+    return steps
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    sched, runner = _setup(max_tokens=16)
+    req = _add(sched, "a", 40)
+    sizes = []
+    while req.num_output_tokens == 0:
+        batch = _step(sched, runner)
+        assert batch.num_tokens <= 16
+        sizes.append([(s.start_pos, len(s.token_ids), s.sample) for s in batch.seqs])
+    assert sizes == [[(0, 16, False)], [(16, 16, False)], [(32, 8, True)]]
+    batch = _step(sched, runner)
+    assert [(s.start_pos, len(s.token_ids), s.sample) for s in batch.seqs] == [(40, 1, True)]
+    assert batch.seqs[0].token_ids == [req.output_token_ids[0]]
+    assert batch.seqs[0].block_table == req.block_ids and len(req.block_ids) == 11
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
+    sched, runner = _setup(max_tokens=16, chunked=False)
+    _add(sched, "a", 10, max_tokens=3)
+    _add(sched, "b", 10, max_tokens=3)
+    batch = _step(sched, runner)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 10)]
+    batch = _step(sched, runner)  # a decodes (1) and b's 10 tokens fit in the rest
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 10)]
+
+
+def test_running_requests_go_first_then_waiting_in_order() -> None:
+    sched, runner = _setup(max_tokens=20)
+    _add(sched, "a", 6, max_tokens=10)
+    _add(sched, "b", 6, max_tokens=10)
+    _step(sched, runner)
+    _add(sched, "c", 30, max_tokens=10)
+    batch = _step(sched, runner)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 1), ("c", 18)]
+    batch = _step(sched, runner)
+    assert [(s.request_id, len(s.token_ids)) for s in batch.seqs] == [("a", 1), ("b", 1), ("c", 12)]
+    assert batch.seqs[2].sample
+
+
+def test_max_num_seqs_caps_the_batch() -> None:
+    sched, runner = _setup(max_tokens=100, max_seqs=2)
+    for rid in "abc":
+        _add(sched, rid, 5, max_tokens=3)
+    batch = _step(sched, runner)
+    assert [s.request_id for s in batch.seqs] == ["a", "b"] and sched.num_waiting == 1
+    _drain(sched, runner)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_preemption_recomputes_the_newest_and_everything_finishes_without_leaks() -> None:
+    # 8 blocks of 4 = 32 tokens; four requests each wanting 8 + 12 = 20 tokens.
+    sched, runner = _setup(num_blocks=8, max_tokens=64)
+    reqs = [_add(sched, f"r{i}", 8, max_tokens=12, t=float(i)) for i in range(4)]
+    _drain(sched, runner)
+    assert sched.num_preemptions_total > 0
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 12 for r in reqs)
+    assert any(r.num_preemptions for r in reqs)
+    assert reqs[0].num_preemptions == 0  # the oldest is never the victim while others run
+    assert sched.kv.num_free_blocks == 8
+    assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
+
+
+def test_preempted_request_goes_back_to_the_front_of_the_queue() -> None:
+    sched, runner = _setup(num_blocks=4, max_tokens=64)
+    a = _add(sched, "a", 8, max_tokens=8, t=0.0)
+    b = _add(sched, "b", 8, max_tokens=8, t=1.0)
+    c = _add(sched, "c", 3, max_tokens=1, t=2.0)
+    _step(sched, runner)  # a and b admitted: 2 blocks each; c waits for room
+    assert sched.num_running == 2 and list(sched.waiting) == [c]
+    _step(sched, runner)  # both need a 3rd block: b (newest) is preempted
+    assert b.status == RequestStatus.PREEMPTED and list(sched.waiting) == [b, c]
+    assert b.num_computed_tokens == 0 and b.block_ids == []
+    _drain(sched, runner)
+    assert a.num_output_tokens == b.num_output_tokens == 8
+
+
+def test_abort_waiting_running_and_mid_prefill_frees_blocks() -> None:
+    sched, runner = _setup(max_tokens=8)
+    a = _add(sched, "a", 20)
+    b = _add(sched, "b", 4)
+    _step(sched, runner)  # a: first 8 tokens of its prompt
+    assert a.status == RequestStatus.RUNNING and 0 < a.num_computed_tokens < a.num_prompt_tokens
+    assert sched.abort_request("a") is a
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.block_ids == []
+    assert sched.abort_request("a") is None
+    assert b.status == RequestStatus.WAITING
+    sched.abort_request("b")
+    assert b.status == RequestStatus.FINISHED_ABORTED
+    c = _add(sched, "c", 3, max_tokens=50)
+    assert sorted(_step(sched, runner).finished_request_ids) == ["a", "b"]
+    _step(sched, runner)
+    assert c.num_output_tokens == 2
+    sched.abort_request("c")
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    batch = _step(sched, runner)  # nothing to run: the finished ids wait for a real batch
+    assert batch.seqs == []
+    _add(sched, "d", 3, max_tokens=1)
+    assert _step(sched, runner).finished_request_ids == ["c"]
+
+
+def test_stop_on_eos_stop_token_and_max_model_len() -> None:
+    sched, runner = _setup()
+    probe = _add(sched, "probe", 4, max_tokens=3)
+    _drain(sched, runner)
+    t0, t1 = probe.output_token_ids[:2]
+    eos = Request("eos", probe.prompt_token_ids, SamplingParams(max_tokens=3), eos_token_ids=frozenset({t1}))
+    # Same request id → same simulated tokens as the probe.
+    eos.request_id = "probe"
+    sched.add_request(eos)
+    _drain(sched, runner)
+    assert eos.output_token_ids == [t0, t1] and eos.status == RequestStatus.FINISHED_STOPPED
+    assert eos.stop_reason is None
+    ign = Request(
+        "probe",
+        probe.prompt_token_ids,
+        SamplingParams(max_tokens=3, ignore_eos=True),
+        eos_token_ids=frozenset({t1}),
+    )
+    sched.add_request(ign)
+    _drain(sched, runner)
+    assert ign.num_output_tokens == 3 and ign.status == RequestStatus.FINISHED_LENGTH
+    stop = Request("probe", probe.prompt_token_ids, SamplingParams(max_tokens=3, stop_token_ids=[t0]))
+    sched.add_request(stop)
+    _drain(sched, runner)
+    assert stop.output_token_ids == [t0] and stop.stop_reason == t0
+    mint = Request(
+        "probe", probe.prompt_token_ids, SamplingParams(max_tokens=3, stop_token_ids=[t0], min_tokens=2)
+    )
+    sched.add_request(mint)
+    _drain(sched, runner)
+    assert mint.num_output_tokens == 3
+    long = Request("long", [1] * 250, SamplingParams(max_tokens=None))
+    sched.add_request(long)
+    _drain(sched, runner)
+    assert long.num_tokens == 256 and long.status == RequestStatus.FINISHED_LENGTH
