@@ -142,7 +142,12 @@ class KVCacheManager:
         return len(self._blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (AllBlocksCleared). Requests in flight keep their blocks;
+        their computed full blocks are stored again (fresh BlockStored chains from the root)
+        after their next step, so later events never name a parent the subscriber dropped."""
         self.pool.reset_prefix_cache()
+        for rid in self._num_registered:
+            self._num_registered[rid] = 0
         return True
 
     def drain_events(self) -> list[KVEvent]:
