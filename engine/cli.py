@@ -1,0 +1,247 @@
+"""`kvgate engine serve`: the OpenAI-compatible model server (flags follow vLLM's names)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+HELP = "serve a model over an OpenAI-compatible HTTP API, with vLLM metrics and KV events"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    """'4GiB', '512MiB', '1e9' or a plain byte count."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    low = text.strip().lower()
+    number, scale = low, 1
+    for suffix, factor in units.items():
+        if low.endswith(suffix):
+            number, scale = low[: -len(suffix)], factor
+            break
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size like 2GiB or 500MiB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default="default",
+        help="HF model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+    )
+    m.add_argument(
+        "--served-model-name", default=None, help="name clients send as 'model' (default: --model)"
+    )
+    m.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
+    m.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        help="weight/activation dtype",
+    )
+    m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
+    m.add_argument(
+        "--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)"
+    )
+
+    s = p.add_argument_group("scheduling and KV cache")
+    s.add_argument(
+        "--max-num-seqs", type=_positive_int, default=128, help="most sequences running in one step"
+    )
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
+    s.add_argument(
+        "--max-queued-requests",
+        type=_positive_int,
+        default=None,
+        help="waiting-queue bound; beyond it requests get 429 (default: unbounded)",
+    )
+    s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse KV blocks of shared prefixes",
+    )
+    s.add_argument(
+        "--kv-cache-memory",
+        type=_bytes,
+        default=None,
+        help="bytes for the KV pool, e.g. 2GiB (default: a budget from free memory)",
+    )
+    s.add_argument(
+        "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory the engine may use"
+    )
+    s.add_argument(
+        "--num-kv-blocks",
+        type=_positive_int,
+        default=None,
+        help="exact KV pool size in blocks (overrides the memory budget)",
+    )
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+    h = p.add_argument_group("HTTP server")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
+    h.add_argument(
+        "--port", type=_port, default=8000, help="port to bind (0: any free port, logged at start)"
+    )
+    h.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 and tokenizer routes"
+    )
+    h.add_argument(
+        "--shutdown-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds to drain requests after SIGTERM",
+    )
+    h.add_argument(
+        "--enable-failure-injection",
+        action="store_true",
+        help="honour the x-kvgate-inject-failure header (always on with --simulate)",
+    )
+    h.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+
+    k = p.add_argument_group("KV events (vLLM ZMQ layout, read by llm-d / kvgate EPP)")
+    k.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="ZMQ PUB endpoint to bind, e.g. tcp://*:5557 (default: off)",
+    )
+    k.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ZMQ ROUTER endpoint serving missed batches, e.g. tcp://*:5558",
+    )
+    k.add_argument(
+        "--kv-events-topic-endpoint",
+        default=None,
+        help="host:port put in the topic kv@<host:port>@<model> (default: this server's; $POD_IP when bound to 0.0.0.0)",
+    )
+    k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
+
+    sim = p.add_argument_group("simulation (no model: real scheduler, KV cache, metrics and events)")
+    sim.add_argument("--simulate", action="store_true", help="replace the model by a timing model")
+    sim.add_argument(
+        "--sim-prefill-time-per-token",
+        type=_non_negative_float,
+        default=0.0002,
+        help="seconds per computed prompt token",
+    )
+    sim.add_argument(
+        "--sim-itl", type=_non_negative_float, default=0.010, help="seconds per decode step at batch 1"
+    )
+    sim.add_argument(
+        "--sim-itl-per-seq",
+        type=_non_negative_float,
+        default=0.0005,
+        help="extra seconds per step for each further running sequence",
+    )
+    sim.add_argument(
+        "--sim-kv-blocks", type=_positive_int, default=2048, help="KV blocks of the simulated pool"
+    )
+    sim.add_argument(
+        "--sim-time-scale",
+        type=_non_negative_float,
+        default=1.0,
+        help="multiply every simulated duration (0.1: ten times faster)",
+    )
+
+
+def _configs(args: argparse.Namespace) -> tuple[object, object]:
+    from kvgate.engine.config import EngineConfig, SimulationConfig
+    from kvgate.engine.server.launcher import ServerOptions
+
+    config = EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        enforce_eager=args.enforce_eager,
+        simulate=args.simulate,
+        simulation=SimulationConfig(
+            prefill_time_per_token=args.sim_prefill_time_per_token,
+            itl_base=args.sim_itl,
+            itl_per_seq=args.sim_itl_per_seq,
+            num_kv_blocks=args.sim_kv_blocks,
+            time_scale=args.sim_time_scale,
+        ),
+    )
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_queued_requests=args.max_queued_requests,
+        shutdown_timeout=args.shutdown_timeout,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic_endpoint=args.kv_events_topic_endpoint,
+        kv_events_buffer=args.kv_events_buffer,
+        enable_failure_injection=args.enable_failure_injection,
+    )
+    return config, options
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
+        print("kvgate engine serve: --kv-events-replay-endpoint needs --kv-events-endpoint", file=sys.stderr)
+        return 2
+    from kvgate.engine.server.launcher import ServeError, serve
+
+    config, options = _configs(args)
+    try:
+        return serve(config, options)  # type: ignore[arg-type]
+    except ServeError as exc:
+        print(f"kvgate engine serve: {exc}", file=sys.stderr)
+        return 2

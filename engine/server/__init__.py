@@ -1,0 +1,1 @@
+"""The engine's HTTP face: OpenAI-compatible API, vLLM metrics, KV-event publisher, lifecycle."""

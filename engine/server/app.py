@@ -1,0 +1,282 @@
+"""The Starlette app: routes, API-key check, draining, failure injection, OpenAI-shaped errors.
+
+Plain Starlette (no FastAPI) keeps start-up and per-request overhead small: eight simulated
+engines share two cores in tests. The OpenAPI document is generated from the same pydantic
+request models the handlers validate with (see `openapi.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from kvgate.engine.server.async_engine import AsyncEngine
+from kvgate.engine.server.errors import APIError, bad_request, error_response
+from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
+from kvgate.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_body,
+)
+from kvgate.engine.server.serving import OpenAIServing
+
+log = logging.getLogger(__name__)
+
+FAILURE_HEADER = "x-kvgate-inject-failure"
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class ServerState:
+    serving: OpenAIServing
+    engine: AsyncEngine
+    metrics: EngineMetrics
+    version: str
+    api_key: str | None = None
+    failure_injection: bool = False
+    draining: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(
+        json.dumps(obj, ensure_ascii=False, separators=(",", ":")),
+        status_code=status,
+        media_type="application/json",
+    )
+
+
+class SSEResponse:
+    """text/event-stream from an async iterator; a vanished client just ends the loop."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        self.body = body
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream; charset=utf-8"),
+                        (b"cache-control", b"no-cache"),
+                        (b"x-accel-buffering", b"no"),
+                    ],
+                }
+            )
+            async for chunk in self.body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # uvicorn raises ClientDisconnected (an OSError) on a send to a closed socket
+            pass
+        finally:
+            await self.body.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+
+
+class BrokenResponse:
+    """Failure injection: start a response and drop the connection mid-body."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", b"4096")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'{"id": "inj', "more_body": True})
+        # Returning without finishing makes uvicorn close the connection.
+
+
+async def _inject_failure(value: str) -> Any:
+    """Apply `x-kvgate-inject-failure`: comma-separated 500|503|429|delay=<s>|disconnect, in order."""
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        if item.startswith("delay="):
+            try:
+                seconds = float(item[6:])
+            except ValueError:
+                raise bad_request(f"bad {FAILURE_HEADER} delay: {item!r}") from None
+            await asyncio.sleep(max(0.0, min(seconds, 600.0)))
+        elif item in ("500", "503", "429"):
+            status = int(item)
+            headers = {"Retry-After": "1"} if status == 429 else None
+            raise APIError(
+                status, f"Injected failure ({status}) by {FAILURE_HEADER}.", code="injected", headers=headers
+            )
+        elif item == "disconnect":
+            return BrokenResponse()
+        else:
+            raise bad_request(
+                f"unknown {FAILURE_HEADER} value {item!r}; use 500|503|429|delay=<s>|disconnect"
+            )
+    return None
+
+
+def build_app(state: ServerState) -> Starlette:
+    serving = state.serving
+    engine = state.engine
+    model = serving.model
+
+    def endpoint(
+        fn: Callable[[Request], Awaitable[Any]], *, auth: bool = False, generation: bool = False
+    ) -> Callable[[Request], Awaitable[Any]]:
+        async def handle(request: Request) -> Any:
+            try:
+                if auth and state.api_key is not None:
+                    header = request.headers.get("authorization", "")
+                    scheme, _, token = header.partition(" ")
+                    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
+                        raise APIError(
+                            401,
+                            "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
+                            code="invalid_api_key",
+                        )
+                if generation:
+                    if state.draining:
+                        raise APIError(
+                            503,
+                            "The server is shutting down; send the request to another replica.",
+                            code="draining",
+                        )
+                    if state.failure_injection and FAILURE_HEADER in request.headers:
+                        injected = await _inject_failure(request.headers[FAILURE_HEADER])
+                        if injected is not None:
+                            return injected
+                return await fn(request)
+            except APIError as exc:
+                return exc.response()
+            except Exception:  # never a stack trace to the client; the log has it
+                log.exception("unhandled error in %s %s", request.method, request.url.path)
+                return error_response(500, "Internal server error.", code="internal_error")
+
+        return handle
+
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes.", code="body_too_large")
+        return await request.body()
+
+    async def completions(request: Request) -> Any:
+        req = parse_body(CompletionRequest, await read_body(request))
+        result = await serving.completions(req, request.receive)
+        if isinstance(result, dict):
+            return _json(result)
+        return SSEResponse(result.body, on_close=result.close)
+
+    async def chat(request: Request) -> Any:
+        req = parse_body(ChatCompletionRequest, await read_body(request))
+        result = await serving.chat(req, request.receive)
+        if isinstance(result, dict):
+            return _json(result)
+        return SSEResponse(result.body, on_close=result.close)
+
+    async def models(request: Request) -> Response:
+        data: list[dict[str, Any]] = [
+            {
+                "id": name,
+                "object": "model",
+                "created": model.created,
+                "owned_by": "kvgate",
+                "root": model.root,
+                "parent": None,
+                "max_model_len": model.max_model_len,
+                "permission": [],
+            }
+            for name in model.served_names
+        ]
+        return _json({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        if not engine.alive:
+            raise APIError(503, engine.dead_reason or "The engine is not running.", code="engine_dead")
+        if state.draining:
+            raise APIError(503, "The server is shutting down.", code="draining")
+        return Response(b"", status_code=200)
+
+    async def version(request: Request) -> Response:
+        return _json({"version": state.version})
+
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def tokenize(request: Request) -> Response:
+        req = parse_body(TokenizeRequest, await read_body(request))
+        serving.check_model(req.model)
+        if req.messages is not None:
+            if not req.messages:
+                raise bad_request("messages must not be empty.", "messages")
+            ids = serving.chat_prompt(
+                req.messages, req.add_generation_prompt, req.continue_final_message, None
+            )
+        elif req.prompt is not None:
+            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            raise bad_request("Send either 'prompt' or 'messages'.", "prompt")
+        strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return _json(
+            {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+        )
+
+    async def detokenize(request: Request) -> Response:
+        req = parse_body(DetokenizeRequest, await read_body(request))
+        serving.check_model(req.model)
+        serving._check_token_ids(req.tokens, "tokens")
+        return _json({"prompt": serving.tokenizer.decode(req.tokens)})
+
+    async def openapi(request: Request) -> Response:
+        from kvgate.engine.server.openapi import openapi_document
+
+        if "openapi" not in state.extra:
+            state.extra["openapi"] = json.dumps(openapi_document(state.version))
+        return Response(state.extra["openapi"], media_type="application/json")
+
+    routes = [
+        Route("/v1/completions", endpoint(completions, auth=True, generation=True), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint(chat, auth=True, generation=True), methods=["POST"]),
+        Route("/v1/models", endpoint(models, auth=True), methods=["GET"]),
+        Route("/health", endpoint(health), methods=["GET"]),
+        Route("/ping", endpoint(health), methods=["GET", "POST"]),
+        Route("/version", endpoint(version), methods=["GET"]),
+        Route("/tokenize", endpoint(tokenize, auth=True), methods=["POST"]),
+        Route("/detokenize", endpoint(detokenize, auth=True), methods=["POST"]),
+        Route("/metrics", endpoint(metrics), methods=["GET"]),
+        Route("/openapi.json", endpoint(openapi), methods=["GET"]),
+    ]
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        if status == 404:
+            return error_response(404, f"No route {request.url.path}.", code="not_found")
+        if status == 405:
+            return error_response(405, f"Method {request.method} is not allowed on {request.url.path}.")
+        return error_response(status, str(getattr(exc, "detail", "error")))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)
+        return error_response(500, "Internal server error.", code="internal_error")
+
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.kvgate = state
+    app.state.started = time.time()
+    return app

@@ -1,0 +1,299 @@
+"""Runs the synchronous `LLMEngine` in its own thread and bridges it to asyncio.
+
+The event loop never touches the engine: it posts commands (add, abort) to a list guarded by
+a condition variable, and the engine thread applies them between steps. After each step the
+thread hands every new output to the loop in ONE `call_soon_threadsafe` call, which routes it
+to the per-request queue. With nothing to do, the thread sleeps on the condition variable.
+
+The engine thread also feeds the metrics (latencies per request, engine counters per step)
+and publishes the KV events the step produced, so those stay exact without extra locking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server.errors import APIError
+from kvgate.engine.server.kv_publisher import KVEventPublisher
+from kvgate.engine.server.metrics import EngineMetrics, StatsSnapshot
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (crash: 500) or the server is shutting down (503) mid-request."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    lora_id: int | None
+    accepted: asyncio.Future[None]
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last_token: float | None = None
+
+
+@dataclass
+class _StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    accepts: list[tuple[asyncio.Future[None], BaseException | None]] = field(default_factory=list)
+
+
+class RequestHandle:
+    """One client request: `n` engine requests whose outputs arrive tagged with their index."""
+
+    def __init__(self, engine: AsyncEngine, ids: list[str]) -> None:
+        self._engine = engine
+        self.ids = ids
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.unfinished = set(ids)
+
+    async def next(self) -> tuple[int, RequestOutput]:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item[1].finished:
+            self.unfinished.discard(item[1].request_id)
+        return item
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    def close(self) -> None:
+        """Abort whatever has not finished (client gone, error) and stop routing outputs here."""
+        self._engine._release(self)
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: Any,  # LLMEngine: duck-typed so the server does not pin its constructor
+        metrics: EngineMetrics,
+        publisher: KVEventPublisher | None = None,
+        max_queued_requests: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.publisher = publisher
+        self.max_queued_requests = max_queued_requests
+        self._cv = threading.Condition()
+        self._adds: list[_Add] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._routes: dict[str, tuple[RequestHandle, int]] = {}
+        self._handles: set[RequestHandle] = set()
+        self._waiting = 0  # engine's waiting queue as of the last command/step (engine thread writes)
+        self._timings: dict[str, _Timing] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+        self._idle_event = asyncio.Event()  # set while no client request is in flight
+        self._idle_event.set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    async def wait_idle(self, within: float) -> bool:
+        """Wait until no client request is in flight; False if `within` seconds ran out first."""
+        try:
+            await asyncio.wait_for(self._idle_event.wait(), within)
+            return True
+        except TimeoutError:
+            return False
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ---- event-loop side -------------------------------------------------------------------
+    async def submit(
+        self,
+        request_id: str,
+        items: list[tuple[list[int], SamplingParams]],
+        lora_id: int | None = None,
+    ) -> RequestHandle:
+        """Admit one client request as one engine request per (prompt, params) item.
+
+        Engine ids are `request_id` for a single item, else `<request_id>-<i>`. Raises APIError
+        when refused (queue full: 429; engine down: 503; bad input the engine caught: 400).
+        """
+        if not self.alive:
+            raise APIError(503, "The engine is not running.", code="engine_dead")
+        assert self._loop is not None
+        ids = [request_id] if len(items) == 1 else [f"{request_id}-{i}" for i in range(len(items))]
+        handle = RequestHandle(self, ids)
+        arrival = time.monotonic()
+        futures = []
+        with self._cv:
+            if self.max_queued_requests is not None:
+                waiting = self._waiting + len(self._adds)
+                if waiting + len(ids) > self.max_queued_requests:
+                    raise APIError(
+                        429,
+                        f"The server's waiting queue is full ({waiting} of {self.max_queued_requests} "
+                        "requests); retry shortly.",
+                        code="queue_full",
+                        headers={"Retry-After": "1"},
+                    )
+            for index, (rid, (prompt, params)) in enumerate(zip(ids, items, strict=True)):
+                fut = self._loop.create_future()
+                futures.append(fut)
+                self._routes[rid] = (handle, index)
+                self._adds.append(_Add(rid, prompt, params, arrival, lora_id, fut))
+            self._cv.notify()
+        self._handles.add(handle)
+        self._idle_event.clear()
+        try:
+            await asyncio.gather(*futures)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+
+    def _release(self, handle: RequestHandle) -> None:
+        if handle not in self._handles:
+            return
+        self._handles.discard(handle)
+        for rid in handle.ids:
+            self._routes.pop(rid, None)
+        if handle.unfinished:
+            with self._cv:
+                self._aborts.extend(handle.unfinished)
+                self._cv.notify()
+        if not self._handles:
+            self._idle_event.set()
+
+    def _deliver(self, result: _StepResult) -> None:
+        for fut, err in result.accepts:
+            if not fut.done():
+                if err is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(err)
+        for out in result.outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:
+                continue  # the client left; its abort is on the way
+            handle, index = route
+            handle.queue.put_nowait((index, out))
+            if out.finished:
+                self._routes.pop(out.request_id, None)
+
+    def fail_all(self, reason: str, status: int = 500) -> None:
+        """End every request in flight with an error (engine crash, or shutdown timeout)."""
+        err = EngineDeadError(reason, status)
+        for handle in list(self._handles):
+            handle.queue.put_nowait(err)
+
+    # ---- engine thread ---------------------------------------------------------------------
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed during shutdown
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        busy = False
+        try:
+            while True:
+                with self._cv:
+                    while not (self._adds or self._aborts or busy or self._stopping):
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                    result = _StepResult()
+                    for add in adds:
+                        result.accepts.append((add.accepted, self._apply_add(add)))
+                    # After the adds: a client may leave before its admission was answered.
+                    for rid in aborts:
+                        self._timings.pop(rid, None)
+                        engine.abort_request(rid)
+                    if adds:
+                        self._waiting = int(engine.get_stats().num_waiting)
+                if adds:
+                    # Answer admissions before the (possibly long) step so errors return at once.
+                    self._post(self._deliver, result)
+                    result = _StepResult()
+                busy = engine.has_unfinished_requests()
+                if busy:
+                    result.outputs = engine.step()
+                    self._observe(result.outputs, time.monotonic())
+                if self.publisher is not None:
+                    self.publisher.publish(engine.drain_kv_events())
+                else:
+                    engine.drain_kv_events()
+                snap = StatsSnapshot.from_engine_stats(engine.get_stats())
+                self._waiting = snap.num_waiting
+                self.metrics.update(snap)
+                if result.outputs:
+                    self._post(self._deliver, result)
+                busy = engine.has_unfinished_requests()
+        except Exception as exc:  # a bug or a device failure: fail loudly, keep serving /health 503
+            log.exception("engine loop crashed")
+            self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
+            self._post(self.fail_all, self.dead_reason)
+
+    def _apply_add(self, add: _Add) -> BaseException | None:
+        try:
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, lora_id=add.lora_id)
+        except ValueError as exc:
+            return APIError(400, str(exc), code="invalid_request")
+        self._timings[add.request_id] = _Timing(arrival=add.arrival)
+        return None
+
+    def _observe(self, outputs: list[RequestOutput], now: float) -> None:
+        m = self.metrics
+        for out in outputs:
+            timing = self._timings.get(out.request_id)
+            if timing is None:
+                continue
+            if out.new_token_ids:
+                if timing.last_token is None:
+                    m.ttft.observe(now - timing.arrival)
+                else:
+                    m.itl.observe(now - timing.last_token)
+                timing.last_token = now
+            if out.finished:
+                del self._timings[out.request_id]
+                m.e2e.observe(now - timing.arrival)
+                m.request_finished(out.finish_reason)

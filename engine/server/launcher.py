@@ -1,0 +1,227 @@
+"""Start-up and shutdown of `kvgate engine serve`.
+
+Order: bind the listening socket (fail fast on a taken port), build the engine (load the model
+or the simulator), open the KV-event sockets, start the engine thread, serve HTTP. SIGTERM (or
+SIGINT) stops admitting — /health and new generation requests answer 503 — waits for requests in
+flight up to the shutdown timeout, ends the rest with an error, and returns 0. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import uvicorn
+
+from kvgate.engine.config import EngineConfig
+
+log = logging.getLogger("kvgate.engine")
+
+
+class ServeError(Exception):
+    """A start-up failure with a message fit for the user (bad model path, port in use...)."""
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    shutdown_timeout: float = 30.0
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic_endpoint: str | None = None
+    kv_events_buffer: int = 10_000
+    enable_failure_injection: bool = False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def advertised_endpoint(host: str, port: int) -> str:
+    """host:port others reach this server at; a wildcard bind advertises the pod's address."""
+    if host in ("0.0.0.0", "::", ""):
+        host = os.environ.get("POD_IP") or _own_ip()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _own_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvgate")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_engine(config: EngineConfig) -> object:
+    from kvgate.api.tokenizer import ModelNotFoundError, TokenizerLoadError
+    from kvgate.engine.llm_engine import LLMEngine
+
+    try:
+        return LLMEngine(config)
+    except (ModelNotFoundError, TokenizerLoadError) as exc:
+        raise ServeError(str(exc)) from None
+    except (ValueError, FileNotFoundError) as exc:
+        raise ServeError(f"cannot start the engine: {exc}") from None
+
+
+def serve(config: EngineConfig, options: ServerOptions) -> int:
+    sock = bind_socket(options.host, options.port)
+    try:
+        engine = build_engine(config)
+        return asyncio.run(_serve(config, options, engine, sock))
+    finally:
+        sock.close()
+
+
+async def _serve(config: EngineConfig, options: ServerOptions, engine: object, sock: socket.socket) -> int:
+    from kvgate.engine.server.app import ServerState, build_app
+    from kvgate.engine.server.async_engine import AsyncEngine
+    from kvgate.engine.server.kv_publisher import KVEventPublisher
+    from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics
+    from kvgate.engine.server.serving import ModelInfo, OpenAIServing
+
+    port = sock.getsockname()[1]
+    stats = engine.get_stats()  # type: ignore[attr-defined]
+    model_name = config.model_name()
+    served = [model_name]
+    cache = CacheConfigInfo(
+        block_size=stats.block_size,
+        num_gpu_blocks=stats.num_kv_blocks,
+        enable_prefix_caching=config.enable_prefix_caching,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
+    metrics = EngineMetrics(model_name, cache)
+    publisher = None
+    if options.kv_events_endpoint:
+        topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
+        from kvgate.api.kv_events import topic_for
+
+        try:
+            publisher = KVEventPublisher(
+                options.kv_events_endpoint,
+                topic_for(topic_endpoint, model_name),
+                replay_endpoint=options.kv_events_replay_endpoint,
+                buffer_size=options.kv_events_buffer,
+            )
+        except Exception as exc:  # zmq.ZMQError or OSError: a bad or taken endpoint
+            raise ServeError(f"cannot open the KV-event sockets: {exc}") from None
+    async_engine = AsyncEngine(engine, metrics, publisher, max_queued_requests=options.max_queued_requests)
+    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    info = ModelInfo(
+        served_names=served,
+        root=config.model,
+        max_model_len=int(engine.max_model_len),  # type: ignore[attr-defined]
+        vocab_size=int(engine.vocab_size),  # type: ignore[attr-defined]
+        created=int(time.time()),
+    )
+    version = _version()
+
+    state = ServerState(
+        serving=OpenAIServing(async_engine, tokenizer, info),
+        engine=async_engine,
+        metrics=metrics,
+        version=version,
+        api_key=options.api_key,
+        failure_injection=options.enable_failure_injection or config.simulate,
+    )
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=logging.WARNING,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
+    server = _Server(uv_config)
+    loop = asyncio.get_running_loop()
+    async_engine.start(loop)
+    drain_task: asyncio.Task[None] | None = None
+
+    async def drain() -> None:
+        state.draining = True
+        n = async_engine.num_in_flight
+        log.info("shutdown: draining %d request(s), up to %.0fs", n, options.shutdown_timeout)
+        if not await async_engine.wait_idle(options.shutdown_timeout):
+            log.warning(
+                "shutdown: %d request(s) still running after %.0fs; ending them",
+                async_engine.num_in_flight,
+                options.shutdown_timeout,
+            )
+            async_engine.fail_all("The server shut down before this request finished.", status=503)
+            await async_engine.wait_idle(2.0)
+        server.should_exit = True
+
+    def on_signal(sig: signal.Signals) -> None:
+        nonlocal drain_task
+        if drain_task is None:
+            drain_task = loop.create_task(drain())
+        else:  # second signal: stop now
+            server.should_exit = True
+            server.force_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, on_signal, sig)
+
+    mode = " (simulated)" if config.simulate else ""
+    kv = ""
+    if publisher is not None:
+        replay = f" replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        kv = f", kv events {publisher.endpoint}{replay} topic {publisher.topic.decode()}"
+    log.info(
+        "kvgate engine serving %s%s: block_size=%d kv_blocks=%d max_model_len=%d on http://%s%s",
+        model_name,
+        mode,
+        stats.block_size,
+        stats.num_kv_blocks,
+        info.max_model_len,
+        advertised_endpoint(options.host, port)
+        if options.host in ("0.0.0.0", "::")
+        else f"{options.host}:{port}",
+        kv,
+    )
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        await asyncio.to_thread(async_engine.stop)
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server without its signal handlers (ours drain first)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield

@@ -1,0 +1,164 @@
+"""Request models for the OpenAI-compatible API (OpenAI field names; unknown fields ignored).
+
+Field constraints here are what the API promises; anything outside them is a 400 with the
+offending field as `param`. Responses are built as plain dicts on the hot path (see
+`responses.py`) because pydantic serialization per streamed token costs more than it buys.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvgate.engine.server.errors import APIError
+
+MAX_LOGPROBS = 20
+MAX_N = 128
+_TOKEN_ID = Annotated[int, Field(ge=0)]
+
+
+class _Lenient(BaseModel):
+    # OpenAI clients send fields we do not know (user, metadata, store...); like OpenAI, ignore them.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Lenient):
+    """Fields both generation endpoints share (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[_TOKEN_ID] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 16:
+            raise ValueError("at most 16 stop sequences are allowed")
+        if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[_TOKEN_ID] | list[list[_TOKEN_ID]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ResponseFormat(_Lenient):
+    type: str = "text"
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+
+
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[_TOKEN_ID]
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Parse a JSON body into `model`; every failure is a 400 naming the offending field."""
+    if not raw.strip():
+        raise APIError(400, "The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _validation_to_api_error(exc) from None
+
+
+def _validation_to_api_error(exc: ValidationError) -> APIError:
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(
+            400, f"The request body is not valid JSON: {first.get('msg', '')}", code="invalid_json"
+        )
+    if first.get("type") == "model_type" and not first.get("loc"):
+        return APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    # For union fields pydantic reports one error per alternative; the first is representative.
+    loc = [str(p) for p in first.get("loc", ()) if not str(p).startswith(("list[", "str", "int"))]
+    param = ".".join(loc) or None
+    kind = str(first.get("type", ""))
+    detail = str(first.get("msg", "invalid"))
+    if kind == "missing":
+        message = f"Missing required field '{param}'."
+    else:
+        message = f"Invalid value for '{param}': {detail}." if param else detail
+    return APIError(
+        400,
+        message,
+        param=loc[0] if loc else None,
+        code="invalid_value" if kind != "missing" else "missing_field",
+    )

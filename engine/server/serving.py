@@ -1,0 +1,516 @@
+"""OpenAI completions and chat completions on top of `AsyncEngine`.
+
+Turns a validated request into prompt token ids and one `SamplingParams` per choice (n > 1 fans
+out into n engine requests with seeds seed, seed+1, ...), then either collects the finished
+choices (non-streaming) or yields SSE chunks as the engine produces tokens. Response bodies
+are plain dicts serialized with `json.dumps`, which keeps per-token overhead small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvgate.engine.outputs import PositionLogprobs, RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
+from kvgate.engine.server.errors import APIError, bad_request
+from kvgate.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+
+
+@dataclass
+class StreamResult:
+    """An SSE body plus the hook that aborts its request if the body is never (fully) sent."""
+
+    body: AsyncIterator[bytes]
+    close: Callable[[], None]
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; stop work for it."""
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ModelInfo:
+    served_names: list[str]
+    root: str
+    max_model_len: int
+    vocab_size: int
+    created: int
+
+    @property
+    def name(self) -> str:
+        return self.served_names[0]
+
+
+async def watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
+    """Wake the handler (via its queue) as soon as the client goes away, even while it waits."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            handle.queue.put_nowait(ClientGone())
+            return
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model: ModelInfo) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+
+    # ---- validation shared by both endpoints ----------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.model.served_names:
+            return self.model.name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def _reject_unsupported(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n (beam/best-of search is not supported).", "best_of")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise bad_request(f"{name} is not supported by this engine; omit it or send 0.", name)
+        if req.repetition_penalty not in (None, 1.0):
+            raise bad_request(
+                "repetition_penalty is not supported by this engine; omit it or send 1.", "repetition_penalty"
+            )
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported by this engine.", "logit_bias")
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Validate a tokenized prompt; return the max_tokens to use."""
+        limit = self.model.max_model_len
+        if not ids:
+            raise bad_request("The prompt is empty; send at least one token.", param)
+        if len(ids) >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{len(ids)} tokens, which leaves no room for a completion. Please reduce the length "
+                "of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            return limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                "completion). Please reduce the length of the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.model.vocab_size
+        if ids and max(ids) >= vocab:
+            raise bad_request(
+                f"Token id {max(ids)} is out of range: the vocabulary has {vocab} tokens.", param
+            )
+
+    def _params(
+        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+    ) -> list[SamplingParams]:
+        base = SamplingParams(
+            n=1,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop_list(),
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        try:
+            base.validate()
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        if base.min_tokens > max_tokens:
+            raise bad_request("min_tokens must not exceed max_tokens.", "min_tokens")
+        if req.n == 1:
+            return [base]
+        # Each choice gets its own seed so choices differ yet stay reproducible (vLLM does the same).
+        return [replace(base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            texts: list[str] | None = [p]
+        elif p and all(isinstance(x, str) for x in p):
+            texts = list(p)  # type: ignore[arg-type]
+        else:
+            texts = None
+        if texts is not None:
+            if not texts:
+                raise bad_request("The prompt list is empty.", "prompt")
+            return [self.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
+        if not p:
+            raise bad_request("The prompt is empty; send at least one token.", "prompt")
+        prompts: list[list[int]] = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore[misc,arg-type]
+        for ids in prompts:
+            self._check_token_ids(ids, "prompt")
+        return prompts
+
+    def chat_prompt(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        from kvgate.api.tokenizer import ChatTemplateError
+
+        if continue_final_message and add_generation_prompt:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true.",
+                "continue_final_message",
+            )
+        if continue_final_message and messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs a final assistant message.", "messages")
+        convo = []
+        for m in messages:
+            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                entry["name"] = m.name
+            convo.append(entry)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                convo, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(f"Cannot apply the chat template: {exc}", "messages") from None
+        except TypeError as exc:
+            raise bad_request(f"Bad chat_template_kwargs: {exc}", "chat_template_kwargs") from None
+        if continue_final_message:
+            # Cut the end-of-turn markup after the last message, so the model continues it.
+            final = convo[-1]["content"]
+            cut = text.rfind(final) if final else -1
+            if cut >= 0:
+                text = text[: cut + len(final)]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- completions -----------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
+        model = self.check_model(req.model)
+        self._reject_unsupported(req)
+        if req.suffix:
+            raise bad_request("suffix is not supported.", "suffix")
+        if req.echo and req.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported.", "echo")
+        prompts = self.completion_prompts(req)
+        items: list[tuple[list[int], SamplingParams]] = []
+        for ids in prompts:
+            max_tokens = self._check_prompt(ids, req.max_tokens, "prompt")
+            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs))
+        echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        handle = await self.engine.submit(rid, items)
+        meta = _Meta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamResult(
+                self._stream_completion(handle, meta, include_usage, req.logprobs is not None, echo, receive),
+                handle.close,
+            )
+        finals = await _collect(handle, receive)
+        choices = []
+        for index in range(len(items)):
+            out = finals[index]
+            text = out.text if echo is None else echo[index // req.n] + out.text
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": _completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": meta.created,
+            "model": model,
+            "choices": choices,
+            "usage": meta.usage(finals),
+        }
+
+    async def _stream_completion(
+        self,
+        handle: RequestHandle,
+        meta: _Meta,
+        include_usage: bool,
+        want_logprobs: bool,
+        echo: list[str] | None,
+        receive: Receive,
+    ) -> AsyncIterator[bytes]:
+        base = {"id": meta.rid, "object": "text_completion", "created": meta.created, "model": meta.model}
+        offsets: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+        try:
+            while not handle.done:
+                parts = []
+                for index, out in await _next_batch(handle):
+                    text = out.delta_text
+                    if echo is not None and index not in offsets:
+                        text = echo[index // meta.n] + text
+                    chunk_lp = None
+                    if want_logprobs:
+                        new_lp = out.new_logprobs or []
+                        chunk_lp = _completion_logprobs(new_lp, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp)
+                    else:
+                        offsets.setdefault(index, 0)
+                    if not text and not out.finished and not chunk_lp:
+                        continue
+                    choice = {
+                        "index": index,
+                        "text": text,
+                        "logprobs": chunk_lp,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                        "stop_reason": out.stop_reason if out.finished else None,
+                    }
+                    if out.finished:
+                        finals[index] = out
+                    chunk = {**base, "choices": [choice]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    parts.append(sse(chunk))
+                if parts:
+                    yield b"".join(parts)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": meta.usage(finals)})
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            yield sse(_stream_error(exc.status, f"{exc} Retry on another replica."))
+        except ClientGone:
+            pass
+        finally:
+            watcher.cancel()
+            handle.close()
+
+    # ---- chat completions ------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
+        model = self.check_model(req.model)
+        self._reject_unsupported(req)
+        if req.tools and req.tool_choice != "none":
+            raise bad_request("Tool calling is not supported by this engine.", "tools")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
+        ids = self.chat_prompt(
+            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        )
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._check_prompt(ids, requested, "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        items = [(ids, p) for p in self._params(req, max_tokens, logprobs)]
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        handle = await self.engine.submit(rid, items)
+        meta = _Meta(rid, int(time.time()), model, req.n, [len(ids)])
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamResult(
+                self._stream_chat(handle, meta, include_usage, req.logprobs, receive), handle.close
+            )
+        finals = await _collect(handle, receive)
+        choices = []
+        for index in range(len(items)):
+            out = finals[index]
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": {"content": _chat_logprobs(out.logprobs or [])} if req.logprobs else None,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": meta.created,
+            "model": model,
+            "choices": choices,
+            "usage": meta.usage(finals),
+        }
+
+    async def _stream_chat(
+        self, handle: RequestHandle, meta: _Meta, include_usage: bool, want_logprobs: bool, receive: Receive
+    ) -> AsyncIterator[bytes]:
+        base = {
+            "id": meta.rid,
+            "object": "chat.completion.chunk",
+            "created": meta.created,
+            "model": meta.model,
+        }
+        started: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            body = {**base, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return sse(body)
+
+        try:
+            # The role arrives first, like OpenAI, so clients can render a bubble before any token.
+            yield b"".join(
+                chunk(
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+                for i in range(len(handle.ids))
+            )
+            while not handle.done:
+                parts = []
+                for index, out in await _next_batch(handle):
+                    started.add(index)
+                    lp = None
+                    if want_logprobs and out.new_logprobs:
+                        lp = {"content": _chat_logprobs(out.new_logprobs)}
+                    if not out.delta_text and not out.finished and lp is None:
+                        continue
+                    choice: dict[str, Any] = {
+                        "index": index,
+                        "delta": {"content": out.delta_text} if out.delta_text else {},
+                        "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None,
+                    }
+                    if out.finished:
+                        choice["stop_reason"] = out.stop_reason
+                        finals[index] = out
+                    parts.append(chunk(choice))
+                if parts:
+                    yield b"".join(parts)
+            if include_usage:
+                yield sse({**base, "choices": [], "usage": meta.usage(finals)})
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            yield sse(_stream_error(exc.status, f"{exc} Retry on another replica."))
+        except ClientGone:
+            pass
+        finally:
+            watcher.cancel()
+            handle.close()
+
+
+@dataclass
+class _Meta:
+    rid: str
+    created: int
+    model: str
+    n: int
+    prompt_lens: list[int]
+
+    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        completion = sum(len(o.token_ids) for o in finals.values())
+        prompt = sum(self.prompt_lens)
+        # Cached tokens of each prompt's first choice: what the prefix cache saved that prompt.
+        cached = sum(
+            finals[i * self.n].num_cached_tokens for i in range(len(self.prompt_lens)) if i * self.n in finals
+        )
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+async def _next_batch(handle: RequestHandle) -> list[tuple[int, RequestOutput]]:
+    """Everything already queued, at least one item: one socket write per engine step, not per choice."""
+    batch = [await handle.next()]
+    while not handle.queue.empty():
+        batch.append(await handle.next())
+    return batch
+
+
+async def _collect(handle: RequestHandle, receive: Receive) -> dict[int, RequestOutput]:
+    watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+    finals: dict[int, RequestOutput] = {}
+    try:
+        while not handle.done:
+            index, out = await handle.next()
+            if out.finished:
+                finals[index] = out
+    except EngineDeadError as exc:
+        raise APIError(exc.status, f"{exc} Retry on another replica.", code="engine_stopped") from None
+    except ClientGone:
+        raise APIError(499, "Client closed the request.") from None
+    finally:
+        watcher.cancel()
+        handle.close()
+    return finals
+
+
+def _stream_error(status: int, message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_logprobs(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
+    return [
+        {
+            "token": p.sampled.decoded,
+            "logprob": p.sampled.logprob,
+            "bytes": _token_bytes(p.sampled.decoded),
+            "top_logprobs": [
+                {"token": t.decoded, "logprob": t.logprob, "bytes": _token_bytes(t.decoded)} for t in p.top
+            ],
+        }
+        for p in positions
+    ]
+
+
+def _completion_logprobs(positions: list[PositionLogprobs] | None, start_offset: int) -> dict[str, Any]:
+    positions = positions or []
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = start_offset
+    for p in positions:
+        tokens.append(p.sampled.decoded)
+        token_logprobs.append(p.sampled.logprob)
+        entry = {t.decoded: t.logprob for t in p.top}
+        entry.setdefault(p.sampled.decoded, p.sampled.logprob)
+        top.append(entry)
+        offsets.append(offset)
+        offset += len(p.sampled.decoded)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
