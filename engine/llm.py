@@ -15,7 +15,8 @@ from kvgate.engine.outputs import FinishReason, PositionLogprobs, RequestOutput
 from kvgate.engine.runner_api import ModelRunner
 from kvgate.engine.sampling_params import SamplingParams
 
-PromptInput = str | list[int]
+# A string, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [int]}.
+PromptInput = str | list[int] | dict[str, Any]
 
 
 @dataclass
@@ -141,6 +142,10 @@ class LLM:
                 out.append((p, None))
             elif isinstance(p, list | tuple) and all(isinstance(t, int) for t in p):
                 out.append((None, list(p)))
+            elif isinstance(p, dict) and isinstance(p.get("prompt_token_ids"), list | tuple):
+                out.append((p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]))
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                out.append((p["prompt"], None))
             else:
                 raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
         return out

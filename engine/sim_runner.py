@@ -81,11 +81,17 @@ class SimulatedRunner:
             words = [w for w in words if w != eos_token_id]
         self._words = words
         self._sleep = sleep
+        self._keys: dict[str, int] = {}  # request id -> token-stream key, until it finishes
         self.steps = 0
         self.simulated_seconds = 0.0
 
     def _request_key(self, request_id: str, seed: int | None) -> int:
-        return _mix(seed & _MASK) if seed is not None else _stable_str_hash(request_id)
+        if seed is not None:
+            return _mix(seed & _MASK)
+        key = self._keys.get(request_id)
+        if key is None:
+            key = self._keys[request_id] = _stable_str_hash(request_id)
+        return key
 
     def step_duration(self, batch: ScheduledBatch) -> float:
         prefill_tokens = 0
@@ -104,6 +110,8 @@ class SimulatedRunner:
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         self.steps += 1
+        for rid in batch.finished_request_ids:
+            self._keys.pop(rid, None)
         delay = self.step_duration(batch)
         if delay > 0:
             self._sleep(delay)
@@ -138,10 +146,14 @@ class SimulatedRunner:
         top = [(sampled.token_id, best)]
         words = self._words
         x = r
-        for k in range(1, n):
+        seen = {sampled.token_id}
+        k = 1
+        while len(top) < n and len(seen) < len(words):
             x = _mix(x)
             alt = words[x % len(words)]
-            if alt == sampled.token_id:
-                alt = words[(x + 1) % len(words)]
+            if alt in seen:
+                continue
+            seen.add(alt)
             top.append((alt, best - 1.0 - k * 0.75 - math.log1p(k)))
+            k += 1
         sampled.top_logprobs = top[:n] if n > 0 else []

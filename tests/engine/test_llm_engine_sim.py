@@ -228,6 +228,11 @@ def test_offline_llm_generate_and_chat(tok: Any) -> None:
     assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids)
     by_ids = llm.generate([outs[0].prompt_token_ids], SamplingParams(max_tokens=7, seed=1))
     assert by_ids[0].prompt is None and by_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    as_dicts = llm.generate(
+        [{"prompt": "Hello"}, {"prompt_token_ids": outs[0].prompt_token_ids}],
+        SamplingParams(max_tokens=7, seed=1),
+    )
+    assert [o.outputs[0].token_ids for o in as_dicts] == [outs[0].outputs[0].token_ids] * 2
 
     fan = llm.generate("Hi", SamplingParams(n=3, max_tokens=5, seed=42))[0]
     assert [c.index for c in fan.outputs] == [0, 1, 2]
