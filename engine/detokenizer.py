@@ -31,6 +31,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -40,6 +41,8 @@ class IncrementalDetokenizer:
         self._stops = [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
+        self._min_tokens = min_tokens  # stop strings only count from this many output tokens on
+        self._num_tokens = 0
         self.text = ""  # decoded so far, including held-back text (minus anything past a stop)
         self._emitted = 0  # len of text already handed out
         self.stop_string: str | None = None  # set once a stop string matched
@@ -52,6 +55,7 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             return ""
         self._ids.append(token_id)
+        self._num_tokens += 1
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
@@ -64,7 +68,7 @@ class IncrementalDetokenizer:
     def _append(self, delta: str) -> str:
         before = len(self.text)
         self.text += delta
-        if self._stops:
+        if self._stops and self._num_tokens >= self._min_tokens:
             start = max(0, before - self._max_stop + 1)
             hit = -1
             for s in self._stops:

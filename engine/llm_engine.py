@@ -73,7 +73,11 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
         self.runner: ModelRunner = runner if runner is not None else _build_runner(config, self.tokenizer)
         self.block_size = self.runner.block_size
-        num_blocks = config.num_kv_blocks or self.runner.num_kv_blocks
+        # The runner sized its cache tensors (honouring config.num_kv_blocks); never hand out
+        # block ids beyond them.
+        num_blocks = self.runner.num_kv_blocks
+        if config.num_kv_blocks is not None:
+            num_blocks = min(num_blocks, config.num_kv_blocks)
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; give it more memory")
         self.max_model_len = self._resolve_max_model_len(num_blocks)
@@ -160,6 +164,7 @@ class LLMEngine:
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
         )
 
     def abort_request(self, request_id: str) -> bool:

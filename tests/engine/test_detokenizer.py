@@ -96,3 +96,10 @@ def test_held_back_text_is_released_at_the_end(tok: Any) -> None:
     deltas, d = _stream(tok, "wait for it E", stop=["END"])
     assert deltas[-1] == "E" and "".join(deltas) == "wait for it E"
     assert d.stop_string is None
+
+
+def test_stop_strings_wait_for_min_tokens(tok: Any) -> None:
+    ids = tok.encode("stop here, then stop again")
+    d = IncrementalDetokenizer(tok, [], stop=["stop"], min_tokens=3)
+    out = "".join(d.add_token(t) for t in ids)
+    assert d.stop_string == "stop" and out == "stop here, then "
