@@ -1,0 +1,128 @@
+"""KV events decoded with plain pyzmq + msgpack, the way llm-d's indexer reads them."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import time
+import uuid
+
+import httpx
+import msgpack
+import zmq
+
+from .conftest import API_KEY, EngineProcess
+
+AUTH = {"authorization": f"Bearer {API_KEY}"}
+BLOCK = 16
+
+
+def _decode(frames: list[bytes]) -> tuple[str, int, list]:
+    topic, seq, payload = frames
+    ts, events, *_dp_rank = msgpack.unpackb(payload, raw=False)
+    assert isinstance(ts, float)
+    return topic.decode(), struct.unpack(">Q", seq)[0], events
+
+
+def _subscribe(eng: EngineProcess) -> zmq.Socket:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(eng.kv_endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    # PUB drops messages until the subscription has propagated: poke the engine until one arrives.
+    deadline = time.monotonic() + 10
+    while not sub.poll(100):
+        assert time.monotonic() < deadline, "no KV events arrive"
+        _complete(eng, f"warm up {uuid.uuid4().hex} " * 4)
+    while sub.poll(200):
+        sub.recv_multipart()
+    return sub
+
+
+def _complete(eng: EngineProcess, prompt: str, max_tokens: int = 2) -> dict:
+    r = httpx.post(
+        f"{eng.base_url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_block_stored_matches_the_tokenized_prompt(sim_engine: EngineProcess) -> None:
+    assert sim_engine.topic == f"kv@{sim_engine.base_url.removeprefix('http://')}@sim-model"
+    sub = _subscribe(sim_engine)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6 + uuid.uuid4().hex
+    ids = httpx.post(f"{sim_engine.base_url}/tokenize", json={"prompt": prompt}, headers=AUTH).json()[
+        "tokens"
+    ]
+    assert len(ids) > 3 * BLOCK
+    _complete(sim_engine, prompt, max_tokens=1)
+
+    stored: list[list] = []
+    seqs: list[int] = []
+    while sub.poll(500):
+        topic, seq, events = _decode(sub.recv_multipart())
+        assert topic == sim_engine.topic
+        seqs.append(seq)
+        stored += [e for e in events if e[0] == "BlockStored"]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers must be consecutive"
+    full = len(ids) // BLOCK
+    tokens = [t for e in stored for t in e[3]]
+    assert tokens[: full * BLOCK] == ids[: full * BLOCK]
+    first = stored[0]
+    # ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+    assert len(first) == 7
+    assert first[2] is None  # the prompt's first block has no parent
+    assert first[4] == BLOCK and first[5] is None and first[6] == "GPU"
+    assert len(first[1]) * BLOCK == len(first[3])
+    hashes = [h for e in stored for h in e[1]]
+    assert len(set(hashes)) == len(hashes) and all(isinstance(h, int) for h in hashes)
+    for prev, nxt in itertools.pairwise(stored):
+        assert nxt[2] == prev[1][-1], "blocks chain from their parent"
+
+    # The same prompt again is a prefix-cache hit: no new BlockStored for its full blocks.
+    before = sim_engine.metrics()
+    again = _complete(sim_engine, prompt, max_tokens=1)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= full * BLOCK - BLOCK
+    after = sim_engine.metrics()
+    assert (
+        after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= (full - 1) * BLOCK
+    )
+    while sub.poll(300):
+        _, _, events = _decode(sub.recv_multipart())
+        for e in events:
+            if e[0] == "BlockStored":
+                assert e[3] != ids[:BLOCK]
+    sub.close()
+
+
+def test_replay_serves_missed_batches(sim_engine: EngineProcess) -> None:
+    sub = _subscribe(sim_engine)
+    _complete(sim_engine, "replay me please " * 8 + uuid.uuid4().hex)
+    live = []
+    while sub.poll(400):
+        frames = sub.recv_multipart()
+        live.append((struct.unpack(">Q", frames[1])[0], frames[2]))
+    assert live
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(sim_engine.replay_endpoint)
+    dealer.send_multipart([b"", struct.pack(">Q", live[0][0])])
+    replayed = []
+    while True:
+        assert dealer.poll(5000), "replay did not answer"
+        empty, seq, payload = dealer.recv_multipart()
+        assert empty == b""
+        if seq == b"\xff" * 8:  # end marker: seq -1, empty payload
+            assert payload == b""
+            break
+        replayed.append((struct.unpack(">Q", seq)[0], payload))
+    assert replayed[: len(live)] == live
+    # A start past the newest batch replays nothing but the end marker.
+    dealer.send_multipart([b"", struct.pack(">Q", 2**62)])
+    assert dealer.poll(5000)
+    assert dealer.recv_multipart() == [b"", b"\xff" * 8, b""]
+    dealer.close()
+    sub.close()
