@@ -13,7 +13,7 @@ from typing import Any
 
 from kvgate.api.kv_events import KVEvent
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
 from kvgate.engine.request import Request, RequestStatus
@@ -98,6 +98,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.vocab_size = self.runner.vocab_size
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._byte_table: ByteLevelTable | None = None
+        self._byte_table_built = False  # built on first use: keeps engine start-up fast
         self._token_text: dict[int, str] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -165,7 +167,14 @@ class LLMEngine:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
             min_tokens=params.min_tokens,
+            byte_table=self._get_byte_table(),
         )
+
+    def _get_byte_table(self) -> ByteLevelTable | None:
+        if not self._byte_table_built:
+            self._byte_table = ByteLevelTable.build(self.tokenizer)
+            self._byte_table_built = True
+        return self._byte_table
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False when it is not known."""

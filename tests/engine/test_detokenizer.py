@@ -6,20 +6,48 @@ from typing import Any
 
 import pytest
 
-from kvgate.engine.detokenizer import IncrementalDetokenizer
+from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
 
 MULTIBYTE = "Grüße aus Köln 🎉🎉 und 世界 ok"
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
+def real_tok() -> Any:
     from kvgate.api.tokenizer import load_tokenizer
 
     return load_tokenizer("default")
 
 
+@pytest.fixture(scope="module")
+def table(real_tok: Any) -> ByteLevelTable:
+    t = ByteLevelTable.build(real_tok)
+    assert t is not None
+    return t
+
+
+class _WithTable:
+    """The real tokenizer, with every detokenizer built here taking the byte-level fast path."""
+
+    def __init__(self, tok: Any, table: ByteLevelTable) -> None:
+        self.tok, self.table = tok, table
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(params=["window", "byte-table"], scope="module")
+def tok(request: pytest.FixtureRequest, real_tok: Any, table: ByteLevelTable) -> Any:
+    return real_tok if request.param == "window" else _WithTable(real_tok, table)
+
+
+def _detok(tok: Any, prompt: list[int], **kw: Any) -> IncrementalDetokenizer:
+    if isinstance(tok, _WithTable):
+        return IncrementalDetokenizer(tok.tok, prompt, byte_table=tok.table, **kw)
+    return IncrementalDetokenizer(tok, prompt, **kw)
+
+
 def _stream(tok: Any, text: str, prompt: str = "Say:", **kw: Any) -> tuple[list[str], IncrementalDetokenizer]:
-    d = IncrementalDetokenizer(tok, tok.encode(prompt), **kw)
+    d = _detok(tok, tok.encode(prompt), **kw)
     deltas = [d.add_token(t) for t in tok.encode(text)]
     deltas.append(d.flush())
     return deltas, d
@@ -42,7 +70,7 @@ def test_leading_space_of_the_first_output_token_is_kept(tok: Any) -> None:
 
 def test_an_unfinished_character_at_the_end_is_flushed(tok: Any) -> None:
     ids = tok.encode("ok 🎉")
-    d = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    d = _detok(tok, [], skip_special_tokens=True)
     out = "".join(d.add_token(t) for t in ids[:-1])
     assert "\ufffd" not in out
     assert out + d.flush() == tok.decode(ids[:-1])
@@ -51,9 +79,9 @@ def test_an_unfinished_character_at_the_end_is_flushed(tok: Any) -> None:
 def test_special_tokens_are_skipped_or_kept(tok: Any) -> None:
     eos = tok.eos_token_id
     ids = [*tok.encode("hi"), eos]
-    d = IncrementalDetokenizer(tok, [])
+    d = _detok(tok, [])
     assert "".join(d.add_token(t) for t in ids) + d.flush() == "hi"
-    d = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    d = _detok(tok, [], skip_special_tokens=False)
     assert "".join(d.add_token(t) for t in ids) + d.flush() == "hi" + tok.decode(
         [eos], skip_special_tokens=False
     )
@@ -81,7 +109,7 @@ def test_earliest_of_several_stop_strings_completed_by_one_token_wins(tok: Any) 
 
 
 def test_text_that_may_become_a_stop_string_is_held_back_then_released(tok: Any) -> None:
-    d = IncrementalDetokenizer(tok, [], stop=["END."])
+    d = _detok(tok, [], stop=["END."])
     released = ""
     for t in tok.encode("the EN"):
         released += d.add_token(t)
@@ -100,6 +128,27 @@ def test_held_back_text_is_released_at_the_end(tok: Any) -> None:
 
 def test_stop_strings_wait_for_min_tokens(tok: Any) -> None:
     ids = tok.encode("stop here, then stop again")
-    d = IncrementalDetokenizer(tok, [], stop=["stop"], min_tokens=3)
+    d = _detok(tok, [], stop=["stop"], min_tokens=3)
     out = "".join(d.add_token(t) for t in ids)
     assert d.stop_string == "stop" and out == "stop here, then "
+
+
+def test_byte_table_decodes_exactly_like_the_tokenizer(real_tok: Any, table: ByteLevelTable) -> None:
+    import random
+
+    rng = random.Random(0)
+    n = len(table.pieces)
+    for _ in range(200):
+        ids = [rng.randrange(n) for _ in range(rng.randrange(1, 12))]
+        for skip in (True, False):
+            d = IncrementalDetokenizer(real_tok, [], skip_special_tokens=skip, byte_table=table)
+            text = "".join(d.add_token(t) for t in ids) + d.flush()
+            assert text == real_tok.decode(ids, skip_special_tokens=skip), ids
+
+
+def test_byte_table_is_only_for_byte_level_tokenizers() -> None:
+    from tokenizers import Tokenizer, decoders, models
+
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    assert ByteLevelTable.build(wordpiece) is None
