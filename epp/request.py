@@ -93,23 +93,44 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
     return "" if content is None else str(content)
 
 
 def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None) -> list[int]:
+    """Mirrors the engine's own prompt handling (engine/server/serving.py) token for token:
+    chat → template over {role, content text, name} then encode without special tokens;
+    completions → encode(prompt, add_special_tokens=body.add_special_tokens, default true)."""
     if not body or tokenizer is None:
         return []
     messages = body.get("messages")
     if isinstance(messages, list):
+        convo: list[dict[str, Any]] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                return []
+            entry: dict[str, Any] = {"role": m.get("role"), "content": _content_text(m.get("content"))}
+            if m.get("name"):
+                entry["name"] = m["name"]
+            convo.append(entry)
+        raw_kwargs = body.get("chat_template_kwargs")
+        kwargs: dict[str, Any] = raw_kwargs if isinstance(raw_kwargs, dict) else {}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                convo, add_generation_prompt=bool(body.get("add_generation_prompt", True)), **kwargs
+            )
         except Exception:
             return []  # the engine will reject it; routing must not fail because of it
+        if body.get("continue_final_message") and convo and convo[-1]["content"]:
+            cut = text.rfind(convo[-1]["content"])
+            if cut >= 0:
+                text = text[: cut + len(convo[-1]["content"])]
         return tokenizer.encode(text, add_special_tokens=False)
     prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)  # already token ids
     return []

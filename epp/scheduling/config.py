@@ -79,7 +79,9 @@ class EndpointPickerConfig(BaseModel):
     kind: str = KIND
     plugins: list[PluginSpec] = Field(default_factory=list)
     scheduling_profiles: list[ProfileSpec] = Field(default_factory=list, alias="schedulingProfiles")
-    saturation_detector: SaturationSpec = Field(default_factory=SaturationSpec, alias="saturationDetector")
+    saturation_detector: SaturationSpec = Field(
+        default_factory=lambda: SaturationSpec(), alias="saturationDetector"
+    )
     # kvgate extension: InferenceObjective name -> priority (negative = sheddable)
     objectives: dict[str, int] = Field(default_factory=dict)
 
@@ -228,19 +230,19 @@ def build_profiles(cfg: EndpointPickerConfig, source: str = "config") -> list[Sc
         scr: list[tuple[Scorer, float]] = []
         pick: Picker | None = None
         for ref in prof.plugins:
-            plugin = instances.get(ref.plugin_ref)
-            if plugin is None:
+            found = instances.get(ref.plugin_ref)
+            if found is None:
                 raise ConfigError(
                     f"{source}: profile {prof.name!r} refers to unknown plugin {ref.plugin_ref!r}"
                 )
-            if hasattr(plugin, "score"):
-                scr.append((plugin, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
-            elif hasattr(plugin, "filter"):
-                flt.append(plugin)  # type: ignore[arg-type]
-            elif hasattr(plugin, "pick"):
+            if hasattr(found, "score"):
+                scr.append((found, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
+            elif hasattr(found, "filter"):
+                flt.append(found)  # type: ignore[arg-type]
+            elif hasattr(found, "pick"):
                 if pick is not None:
                     raise ConfigError(f"{source}: profile {prof.name!r} has two pickers")
-                pick = plugin  # type: ignore[assignment]
+                pick = found  # type: ignore[assignment]
         profiles.append(SchedulingProfile(prof.name, flt, scr, pick or pickers.MaxScorePicker()))
     return profiles
 

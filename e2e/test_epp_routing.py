@@ -1,0 +1,240 @@
+"""Through real Envoy + the EPP to simulated engines: routing, streaming, prefix affinity,
+bad requests, model rewrite, load shedding."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import harness
+
+pytestmark = pytest.mark.timeout(120)
+
+UPSTREAM = "x-kvgate-upstream"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("epp-routing")
+    engines = [harness.start_engine(logs, "--max-num-seqs", "4") for _ in range(3)]
+    procs = [e.proc for e in engines]
+    try:
+        for e in engines:
+            e.wait_ready()
+        epp = harness.start_epp(logs, engines, "--objective", "batch=-1", "--log-level", "debug", secure=True)
+        procs.append(epp.proc)
+        envoy = harness.start_envoy(logs, epp.grpc_port, failure_mode="FailClose", epp_tls=True)
+        procs.append(envoy.proc)
+        epp.wait_ready()
+        envoy.wait_ready()
+        envoy.wait_epp_healthy()
+        yield engines, epp, envoy
+    finally:
+        harness.stop_all(*procs)
+
+
+def completion(client: httpx.Client, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:
+    return client.post(
+        "/v1/completions", json={"model": "default", "prompt": prompt, "max_tokens": max_tokens, **extra}
+    )
+
+
+@pytest.fixture
+def client(stack):
+    _, _, envoy = stack
+    with httpx.Client(base_url=envoy.url, timeout=30) as c:
+        yield c
+
+
+def test_requests_reach_the_picked_endpoint(stack, client) -> None:
+    engines, _, _ = stack
+    by_address = {e.address: e for e in engines}
+    seen = set()
+    for i in range(6):
+        before = {a: e.metric("vllm:request_success_total") for a, e in by_address.items()}
+        resp = completion(client, f"request number {i} goes somewhere")
+        assert resp.status_code == 200, resp.text
+        served = resp.headers[UPSTREAM]
+        assert served in by_address
+        seen.add(served)
+        after = {a: e.metric("vllm:request_success_total") for a, e in by_address.items()}
+        assert {a: after[a] - before[a] for a in by_address} == {a: float(a == served) for a in by_address}
+    assert len(seen) >= 2  # idle, equal endpoints: load spreads
+
+
+def test_request_without_body_is_routed(client) -> None:
+    resp = client.get("/v1/models")
+    assert resp.status_code == 200
+    assert resp.json()["data"][0]["id"] == "default"
+    assert resp.headers[UPSTREAM]
+
+
+def test_streaming_passes_through_intact(client) -> None:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": "stream me some tokens"}],
+        "max_tokens": 24,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(resp.iter_raw())
+    events = [e for e in raw.decode().split("\n\n") if e.strip()]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["usage"]["completion_tokens"] == 24
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finish[-1] == "length"
+
+
+def test_same_prefix_sticks_to_holder_while_load_stays_balanced(stack, client) -> None:
+    prefixes = [
+        f"System: you are assistant number {p}. "
+        + " ".join(f"rule {p}.{k}: be helpful and precise." for k in range(12))
+        for p in range(6)
+    ]
+    placements: dict[int, list[str]] = {p: [] for p in range(len(prefixes))}
+    cached: dict[int, list[int]] = {p: [] for p in range(len(prefixes))}
+
+    def send(p: int, r: int) -> None:
+        resp = completion(client, prefixes[p] + f"\nUser: question {r}?", max_tokens=8)
+        assert resp.status_code == 200, resp.text
+        placements[p].append(resp.headers[UPSTREAM])
+        cached[p].append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    with ThreadPoolExecutor(len(prefixes)) as pool:
+        for r in range(5):  # rounds: every prefix has one request in flight at a time
+            list(pool.map(lambda p, r=r: send(p, r), range(len(prefixes))))
+
+    for p, where in placements.items():
+        _holder, n = Counter(where).most_common(1)[0]
+        assert n >= 4, f"prefix {p} scattered: {where}"
+        assert sum(1 for c in cached[p][1:] if c > 0) >= 3, f"prefix {p} got few cache hits: {cached[p]}"
+    load = Counter(Counter(w).most_common(1)[0][0] for w in placements.values())
+    assert len(load) >= 2 and max(load.values()) <= 4, f"prefixes piled onto one engine: {load}"
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b'{"prompt": "no model here"}', "'model'"),
+        (b"[1, 2]", "JSON object"),
+    ],
+)
+def test_malformed_body_is_400_from_the_epp(stack, client, body, needle) -> None:
+    engines, _, _ = stack
+    before = sum(e.metric("vllm:prompt_tokens_total") for e in engines)
+    resp = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error" and err["code"] == 400
+    assert UPSTREAM not in resp.headers and "x-envoy-upstream-service-time" not in resp.headers
+    assert sum(e.metric("vllm:prompt_tokens_total") for e in engines) == before
+
+
+def test_model_name_rewrite(client) -> None:
+    resp = client.post(
+        "/v1/completions",
+        json={"model": "my-alias", "prompt": "rewrite me", "max_tokens": 3},
+        headers={"x-gateway-model-name-rewrite": "default"},
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == "my-alias"  # the engine served "default"; the client sees its own name
+
+
+def test_sheddable_gets_429_when_saturated_while_critical_is_served(stack, client) -> None:
+    _engines, epp, envoy = stack
+    results: list[int] = []
+
+    def background(i: int) -> None:
+        with httpx.Client(base_url=envoy.url, timeout=60) as c:
+            r = completion(c, f"long critical job {i}", max_tokens=150, ignore_eos=True)
+            results.append(r.status_code)
+
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(33)]
+    for t in threads:
+        t.start()
+    try:
+        # until the EPP's own scrape shows the pool saturated (mean waiting ≥ 5 with 4 running each)
+        harness.wait_until(
+            lambda: _gauge(epp.metrics_text(), "inference_pool_average_queue_size") >= 5.0,
+            15,
+            "pool saturation",
+        )
+        shed = client.post(
+            "/v1/completions",
+            json={"model": "default", "prompt": "sheddable work", "max_tokens": 2},
+            headers={"x-gateway-inference-objective": "batch"},
+        )
+        assert shed.status_code == 429, shed.text
+        assert shed.json()["error"]["type"] == "rate_limit_exceeded"
+        critical = client.post(
+            "/v1/completions",
+            json={"model": "default", "prompt": "critical work", "max_tokens": 2},
+            headers={"x-gateway-inference-objective": "interactive"},
+        )
+        assert critical.status_code == 200, critical.text
+    finally:
+        for t in threads:
+            t.join(60)
+    assert results.count(200) == len(threads)
+    # once the pool drains, sheddable traffic is admitted again
+    harness.wait_until(
+        lambda: _gauge(epp.metrics_text(), "inference_pool_average_queue_size") < 1.0, 10, "drain"
+    )
+    again = client.post(
+        "/v1/completions",
+        json={"model": "default", "prompt": "sheddable later", "max_tokens": 2},
+        headers={"x-gateway-inference-objective": "batch"},
+    )
+    assert again.status_code == 200
+
+
+def test_epp_exports_gie_metrics(stack) -> None:
+    _, epp, _ = stack
+    text = epp.metrics_text()
+    assert _gauge(text, "inference_pool_ready_pods") == 3
+    for name in (
+        "inference_objective_request_total",
+        "inference_objective_request_error_total",
+        "inference_objective_request_duration_seconds_bucket",
+        "inference_extension_scheduler_e2e_duration_seconds_bucket",
+        "inference_extension_plugin_duration_seconds_bucket",
+        "inference_pool_average_kv_cache_utilization",
+    ):
+        assert name in text, name
+    assert 'error_code="400"' in text and 'error_code="429"' in text
+
+
+def _gauge(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_log_lines_carry_request_id_and_reason(stack, client) -> None:
+    _, epp, _ = stack
+    client.post(
+        "/v1/completions",
+        json={"model": "default", "prompt": "trace me", "max_tokens": 2},
+        headers={"x-request-id": "trace-123"},
+    )
+    time.sleep(0.2)
+    lines = [json.loads(line) for line in epp.proc.log_path.read_text().splitlines() if "trace-123" in line]
+    assert lines and lines[0]["request_id"] == "trace-123" and "profile=precise-prefix" in lines[0]["msg"]

@@ -1,0 +1,222 @@
+"""`kvgate epp serve`: the endpoint picker (Envoy ext_proc, GIE protocol). Flags follow GIE's names."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+HELP = "run the endpoint picker: an Envoy ext_proc server that routes each request to the best engine"
+
+
+def _bool(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def _duration(text: str) -> float:
+    from kvgate.epp.scheduling.config import parse_duration
+
+    try:
+        value = parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be positive")
+    return value
+
+
+def _objective(text: str) -> tuple[str, int]:
+    name, sep, prio = text.partition("=")
+    try:
+        if not sep or not name:
+            raise ValueError
+        return name.strip(), int(prio)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=PRIORITY (e.g. batch=-1), got {text!r}") from None
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("endpoints")
+    d.add_argument(
+        "--endpoints", default="", help="static endpoint list ip:port,ip:port (local use; no Kubernetes)"
+    )
+    d.add_argument(
+        "--kv-events-endpoints",
+        default="",
+        help="ZMQ KV-event PUB address per --endpoints entry, same order (tcp://127.0.0.1:5557,...)",
+    )
+    d.add_argument(
+        "--kv-replay-endpoints", default="", help="ZMQ KV-event replay (ROUTER) address per --endpoints entry"
+    )
+    d.add_argument("--pool-name", default="", help="InferencePool to serve (Kubernetes discovery)")
+    d.add_argument("--pool-namespace", default="default", help="namespace of the InferencePool")
+    d.add_argument(
+        "--kv-events-port",
+        type=_port,
+        default=5557,
+        help="in Kubernetes: pod port publishing KV events (0: none)",
+    )
+    d.add_argument(
+        "--kv-replay-port",
+        type=_port,
+        default=0,
+        help="in Kubernetes: pod port serving KV-event replay (0: none)",
+    )
+
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--config-file", default="", help="EndpointPickerConfig YAML (GIE format)")
+    s.add_argument(
+        "--profile",
+        default="",
+        help="built-in profile (precise-prefix, default, round-robin, random) or, with --config-file, "
+        "which of its schedulingProfiles runs (default: precise-prefix / the file's first)",
+    )
+    s.add_argument(
+        "--objective",
+        action="append",
+        type=_objective,
+        default=[],
+        metavar="NAME=PRIORITY",
+        help="InferenceObjective priority for x-gateway-inference-objective (negative = sheddable); repeatable",
+    )
+    s.add_argument(
+        "--tokenizer", default="default", help="tokenizer for precise prefix matching (the served model's)"
+    )
+
+    n = p.add_argument_group("serving")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
+    n.add_argument("--grpc-port", type=_port, default=9002, help="ext_proc gRPC port")
+    n.add_argument("--grpc-health-port", type=_port, default=9003, help="gRPC health port")
+    n.add_argument("--metrics-port", type=_port, default=9090, help="Prometheus metrics port")
+    n.add_argument(
+        "--secure-serving",
+        type=_bool,
+        nargs="?",
+        const=True,
+        default=True,
+        help="serve ext_proc over TLS with a self-signed certificate; --secure-serving=false for plaintext",
+    )
+
+    m = p.add_argument_group("engine metrics")
+    m.add_argument(
+        "--refresh-metrics-interval",
+        type=_duration,
+        default=0.05,
+        help="scrape period per endpoint (e.g. 50ms)",
+    )
+    m.add_argument(
+        "--engine-metrics",
+        default="vllm",
+        choices=["vllm", "sglang", "triton-tensorrt-llm"],
+        help="which metric names the engines export",
+    )
+    m.add_argument(
+        "--total-queued-requests-metric", default="", help="override: waiting-queue series (name{label=v})"
+    )
+    m.add_argument("--total-running-requests-metric", default="", help="override: running-requests series")
+    m.add_argument(
+        "--kv-cache-usage-percentage-metric", default="", help="override: KV-cache use (0-1) series"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+
+
+def _fail(message: str) -> int:
+    print(f"kvgate epp serve: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvgate.epp.discovery import EndpointListError, static_endpoints
+    from kvgate.epp.scheduling.config import ConfigError, load_config
+    from kvgate.epp.scraper import MAPPINGS, MetricMapping, MetricSpec
+    from kvgate.epp.server import JsonFormatter, ServerSettings, needs_tokenizer, serve_forever
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    # --log-level governs kvgate's own loggers; libraries (grpc, httpx) stay at warnings
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    logging.getLogger("kvgate").setLevel(args.log_level.upper())
+
+    if bool(args.endpoints) == bool(args.pool_name):
+        return _fail("give exactly one of --endpoints (static list) or --pool-name (Kubernetes)")
+    try:
+        endpoints = (
+            static_endpoints(args.endpoints, args.kv_events_endpoints, args.kv_replay_endpoints)
+            if args.endpoints
+            else []
+        )
+        if args.config_file:
+            config = load_config(args.config_file)
+            profile = args.profile or None
+        else:
+            config = load_config(None, args.profile or None)
+            profile = None
+        base = MAPPINGS[args.engine_metrics]
+        mapping = MetricMapping(
+            MetricSpec.parse(args.total_queued_requests_metric)
+            if args.total_queued_requests_metric
+            else base.waiting,
+            MetricSpec.parse(args.total_running_requests_metric)
+            if args.total_running_requests_metric
+            else base.running,
+            MetricSpec.parse(args.kv_cache_usage_percentage_metric)
+            if args.kv_cache_usage_percentage_metric
+            else base.kv_usage,
+            base.lora_info,
+        )
+    except (EndpointListError, ConfigError, ValueError) as exc:
+        return _fail(str(exc))
+
+    tokenizer = None
+    if needs_tokenizer(config):
+        from kvgate.api.tokenizer import load_tokenizer
+
+        try:
+            tokenizer = load_tokenizer(args.tokenizer)
+        except (OSError, ValueError) as exc:
+            return _fail(f"cannot load tokenizer {args.tokenizer!r}: {exc}")
+
+    settings = ServerSettings(
+        config=config,
+        profile_name=profile,
+        endpoints=endpoints,
+        pool_name=args.pool_name or None,
+        pool_namespace=args.pool_namespace,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        bind_host=args.host,
+        grpc_port=args.grpc_port,
+        grpc_health_port=args.grpc_health_port,
+        metrics_port=args.metrics_port,
+        secure_serving=args.secure_serving,
+        refresh_metrics_interval=args.refresh_metrics_interval,
+        metric_mapping=mapping,
+        tokenizer=tokenizer,
+        objectives=dict(args.objective),
+    )
+    try:
+        asyncio.run(serve_forever(settings))
+    except ValueError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(f"cannot serve: {exc}")
+    return 0

@@ -1,0 +1,392 @@
+"""Envoy ext_proc (GIE endpoint-picker protocol) ↔ ``Director.pick``: a thin translator.
+
+Per HTTP request Envoy opens one gRPC stream and, with ``FULL_DUPLEX_STREAMED`` body modes,
+forwards headers, body chunks, trailers, then the response's headers/chunks/trailers. The
+request is held until its body is complete; then we answer, in order: the header response
+(destination, content-length, ``clear_route_cache``) with ``envoy.lb`` dynamic metadata, and the
+body re-streamed in ≤ 62,000-byte chunks. Response chunks pass straight back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from kvgate.epp.director import Decision, Director
+from kvgate.epp.metrics import EppMetrics
+from kvgate.epp.request import BadRequest, InferenceRequest, Tokenizer, parse_body
+
+log = logging.getLogger("kvgate.epp.extproc")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_METADATA_NAMESPACE = "envoy.lb"
+SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_CHUNK = 62_000  # Envoy's ext_proc keeps streamed body messages under its 64 KiB gRPC frame
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    503: "service_unavailable",
+    500: "internal_error",
+}
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def immediate(
+    status: int, message: str, error_type: str | None = None, request_id: str = ""
+) -> ep.ProcessingResponse:
+    body = json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": error_type or _ERROR_TYPES.get(status, "error"),
+                "param": None,
+                "code": status,
+            }
+        }
+    ).encode()
+    headers = [_header("content-type", "application/json")]
+    if request_id:
+        headers.append(_header(REQUEST_ID_HEADER, request_id))
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=ep.HeaderMutation(set_headers=headers),
+            body=body,
+            details=f"kvgate_epp_{status}",
+        )
+    )
+
+
+class ModelRewriter:
+    """Replaces ``"model":"<target>"`` with the client's name in a streamed body, even when the
+    needle is split across chunks (the tail that could start a match is held back)."""
+
+    def __init__(self, target: str, original: str) -> None:
+        self.needles = [
+            (json.dumps({"model": target})[1:-1].encode(), json.dumps({"model": original})[1:-1].encode()),
+            (
+                json.dumps({"model": target}, separators=(",", ":"))[1:-1].encode(),
+                json.dumps({"model": original}, separators=(",", ":"))[1:-1].encode(),
+            ),
+        ]
+        self._carry = b""
+
+    def feed(self, chunk: bytes, end: bool) -> bytes:
+        data = self._carry + chunk
+        for needle, repl in self.needles:
+            data = data.replace(needle, repl)
+        if end:
+            self._carry = b""
+            return data
+        keep = 0
+        for needle, _ in self.needles:
+            for n in range(min(len(needle) - 1, len(data)), 0, -1):
+                if data.endswith(needle[:n]):
+                    keep = max(keep, n)
+                    break
+        self._carry = data[len(data) - keep :] if keep else b""
+        return data[: len(data) - keep] if keep else data
+
+
+@dataclass
+class _Exchange:
+    """State of one HTTP request/response pair."""
+
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] = field(default_factory=dict)
+    request_id: str = ""
+    generated_id: bool = False
+    subset: list[str] | None = None
+    body: bytearray = field(default_factory=bytearray)
+    body_done: bool = False
+    request: InferenceRequest | None = None
+    decision: Decision | None = None
+    rewriter: ModelRewriter | None = None
+    finished: bool = False
+
+
+class EndpointPickerHandler:
+    """The protocol logic, callable without gRPC (tests drive it message by message)."""
+
+    def __init__(
+        self,
+        director: Director,
+        metrics: EppMetrics | None = None,
+        tokenizer: Tokenizer | None = None,
+        objectives: dict[str, int] | None = None,
+    ) -> None:
+        self.director = director
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.objectives = objectives or {}
+
+    # -- request phase ----------------------------------------------------------------------
+    def on_request_headers(
+        self, x: _Exchange, msg: ep.HttpHeaders, metadata: base_pb2.Metadata
+    ) -> list[ep.ProcessingResponse]:
+        headers = x.headers
+        for h in msg.headers.headers:
+            headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        rid = headers.get(REQUEST_ID_HEADER)
+        if not rid:
+            rid = str(uuid.uuid4())
+            x.generated_id = True
+        x.request_id = rid
+        if SUBSET_HINT_NAMESPACE in metadata.filter_metadata:
+            hint = metadata.filter_metadata[SUBSET_HINT_NAMESPACE].fields.get(SUBSET_HINT_KEY)
+            if hint is None:
+                x.subset = []
+            elif hint.HasField("list_value"):
+                x.subset = [v.string_value for v in hint.list_value.values]
+            else:
+                x.subset = [s.strip() for s in hint.string_value.split(",") if s.strip()]
+        if msg.end_of_stream:  # no body (e.g. GET /v1/models): pick right away
+            x.body_done = True
+            return self._route(x, None)
+        return []
+
+    def on_request_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        x.body += msg.body
+        if not msg.end_of_stream:
+            return []
+        x.body_done = True
+        try:
+            body = parse_body(bytes(x.body))
+        except BadRequest as exc:
+            self._count_error(x, "", "", 400)
+            log.info("request %s rejected: %s", x.request_id, exc)
+            return [immediate(400, str(exc), request_id=x.request_id)]
+        return self._route(x, body)
+
+    def on_request_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        out: list[ep.ProcessingResponse] = []
+        if not x.body_done:  # body ended with trailers instead of end_of_stream
+            out = self.on_request_body(x, ep.HttpBody(body=b"", end_of_stream=True))
+            if out and out[0].HasField("immediate_response"):
+                return out
+        out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+        return out
+
+    def _route(self, x: _Exchange, body: dict[str, Any] | None) -> list[ep.ProcessingResponse]:
+        headers = x.headers
+        model = body["model"] if body else ""
+        rewrite = headers.get(MODEL_REWRITE_HEADER) or ""
+        target = rewrite or model
+        objective = headers.get(OBJECTIVE_HEADER) or None
+        req = InferenceRequest(
+            request_id=x.request_id,
+            model=model,
+            target_model=target,
+            body=body,
+            objective=objective,
+            priority=self.objectives.get(objective, 0) if objective else 0,
+            fairness_id=headers.get(FAIRNESS_HEADER) or None,
+            path=headers.get(":path", ""),
+            subset=x.subset,
+            tokenizer=self.tokenizer,
+        )
+        x.request = req
+        if self.metrics is not None:
+            self.metrics.requests.labels(model, target).inc()
+            self.metrics.request_sizes.labels(model, target).observe(len(x.body))
+        try:
+            decision = self.director.pick(req)
+        except Exception:
+            log.exception("request %s: scheduler failed", x.request_id)
+            self._count_error(x, model, target, 500)
+            return [
+                immediate(500, "the endpoint picker failed to schedule this request", request_id=x.request_id)
+            ]
+        if not decision.routed:
+            self._count_error(x, model, target, decision.status)
+            log.info("request %s answered %d: %s", x.request_id, decision.status, decision.reason)
+            return [immediate(decision.status, decision.reason, decision.error_type, x.request_id)]
+        x.decision = decision
+        if self.metrics is not None:
+            self.metrics.scheduler.observe(decision.scheduler_seconds)
+            for name, secs in decision.plugin_seconds.items():
+                self.metrics.plugin.labels(name).observe(secs)
+            self.metrics.running.labels(model).inc()
+        log.debug(
+            "request %s model=%s -> %s (%s)",
+            x.request_id,
+            target,
+            decision.targets[0],
+            decision.reason,
+            extra={"request_id": x.request_id, "endpoint": decision.targets[0]},
+        )
+        payload = bytes(x.body)
+        if body is not None and rewrite and rewrite != model:
+            body["model"] = rewrite
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            x.rewriter = ModelRewriter(rewrite, model)
+        return self._forward(x, decision, payload, body is not None)
+
+    def _forward(
+        self, x: _Exchange, decision: Decision, payload: bytes, has_body: bool
+    ) -> list[ep.ProcessingResponse]:
+        set_headers = [_header(DESTINATION_HEADER, decision.targets[0])]
+        if has_body:
+            set_headers.append(_header("content-length", str(len(payload))))
+        if x.generated_id:
+            set_headers.append(_header(REQUEST_ID_HEADER, x.request_id))
+        lb = struct_pb2.Struct()
+        lb.fields[DESTINATION_HEADER].string_value = ",".join(decision.targets)
+        dyn = struct_pb2.Struct()
+        dyn.fields[LB_METADATA_NAMESPACE].struct_value.CopyFrom(lb)
+        out = [
+            ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(
+                    response=ep.CommonResponse(
+                        header_mutation=ep.HeaderMutation(set_headers=set_headers), clear_route_cache=True
+                    )
+                ),
+                dynamic_metadata=dyn,
+            )
+        ]
+        if has_body:
+            n = len(payload)
+            for start in range(0, max(n, 1), MAX_CHUNK):
+                chunk = payload[start : start + MAX_CHUNK]
+                out.append(
+                    ep.ProcessingResponse(
+                        request_body=ep.BodyResponse(
+                            response=ep.CommonResponse(
+                                body_mutation=ep.BodyMutation(
+                                    streamed_response=ep.StreamedBodyResponse(
+                                        body=chunk, end_of_stream=start + MAX_CHUNK >= n
+                                    )
+                                )
+                            )
+                        )
+                    )
+                )
+        return out
+
+    # -- response phase ---------------------------------------------------------------------
+    def on_response_headers(self, x: _Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        status = ""
+        for h in msg.headers.headers:
+            if h.key == ":status":
+                status = h.raw_value.decode() if h.raw_value else h.value
+                break
+        if status != "200" and x.decision is not None and self.metrics is not None:
+            self.metrics.endpoint_errors.labels(self.metrics.pool_name, x.decision.targets[0]).inc()
+            req = x.request
+            self._count_error(x, req.model if req else "", req.target_model if req else "", int(status or 0))
+        mutation = ep.HeaderMutation()
+        if x.rewriter is not None:
+            mutation.remove_headers.append("content-length")  # the rewritten body may change length
+        resp = ep.ProcessingResponse(
+            response_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
+        )
+        if msg.end_of_stream:
+            self.finish(x)
+        return [resp]
+
+    def on_response_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        chunk = msg.body
+        if x.rewriter is not None:
+            chunk = x.rewriter.feed(chunk, msg.end_of_stream)
+        if msg.end_of_stream:
+            self.finish(x)
+        return [
+            ep.ProcessingResponse(
+                response_body=ep.BodyResponse(
+                    response=ep.CommonResponse(
+                        body_mutation=ep.BodyMutation(
+                            streamed_response=ep.StreamedBodyResponse(
+                                body=chunk, end_of_stream=msg.end_of_stream
+                            )
+                        )
+                    )
+                )
+            )
+        ]
+
+    def on_response_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        self.finish(x)
+        return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+
+    def finish(self, x: _Exchange) -> None:
+        """The exchange is over (normally or not): release the endpoint's in-flight slot once."""
+        if x.finished:
+            return
+        x.finished = True
+        if x.decision is None:
+            return
+        self.director.finished(x.decision.targets[0])
+        if self.metrics is not None and x.request is not None:
+            req = x.request
+            self.metrics.running.labels(req.model).dec()
+            self.metrics.duration.labels(req.model, req.target_model).observe(time.perf_counter() - x.started)
+
+    def _count_error(self, x: _Exchange, model: str, target: str, code: int) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(model, target, str(code)).inc()
+
+    # -- one message ------------------------------------------------------------------------
+    def handle(self, x: _Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        kind = msg.WhichOneof("request")
+        if kind == "request_body":
+            return self.on_request_body(x, msg.request_body)
+        if kind == "response_body":
+            return self.on_response_body(x, msg.response_body)
+        if kind == "request_headers":
+            return self.on_request_headers(x, msg.request_headers, msg.metadata_context)
+        if kind == "response_headers":
+            return self.on_response_headers(x, msg.response_headers)
+        if kind == "request_trailers":
+            return self.on_request_trailers(x)
+        if kind == "response_trailers":
+            return self.on_response_trailers(x)
+        return []
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, handler: EndpointPickerHandler) -> None:
+        self.handler = handler
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        handler = self.handler
+        x = _Exchange()
+        try:
+            async for msg in request_iterator:
+                try:
+                    responses = handler.handle(x, msg)
+                except Exception:
+                    log.exception("request %s: ext_proc handler failed", x.request_id)
+                    yield immediate(500, "internal error in the endpoint picker", request_id=x.request_id)
+                    return
+                for resp in responses:
+                    yield resp
+                if responses and responses[0].HasField("immediate_response"):
+                    return
+        finally:
+            handler.finish(x)

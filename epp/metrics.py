@@ -1,0 +1,143 @@
+"""The EPP's Prometheus metrics, in GIE's ``inference_objective_*`` / ``inference_pool_*`` family."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvgate.epp.datastore import Datastore
+
+_LATENCY_BUCKETS = (
+    0.005,
+    0.025,
+    0.05,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    1.25,
+    1.5,
+    2,
+    3,
+    4,
+    5,
+    6,
+    8,
+    10,
+    15,
+    20,
+    30,
+    45,
+    60,
+    120,
+    180,
+    240,
+    300,
+    360,
+    480,
+    600,
+    900,
+    1200,
+    1800,
+    2700,
+    3600,
+)
+_SCHEDULER_BUCKETS = (
+    0.00001,
+    0.00002,
+    0.00005,
+    0.0001,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+)
+
+
+class _PoolCollector(Collector):
+    """Pool gauges computed at scrape time from the datastore (no bookkeeping on the hot path)."""
+
+    def __init__(self, datastore: Datastore, pool_name: str) -> None:
+        self.datastore = datastore
+        self.pool_name = pool_name
+
+    def collect(self):
+        states = [s for s in self.datastore.all() if self.datastore.reachable(s)]
+        n = len(states)
+        ready = GaugeMetricFamily("inference_pool_ready_pods", "Ready endpoints in the pool", labels=["name"])
+        ready.add_metric([self.pool_name], n)
+        kv = GaugeMetricFamily(
+            "inference_pool_average_kv_cache_utilization",
+            "Mean KV-cache use over the pool (0-1)",
+            labels=["name"],
+        )
+        kv.add_metric([self.pool_name], sum(s.metrics.kv_usage for s in states) / n if n else 0.0)
+        queue = GaugeMetricFamily(
+            "inference_pool_average_queue_size", "Mean waiting queue over the pool", labels=["name"]
+        )
+        queue.add_metric([self.pool_name], sum(s.metrics.waiting for s in states) / n if n else 0.0)
+        per_pod = GaugeMetricFamily(
+            "inference_pool_per_pod_queue_size",
+            "Waiting queue per endpoint",
+            labels=["name", "model_server_pod"],
+        )
+        for s in states:
+            per_pod.add_metric([self.pool_name, s.endpoint.name or s.address], s.metrics.waiting)
+        yield from (ready, kv, queue, per_pod)
+
+
+class EppMetrics:
+    def __init__(self, datastore: Datastore, pool_name: str = "local") -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = ["model_name", "target_model_name"]
+        self.requests = Counter("inference_objective_request", "Requests received", labels, registry=r)
+        self.errors = Counter(
+            "inference_objective_request_error", "Requests that failed", [*labels, "error_code"], registry=r
+        )
+        self.duration = Histogram(
+            "inference_objective_request_duration_seconds",
+            "End-to-end request latency seen by the EPP",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "inference_objective_running_requests", "Requests in flight", ["model_name"], registry=r
+        )
+        self.request_sizes = Histogram(
+            "inference_objective_request_sizes",
+            "Request body size in bytes",
+            labels,
+            buckets=(64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304),
+            registry=r,
+        )
+        self.scheduler = Histogram(
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "Time spent choosing an endpoint",
+            buckets=_SCHEDULER_BUCKETS,
+            registry=r,
+        )
+        self.plugin = Histogram(
+            "inference_extension_plugin_duration_seconds",
+            "Time spent in each scheduling plugin",
+            ["plugin_name"],
+            buckets=_SCHEDULER_BUCKETS,
+            registry=r,
+        )
+        self.endpoint_errors = Counter(
+            "inference_pool_endpoint_error",
+            "Non-200 upstream responses per endpoint",
+            ["name", "endpoint"],
+            registry=r,
+        )
+        self.pool_name = pool_name
+        r.register(_PoolCollector(datastore, pool_name))

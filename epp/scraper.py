@@ -1,0 +1,191 @@
+"""Scrapes each endpoint's Prometheus ``/metrics`` into the datastore every refresh interval."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from kvgate.api import metrics as vllm
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+
+log = logging.getLogger("kvgate.epp.scraper")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """``name`` or ``name{label="value"}``: which series carries a signal."""
+
+    name: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> MetricSpec:
+        m = re.fullmatch(r"\s*([A-Za-z_:][A-Za-z0-9_:]*)\s*(?:\{(.*)\})?\s*", text)
+        if not m:
+            raise ValueError(f"not a metric spec: {text!r} (use name or name{{label=value}})")
+        labels = tuple(
+            (k.strip(), v.strip().strip('"'))
+            for k, v in (p.split("=", 1) for p in (m.group(2) or "").split(",") if p.strip())
+        )
+        return cls(m.group(1), labels)
+
+
+@dataclass(frozen=True)
+class MetricMapping:
+    waiting: MetricSpec
+    running: MetricSpec
+    kv_usage: MetricSpec
+    lora_info: MetricSpec | None = None
+
+
+MAPPINGS: dict[str, MetricMapping] = {
+    "vllm": MetricMapping(
+        MetricSpec(vllm.NUM_REQUESTS_WAITING),
+        MetricSpec(vllm.NUM_REQUESTS_RUNNING),
+        MetricSpec(vllm.KV_CACHE_USAGE_PERC),
+        MetricSpec(vllm.LORA_REQUESTS_INFO),
+    ),
+    "sglang": MetricMapping(
+        MetricSpec("sglang:num_queue_reqs"),
+        MetricSpec("sglang:num_running_reqs"),
+        MetricSpec("sglang:token_usage"),
+    ),
+    "triton-tensorrt-llm": MetricMapping(
+        MetricSpec("nv_trt_llm_request_metrics", (("request_type", "waiting"),)),
+        MetricSpec("nv_trt_llm_request_metrics", (("request_type", "scheduled"),)),
+        MetricSpec("nv_trt_llm_kv_cache_block_metrics", (("kv_cache_block_type", "fraction"),)),
+    ),
+}
+
+_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetrics:
+    """Reads only the series the mapping names; sums counts, takes the max of utilisation."""
+    wanted = {mapping.waiting.name, mapping.running.name, mapping.kv_usage.name}
+    if mapping.lora_info:
+        wanted.add(mapping.lora_info.name)
+    waiting = running = 0.0
+    kv = 0.0
+    lora_ts = -1.0
+    lora: dict[str, str] = {}
+    found_kv = False
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if m is None or m.group(1) not in wanted:
+            continue
+        name, raw_labels, raw_value = m.groups()
+        try:
+            value = float(raw_value)
+        except ValueError:
+            continue
+        labels = dict(_LABEL.findall(raw_labels or ""))
+        for spec, kind in ((mapping.waiting, "w"), (mapping.running, "r"), (mapping.kv_usage, "k")):
+            if name == spec.name and all(labels.get(k) == v for k, v in spec.labels):
+                if kind == "w":
+                    waiting += value
+                elif kind == "r":
+                    running += value
+                else:
+                    kv = max(kv, value)
+                    found_kv = True
+        if mapping.lora_info and name == mapping.lora_info.name and value >= lora_ts:
+            lora_ts, lora = value, labels
+    if not found_kv and mapping.kv_usage.name == vllm.KV_CACHE_USAGE_PERC:
+        # older vLLM exports only the deprecated alias
+        return parse_metrics(
+            text,
+            MetricMapping(
+                mapping.waiting, mapping.running, MetricSpec(vllm.GPU_CACHE_USAGE_PERC), mapping.lora_info
+            ),
+            now,
+        )
+
+    def adapters(key: str) -> frozenset[str]:
+        return frozenset(a for a in lora.get(key, "").split(",") if a)
+
+    return EndpointMetrics(
+        waiting=int(waiting),
+        running=int(running),
+        kv_usage=min(1.0, max(0.0, kv)),
+        max_lora=int(lora.get("max_lora", "0") or 0),
+        running_loras=adapters("running_lora_adapters"),
+        waiting_loras=adapters("waiting_lora_adapters"),
+        updated_at=now,
+    )
+
+
+class MetricsScraper:
+    """One polling task per endpoint, started and stopped as discovery adds and removes them."""
+
+    def __init__(
+        self,
+        datastore: Datastore,
+        mapping: MetricMapping,
+        interval: float = 0.05,
+        timeout: float = 1.0,
+        path: str = "/metrics",
+    ) -> None:
+        self.datastore = datastore
+        self.mapping = mapping
+        self.interval = interval
+        self.path = path
+        self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=1024))
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        datastore.subscribe(self._on_endpoint)
+        for state in datastore.all():
+            self._on_endpoint(state.endpoint, True)
+
+    def _on_endpoint(self, endpoint: Endpoint, added: bool) -> None:
+        task = self._tasks.pop(endpoint.address, None)
+        if task is not None:
+            task.cancel()
+        if added:
+            self._tasks[endpoint.address] = asyncio.get_running_loop().create_task(
+                self._poll(endpoint), name=f"scrape {endpoint.address}"
+            )
+
+    async def scrape_once(self, endpoint: Endpoint) -> bool:
+        url = f"http://{endpoint.address}{self.path}"
+        try:
+            resp = await self._client.get(url)
+            resp.raise_for_status()
+        except httpx.ConnectError:
+            # refused / unreachable: take it out of rotation now, not after several misses
+            state = self.datastore.get(endpoint.address)
+            if state is not None:
+                state.metrics.consecutive_failures = max(
+                    state.metrics.consecutive_failures + 1, self.datastore.unreachable_after_failures
+                )
+            return False
+        except httpx.HTTPError as exc:
+            log.debug("scrape %s failed: %s", url, exc)
+            self.datastore.scrape_failed(endpoint.address)
+            return False
+        self.datastore.update_metrics(
+            endpoint.address, parse_metrics(resp.text, self.mapping, time.monotonic())
+        )
+        return True
+
+    async def _poll(self, endpoint: Endpoint) -> None:
+        was_ok = True
+        while True:
+            ok = await self.scrape_once(endpoint)
+            if ok != was_ok:
+                log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
+                was_ok = ok
+            await asyncio.sleep(self.interval if ok else max(self.interval, 0.2))
+
+    async def close(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        self._tasks.clear()
+        await self._client.aclose()

@@ -1,0 +1,183 @@
+"""Wires the EPP together: discovery → datastore ← signals; ext_proc + health + metrics servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health_pb2_grpc
+from prometheus_client import start_http_server
+
+from kvgate.epp.datastore import Datastore, Endpoint
+from kvgate.epp.director import Director
+from kvgate.epp.extproc import EndpointPickerHandler, ExternalProcessor
+from kvgate.epp.health import EppHealth
+from kvgate.epp.kv_subscriber import KVEventSubscribers
+from kvgate.epp.metrics import EppMetrics
+from kvgate.epp.request import Tokenizer
+from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
+from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
+from kvgate.epp.scraper import MetricMapping, MetricsScraper
+
+log = logging.getLogger("kvgate.epp")
+
+
+@dataclass
+class ServerSettings:
+    config: EndpointPickerConfig
+    profile_name: str | None = None  # which of the config's profiles runs (default: the first)
+    endpoints: list[Endpoint] = field(default_factory=list)
+    pool_name: str | None = None
+    pool_namespace: str = "default"
+    kv_events_port: int = 0  # in Kubernetes: pod ip + this port (0: no events)
+    kv_replay_port: int = 0
+    bind_host: str = "127.0.0.1"
+    grpc_port: int = 9002
+    grpc_health_port: int = 9003
+    metrics_port: int = 9090
+    secure_serving: bool = True
+    refresh_metrics_interval: float = 0.05
+    metric_mapping: MetricMapping | None = None
+    tokenizer: Tokenizer | None = None
+    objectives: dict[str, int] = field(default_factory=dict)
+
+
+def needs_tokenizer(config: EndpointPickerConfig) -> bool:
+    return any(isinstance(s, PrecisePrefixCacheScorer) for p in build_profiles(config) for s, _ in p.scorers)
+
+
+class EppServer:
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.datastore = Datastore()
+        profiles = build_profiles(settings.config)
+        if settings.profile_name:
+            chosen = [p for p in profiles if p.name == settings.profile_name]
+            if not chosen:
+                raise ValueError(
+                    f"profile {settings.profile_name!r} is not in the config (has: {', '.join(p.name for p in profiles)})"
+                )
+            profile = chosen[0]
+        else:
+            profile = profiles[0]
+        self.profile = profile
+        self.director = Director(self.datastore, profile, saturation_detector(settings.config))
+        self.metrics = EppMetrics(self.datastore, settings.pool_name or "local")
+        objectives = {**settings.config.objectives, **settings.objectives}
+        self.handler = EndpointPickerHandler(self.director, self.metrics, settings.tokenizer, objectives)
+        self.health = EppHealth(self.datastore)
+        self.grpc_port = settings.grpc_port
+        self.health_port = settings.grpc_health_port
+        self.metrics_port = settings.metrics_port
+        self._servers: list[grpc.aio.Server] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._http: Any = None
+        self.scraper: MetricsScraper | None = None
+        self.kv: KVEventSubscribers | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        options = [("grpc.max_concurrent_streams", 100_000), ("grpc.so_reuseport", 0)]
+        ext = grpc.aio.server(options=options)
+        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.handler), ext)
+        # also on the ext_proc port, so Envoy's cluster health check shares its transport (TLS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, ext)
+        target = f"{s.bind_host}:{s.grpc_port}"
+        if s.secure_serving:
+            from kvgate.epp.tls import self_signed_cert
+
+            cert, key = self_signed_cert()
+            self.grpc_port = ext.add_secure_port(target, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.grpc_port = ext.add_insecure_port(target)
+        health = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, health)
+        self.health_port = health.add_insecure_port(f"{s.bind_host}:{s.grpc_health_port}")
+        await self.health.start()
+        await ext.start()
+        await health.start()
+        self._servers = [ext, health]
+        self._http, _ = start_http_server(s.metrics_port, s.bind_host, registry=self.metrics.registry)
+        self.metrics_port = self._http.server_port
+        from kvgate.epp.scraper import MAPPINGS
+
+        self.scraper = MetricsScraper(
+            self.datastore, s.metric_mapping or MAPPINGS["vllm"], s.refresh_metrics_interval
+        )
+        self.kv = KVEventSubscribers(self.datastore)
+        loop = asyncio.get_running_loop()
+        if s.pool_name:
+            from kvgate.epp.k8s import PoolWatcher
+
+            watcher = PoolWatcher(
+                self.datastore, s.pool_name, s.pool_namespace, s.kv_events_port, s.kv_replay_port
+            )
+            self._tasks.append(loop.create_task(watcher.run(), name="pool watch"))
+        else:
+            self.datastore.set_endpoints(s.endpoints)
+        self._tasks.append(loop.create_task(self.health.watch(), name="health"))
+        log.info(
+            "EPP serving",
+            extra={
+                "grpc_port": self.grpc_port,
+                "grpc_health_port": self.health_port,
+                "metrics_port": self.metrics_port,
+                "profile": self.profile.name,
+                "secure_serving": s.secure_serving,
+                "endpoints": len(self.datastore),
+            },
+        )
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.health.servicer.enter_graceful_shutdown()
+        for server in self._servers:
+            await server.stop(grace=1.0)
+        if self.scraper:
+            await self.scraper.close()
+        if self.kv:
+            await self.kv.close()
+        if self._http is not None:
+            self._http.shutdown()
+
+
+async def serve_forever(settings: ServerSettings) -> None:
+    server = EppServer(settings)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("EPP stopping")
+    await server.stop()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; `extra=` fields (request_id, endpoint, ...) become keys."""
+
+    _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in self._STD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
