@@ -80,7 +80,7 @@ class EndpointPickerConfig(BaseModel):
     plugins: list[PluginSpec] = Field(default_factory=list)
     scheduling_profiles: list[ProfileSpec] = Field(default_factory=list, alias="schedulingProfiles")
     saturation_detector: SaturationSpec = Field(
-        default_factory=lambda: SaturationSpec(), alias="saturationDetector"
+        default_factory=lambda: SaturationSpec.model_validate({}), alias="saturationDetector"
     )
     # kvgate extension: InferenceObjective name -> priority (negative = sheddable)
     objectives: dict[str, int] = Field(default_factory=dict)
