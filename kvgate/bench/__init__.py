@@ -1,0 +1,1 @@
+"""`kvgate bench`: a load generator for OpenAI-compatible endpoints and a routing-strategy comparison."""

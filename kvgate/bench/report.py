@@ -1,0 +1,82 @@
+"""Human and machine output of a bench run: an aligned table, a Markdown table, JSON records."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvgate.bench.stats import Summary
+
+# (header, attribute, format) — times shown in milliseconds, rates as percentages.
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("strategy", "strategy", "s"),
+    ("req", "requests", "d"),
+    ("err", "errors", "d"),
+    ("TTFT p50 ms", "ttft_p50_s", "ms"),
+    ("TTFT p90 ms", "ttft_p90_s", "ms"),
+    ("TTFT p99 ms", "ttft_p99_s", "ms"),
+    ("ITL p50 ms", "itl_p50_s", "ms"),
+    ("ITL p99 ms", "itl_p99_s", "ms"),
+    ("E2E p90 ms", "e2e_p90_s", "ms"),
+    ("out tok/s", "output_tok_s", ".1f"),
+    ("goodput req/s", "goodput_req_s", ".2f"),
+    ("prefix hit", "prefix_hit_rate", "%"),
+    ("ideal hit", "ideal_prefix_hit_rate", "%"),
+)
+
+
+def _cell(value: object, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if fmt == "ms":
+        return f"{float(value) * 1000:.1f}"  # type: ignore[arg-type]
+    if fmt == "%":
+        return f"{float(value) * 100:.1f}%"  # type: ignore[arg-type]
+    if fmt == "s":
+        return str(value)
+    return format(value, fmt)
+
+
+def rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:
+    headers = [h for h, _, _ in COLUMNS]
+    body = [[_cell(getattr(s, attr), fmt) for _, attr, fmt in COLUMNS] for s in summaries]
+    return headers, body
+
+
+def text_table(summaries: Sequence[Summary]) -> str:
+    headers, body = rows(summaries)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in body]
+    return "\n".join(out)
+
+
+def markdown_table(summaries: Sequence[Summary]) -> str:
+    headers, body = rows(summaries)
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(out)
+
+
+def write_json(path: Path, summaries: Sequence[Summary], settings: dict[str, object]) -> None:
+    """A JSON list with one record per strategy (or rate); each carries the run's settings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = [{**s.as_record(), "settings": settings} for s in summaries]
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def slo_line(summaries: Sequence[Summary]) -> str:
+    if not summaries:
+        return ""
+    s = summaries[0]
+    return (
+        f"goodput: requests/s that succeeded with TTFT ≤ {s.slo_ttft_s * 1000:.0f} ms "
+        f"and mean ITL ≤ {s.slo_itl_s * 1000:.0f} ms"
+    )

@@ -1,0 +1,259 @@
+"""A whole `kvgate bench` invocation: pick the target(s), run every load, report and chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvgate.bench import plots, report
+from kvgate.bench.compare import STRATEGIES, StackTemplate, compare, fill_ideal_hit_rates, parse_strategies
+from kvgate.bench.loadgen import LoadSpec, Target
+from kvgate.bench.runner import RunOutcome, engine_block_size, measure
+from kvgate.bench.stats import Slo, Summary
+from kvgate.bench.workloads import WorkloadSpec
+
+
+class BenchError(RuntimeError):
+    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.details = list(details)
+
+
+@dataclass
+class BenchResult:
+    outcomes: list[RunOutcome]
+    ideal_note: str
+    settings: dict[str, object] = field(default_factory=dict)
+    compare: bool = False
+    default_out_dir: Path | None = None
+
+    @property
+    def summaries(self) -> list[Summary]:
+        return [o.summary for o in self.outcomes]
+
+    def all_ok_enough(self) -> bool:
+        """False when some run completed no request at all (the table then shows why)."""
+        return all(o.summary.completed > 0 for o in self.outcomes)
+
+
+def _say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _settings(args: argparse.Namespace, workload: WorkloadSpec, slo: Slo) -> dict[str, object]:
+    keys = (
+        "workload seed groups prefix_tokens suffix_tokens output_tokens conversations turns "
+        "first_turn_tokens user_turn_tokens request_rate concurrency num_requests duration simulate engines "
+        "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks max_num_seqs engine_model url"
+    ).split()
+    out = {k: getattr(args, k, None) for k in keys}
+    out["slo_ttft_s"] = slo.ttft_s
+    out["slo_itl_s"] = slo.itl_s
+    return out
+
+
+def against_endpoint(
+    args: argparse.Namespace,
+    workload: WorkloadSpec,
+    loads: Sequence[LoadSpec],
+    slo: Slo,
+    progress: bool | None,
+) -> BenchResult:
+    """Load an endpoint that is already running (a `kvgate up` gateway, an engine, vLLM...)."""
+    base_url = args.url
+    metrics_urls: list[str] = []
+    model = args.model
+    if args.stack_file:
+        try:
+            info = json.loads(Path(args.stack_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise BenchError(f"cannot read --stack-file {args.stack_file}: {exc}") from None
+        base_url = base_url or info.get("gateway_url")
+        metrics_urls = [u + "/metrics" for u in info.get("engine_urls", [])]
+        model = model or info.get("model")
+    if args.engine_metrics:
+        metrics_urls = [u.strip() for u in args.engine_metrics.split(",") if u.strip()]
+    if not base_url:
+        raise BenchError("no endpoint: give --url or a --stack-file with a gateway_url")
+    base_url = base_url.rstrip("/")
+    if base_url.endswith("/v1"):
+        base_url = base_url[:-3]
+    model = model or _first_model(base_url, args.api_key)
+    target = Target(base_url=base_url, model=model, api_key=args.api_key)
+    label = args.profile or "endpoint"
+    block = engine_block_size(metrics_urls) if metrics_urls else 16
+    outcomes = []
+    for load in loads:
+        outcome = measure(label, target, workload, load, slo, metrics_urls, progress)
+        outcome.block_size = block
+        outcomes.append(outcome)
+    note = fill_ideal_hit_rates(outcomes, workload, args.engine_model)
+    return BenchResult(outcomes, note, _settings(args, workload, slo))
+
+
+def _first_model(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10.0)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchError(f"cannot list models at {base_url}/v1/models ({exc}); pass --model") from None
+
+
+def on_local_stacks(
+    args: argparse.Namespace,
+    workload: WorkloadSpec,
+    loads: Sequence[LoadSpec],
+    slo: Slo,
+    progress: bool | None,
+) -> BenchResult:
+    """Start a local stack per strategy (one for a plain run) and load each through its gateway."""
+    from kvgate.local.ports import PortBusyError, plan_ports
+    from kvgate.local.stack import SimTiming, StackConfig, StackError
+
+    engines = args.engines or (8 if args.simulate else 2)
+    if engines < 1:
+        raise BenchError("--engines must be at least 1")
+    if args.compare:
+        try:
+            strategies = parse_strategies(args.strategies)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+    else:
+        strategies = [args.profile or "precise-prefix"]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log_root = Path(args.log_dir) if args.log_dir else Path("bench") / "results" / f"logs-{stamp}"
+    base = StackConfig(
+        ports=plan_ports(0, 0, engines),
+        engines=engines,
+        model=args.engine_model,
+        simulate=args.simulate,
+        sim=SimTiming(
+            prefill_time_per_token=args.sim_prefill_time_per_token,
+            itl=args.sim_itl,
+            itl_per_seq=args.sim_itl_per_seq,
+            kv_blocks=args.sim_kv_blocks,
+        )
+        if args.simulate
+        else SimTiming(),
+        max_num_seqs=args.max_num_seqs,
+        envoy_bin=args.envoy_bin,
+        log_dir=log_root,
+        ready_timeout_s=args.ready_timeout,
+    )
+    template = StackTemplate(base)
+    _say(f"component logs under {log_root}")
+    try:
+        if args.compare:
+            outcomes = compare(strategies, template, workload, loads, slo, log_root, _say, progress)
+        else:
+            # A single run may use any EPP profile name, not only the compared strategies.
+            name = strategies[0]
+            profile = STRATEGIES.get(name, name)
+            from dataclasses import replace
+
+            from kvgate.bench.compare import run_on_fresh_stack
+
+            cfg = replace(template.for_strategy("precise-prefix", log_root / name), profile=profile)
+            outcomes = run_on_fresh_stack(name, cfg, workload, loads, slo, _say, progress)
+    except PortBusyError as exc:
+        raise BenchError(str(exc)) from None
+    except StackError as exc:
+        raise BenchError(str(exc), exc.details) from None
+    note = fill_ideal_hit_rates(outcomes, workload, args.engine_model)
+    out_dir = Path("bench") / "results" / f"compare-{stamp}" if args.compare else None
+    settings = {**_settings(args, workload, slo), "engines": engines}
+    return BenchResult(outcomes, note, settings, compare=args.compare, default_out_dir=out_dir)
+
+
+def verdict_lines(summaries: Sequence[Summary], candidate: str = "precise-prefix") -> list[str]:
+    """How the candidate strategy did against each other one, in the same run."""
+    mine = next((s for s in summaries if s.strategy == candidate), None)
+    if mine is None or len(summaries) < 2:
+        return []
+    lines = []
+    for other in summaries:
+        if other is mine:
+            continue
+        if mine.ttft_p90_s is not None and other.ttft_p90_s:
+            lines.append(
+                f"{candidate} TTFT p90 = {mine.ttft_p90_s / other.ttft_p90_s:.2f}× {other.strategy}'s "
+                f"({mine.ttft_p90_s * 1000:.0f} ms vs {other.ttft_p90_s * 1000:.0f} ms)"
+            )
+    best_other_tp = max((s.output_tok_s for s in summaries if s is not mine), default=0.0)
+    lines.append(
+        f"{candidate} output throughput {mine.output_tok_s:.1f} tok/s vs best other {best_other_tp:.1f} tok/s"
+    )
+    if mine.prefix_hit_rate is not None and mine.ideal_prefix_hit_rate:
+        lines.append(
+            f"{candidate} prefix hit rate {mine.prefix_hit_rate * 100:.1f}% = "
+            f"{mine.prefix_hit_rate / mine.ideal_prefix_hit_rate * 100:.0f}% of the best achievable "
+            f"{mine.ideal_prefix_hit_rate * 100:.1f}%"
+        )
+    return lines
+
+
+def print_report(args: argparse.Namespace, result: BenchResult, started: str) -> None:
+    summaries = result.summaries
+    print(report.text_table(summaries))
+    print(report.slo_line(summaries))
+    if result.ideal_note:
+        print(
+            "ideal hit: best achievable prefix-cache hit rate for the prompts sent (every repeat of a "
+            f"full-block prefix chain hits, first occurrences miss; {result.ideal_note})"
+        )
+    for line in verdict_lines(summaries):
+        print(line)
+    if args.markdown:
+        print()
+        print(report.markdown_table(summaries))
+    json_path = Path(args.json) if args.json else None
+    plot_dir = Path(args.plot) if args.plot else None
+    if result.default_out_dir is not None:
+        json_path = json_path or result.default_out_dir / "results.json"
+        plot_dir = plot_dir or result.default_out_dir
+    if json_path is not None:
+        report.write_json(json_path, summaries, {**result.settings, "started": started})
+        print(f"results: {json_path}")
+    if plot_dir is not None:
+        for path in charts(plot_dir, result):
+            print(f"chart: {path}")
+
+
+def charts(plot_dir: Path, result: BenchResult) -> list[Path]:
+    by_label: dict[str, list[RunOutcome]] = {}
+    for o in result.outcomes:
+        by_label.setdefault(o.label, []).append(o)
+    written = [
+        plots.latency_cdfs(plot_dir / "latency_cdf.png", {k: v[0].results for k, v in by_label.items()})
+    ]
+    if any(len(v) > 1 for v in by_label.values()):
+        written.append(
+            plots.throughput_vs_rate(
+                plot_dir / "throughput_vs_rate.png", {k: [o.summary for o in v] for k, v in by_label.items()}
+            )
+        )
+    if len(by_label) > 1:
+        firsts = [v[0].summary for v in by_label.values()]
+        title = _chart_title(result)
+        written.append(plots.comparison_bars(plot_dir / "comparison.png", firsts, title))
+    return written
+
+
+def _chart_title(result: BenchResult) -> str:
+    s = result.settings
+    if s.get("workload") == "shared-prefix":
+        return (
+            f"{s.get('engines') or ''} {'simulated ' if s.get('simulate') else ''}engines, shared-prefix: "
+            f"{s.get('groups')} groups × {s.get('prefix_tokens')}-token prefix + {s.get('suffix_tokens')}-token "
+            f"question, {s.get('request_rate')} req/s, {s.get('num_requests')} requests, seed {s.get('seed')}"
+        )
+    return f"workload {s.get('workload')}, seed {s.get('seed')}"

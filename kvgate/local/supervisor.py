@@ -1,0 +1,189 @@
+"""Runs the stack's processes: one process group each, logs prefixed and teed to files, clean stop.
+
+Each child gets its own session (so a signal to its group reaches anything it spawns) and,
+on Linux, a parent-death signal, so even a `kill -9` of the supervisor leaves no orphan
+engines holding ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+_PR_SET_PDEATHSIG = 1
+TAIL_LINES = 40
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _libc()  # loaded before any fork: the child must not import or allocate
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec: new session + die with the parent.
+    os.setsid()
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    name: str  # e.g. "engine-0"; prefixes its log lines
+    argv: Sequence[str]
+    env: dict[str, str] | None = None  # added to the supervisor's environment
+    cwd: str | None = None
+
+
+@dataclass
+class ManagedProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+    _tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    _reader: threading.Thread | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def exit_code(self) -> int | None:
+        return self.popen.poll()
+
+    def tail(self, lines: int = 15) -> list[str]:
+        """The last log lines (from memory when echoing, else from its log file)."""
+        if self._reader is not None:
+            self._reader.join(timeout=1.0)
+            return list(self._tail)[-lines:]
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return []
+        return text.splitlines()[-lines:]
+
+
+class Supervisor:
+    """Starts, watches and stops a set of named processes."""
+
+    def __init__(self, log_dir: Path, echo: TextIO | None = None) -> None:
+        self.log_dir = log_dir
+        self.echo = echo  # where prefixed log lines go (None: files only)
+        self.processes: list[ManagedProcess] = []
+        self._echo_lock = threading.Lock()
+        self._width = 8
+
+    def start(self, spec: ProcessSpec) -> ManagedProcess:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{spec.name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
+        self._width = max(self._width, len(spec.name) + 2)
+        if self.echo is None:
+            with log_path.open("wb") as log:
+                popen = subprocess.Popen(
+                    list(spec.argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=spec.cwd,
+                    preexec_fn=_child_setup,
+                )
+            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
+        else:
+            popen = subprocess.Popen(
+                list(spec.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=spec.cwd,
+                preexec_fn=_child_setup,
+            )
+            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
+            proc._reader = threading.Thread(
+                target=self._pump, args=(proc,), name=f"log-{spec.name}", daemon=True
+            )
+            proc._reader.start()
+        self.processes.append(proc)
+        return proc
+
+    def _pump(self, proc: ManagedProcess) -> None:
+        assert proc.popen.stdout is not None
+        prefix = f"[{proc.name}]"
+        with proc.log_path.open("wb") as log:
+            for raw in iter(proc.popen.stdout.readline, b""):
+                log.write(raw)
+                log.flush()
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                proc._tail.append(line)
+                if self.echo is not None:
+                    with self._echo_lock:
+                        try:
+                            self.echo.write(f"{prefix:<{self._width}} {line}\n")
+                            self.echo.flush()
+                        except (OSError, ValueError):
+                            pass  # the console went away; the file still has it
+
+    def say(self, message: str) -> None:
+        """A supervisor line in the same stream as the children's logs."""
+        if self.echo is None:
+            return
+        with self._echo_lock:
+            self.echo.write(message + "\n")
+            self.echo.flush()
+
+    def exited(self) -> list[ManagedProcess]:
+        return [p for p in self.processes if p.exit_code() is not None]
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every group (newest first: gateway before engines), then SIGKILL stragglers."""
+        for proc in reversed(self.processes):
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in reversed(self.processes):
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                proc.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.popen.wait(timeout=5.0)
+            # The leader is gone; anything it left in its group goes too.
+            _signal_group(proc, signal.SIGKILL)
+        for proc in self.processes:
+            if proc._reader is not None:
+                proc._reader.join(timeout=2.0)
+            if proc.popen.stdout is not None:
+                proc.popen.stdout.close()
+
+
+def _signal_group(proc: ManagedProcess, sig: signal.Signals) -> None:
+    # The child called setsid, so its pid is its process-group id, and that id stays reserved
+    # while any member of the group lives, so this reaches leftovers even after the leader died.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
