@@ -1,0 +1,544 @@
+"""The custom resources kvgate serves and reads, as pydantic models.
+
+- `InferencePool` (`inference.networking.k8s.io/v1`) and `InferenceObjective`
+  (`inference.networking.x-k8s.io/v1alpha2`) follow the Gateway API Inference Extension
+  (GIE) v1 API field for field, so GIE's own examples and gateways work with them.
+- `ModelDeployment` (`kvgate.dev/v1alpha1`) is kvgate's own: one served model, from which the
+  operator builds the engine Deployment, the InferencePool, the endpoint picker and the
+  autoscaler.
+
+These models are the source of the CRD YAML (`scripts/gen_crds.py` writes `crds/` and the
+chart's copy); a test fails when the YAML and the models disagree.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from kvgate.api.crd_schema import CRDSpec, PrinterColumn
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+OBJECTIVE_VERSION = "v1alpha2"
+KVGATE_GROUP = "kvgate.dev"
+KVGATE_VERSION = "v1alpha1"
+
+# Patterns from the Kubernetes / Gateway API conventions GIE reuses.
+GROUP_PATTERN = r"^$|^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+KIND_PATTERN = r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$"
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+CONDITION_TYPE_PATTERN = r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+CONTROLLER_NAME_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\/[A-Za-z0-9\/\-._~%!$&'()*+,;=:]+$"
+)
+
+PortNumber = Annotated[int, Field(ge=1, le=65535, json_schema_extra={"format": "int32"})]
+
+
+class K8sModel(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors for our own kinds."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+class GIEModel(K8sModel):
+    """GIE's kinds: fields a newer GIE adds are ignored rather than rejected when reading."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+class Condition(GIEModel):
+    """metav1.Condition."""
+
+    type: str = Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON_PATTERN)
+    message: str = Field(max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(default=None, ge=0, json_schema_extra={"format": "int64"})
+
+
+def _conditions_field(description: str) -> Any:
+    return Field(
+        default=None,
+        max_length=8,
+        description=description,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class Port(GIEModel):
+    number: PortNumber = Field(description="The port number on the selected model server pods.")
+
+
+# ---------------------------------------------------------------------------------------------
+# InferencePool (GIE v1)
+# ---------------------------------------------------------------------------------------------
+
+
+class LabelSelector(GIEModel):
+    match_labels: dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]] = Field(
+        min_length=1,
+        max_length=64,
+        description="Labels a pod must carry (all of them) to be a member of the pool.",
+    )
+
+
+class EndpointPickerRef(GIEModel):
+    group: str = Field(default="", max_length=253, pattern=GROUP_PATTERN)
+    kind: str = Field(default="Service", min_length=1, max_length=63, pattern=KIND_PATTERN)
+    name: str = Field(min_length=1, max_length=253, description="Name of the endpoint picker's Service.")
+    port: Port | None = Field(
+        default=None, description="The endpoint picker's ext_proc port (9002 by convention)."
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose",
+        description="What the gateway does when the endpoint picker does not answer.",
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.kind != 'Service' || has(self.port)",
+                    "message": "port is required when kind is 'Service' or unspecified (defaults to 'Service')",
+                }
+            ]
+        }
+    )
+
+
+class InferencePoolSpec(GIEModel):
+    selector: LabelSelector = Field(
+        description="Selects the model server pods of this pool (same namespace)."
+    )
+    target_ports: list[Port] = Field(
+        min_length=1,
+        max_length=8,
+        description="Ports of the model servers; each pod IP and port pair is one endpoint.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "atomic",
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.all(p1, self.exists_one(p2, p1.number==p2.number))",
+                    "message": "port number must be unique",
+                }
+            ],
+        },
+    )
+    app_protocol: Literal["http", "kubernetes.io/h2c"] = Field(
+        default="http", description="Protocol of the target ports: HTTP/1.1 or HTTP/2 cleartext."
+    )
+    endpoint_picker_ref: EndpointPickerRef | None = Field(
+        default=None, description="The endpoint picker (EPP) that chooses an endpoint for each request."
+    )
+
+    @field_validator("target_ports")
+    @classmethod
+    def _unique_ports(cls, ports: list[Port]) -> list[Port]:
+        numbers = [p.number for p in ports]
+        if len(set(numbers)) != len(numbers):
+            raise ValueError("port number must be unique")
+        return ports
+
+
+class ParentReference(GIEModel):
+    group: str = Field(default="gateway.networking.k8s.io", max_length=253, pattern=GROUP_PATTERN)
+    kind: str = Field(default="Gateway", min_length=1, max_length=63, pattern=KIND_PATTERN)
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)
+
+
+class ParentStatus(GIEModel):
+    conditions: list[Condition] | None = _conditions_field(
+        "Accepted, ResolvedRefs ... as set by the gateway."
+    )
+    controller_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=CONTROLLER_NAME_PATTERN
+    )
+    parent_ref: ParentReference
+
+
+class InferencePoolStatus(GIEModel):
+    parents: list[ParentStatus] | None = Field(
+        default=None,
+        max_length=32,
+        description="Written by the gateways this pool is attached to; never by kvgate.",
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+    )
+
+
+class InferencePool(GIEModel):
+    """A pool of model server pods behind one endpoint picker (GIE v1)."""
+
+    model_config = ConfigDict(extra="ignore")  # apiVersion, kind, metadata live outside the spec models
+    spec: InferencePoolSpec
+    status: InferencePoolStatus | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# InferenceObjective (GIE v1alpha2)
+# ---------------------------------------------------------------------------------------------
+
+
+class PoolObjectReference(GIEModel):
+    group: str = Field(default=POOL_GROUP, max_length=253, pattern=GROUP_PATTERN)
+    kind: str = Field(default="InferencePool", min_length=1, max_length=63, pattern=KIND_PATTERN)
+    name: str = Field(min_length=1, max_length=253)
+
+
+class InferenceObjectiveSpec(GIEModel):
+    priority: int | None = Field(
+        default=None,
+        description="Higher is more important; unset means 0; negative means sheddable when saturated.",
+    )
+    pool_ref: PoolObjectReference = Field(
+        description="The InferencePool (same namespace) this objective applies to."
+    )
+
+
+class InferenceObjectiveStatus(GIEModel):
+    conditions: list[Condition] | None = _conditions_field("Conditions of the objective.")
+
+
+class InferenceObjective(GIEModel):
+    """How important one use case's requests are within a pool (GIE v1alpha2)."""
+
+    model_config = ConfigDict(extra="ignore")
+    spec: InferenceObjectiveSpec
+    status: InferenceObjectiveStatus | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelDeployment (kvgate.dev/v1alpha1)
+# ---------------------------------------------------------------------------------------------
+
+MODEL_SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-Za-z0-9_./]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.+)$"
+_PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
+
+
+class ModelSource(K8sModel):
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN,
+        description=(
+            "Where the weights come from: `hf://org/name[@revision]` (downloaded at start-up), "
+            "`pvc://claim/path` (mounted read-only), or an absolute path inside the image "
+            "(a model folder or a .gguf file)."
+        ),
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="The model name clients send; defaults to the source's last path element.",
+    )
+    max_model_len: int | None = Field(default=None, ge=16, description="Context length limit for the engine.")
+    hf_token_secret: str | None = Field(
+        default=None,
+        description="A Secret (key `token`) holding a Hugging Face token, for gated hf:// models.",
+    )
+
+    def kind(self) -> Literal["hf", "pvc", "path"]:
+        if self.source.startswith("hf://"):
+            return "hf"
+        if self.source.startswith("pvc://"):
+            return "pvc"
+        return "path"
+
+    def hf_repo(self) -> tuple[str, str | None]:
+        """(org/name, revision) of an hf:// source."""
+        repo, _, revision = self.source.removeprefix("hf://").partition("@")
+        return repo, revision or None
+
+    def pvc(self) -> tuple[str, str]:
+        """(claim, path inside the claim) of a pvc:// source."""
+        match = _PVC_RE.match(self.source)
+        if match is None:
+            raise ValueError(f"not a pvc:// source: {self.source}")
+        return match.group("claim"), (match.group("path") or "/").lstrip("/")
+
+    def effective_served_name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        if self.kind() == "hf":
+            return self.hf_repo()[0]
+        tail = self.source.rstrip("/").rsplit("/", 1)[-1]
+        return tail.removesuffix(".gguf") or "model"
+
+
+class EnvVar(K8sModel):
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = Field(
+        default=None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef ...)."
+    )
+
+
+class ResourceRequirements(K8sModel):
+    requests: dict[str, int | str] | None = None
+    limits: dict[str, int | str] | None = None
+
+
+class EngineSpec(K8sModel):
+    image: str | None = Field(default=None, description="Engine image; the operator's default when unset.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    args: list[str] = Field(default_factory=list, description="Extra `kvgate engine serve` arguments.")
+    env: list[EnvVar] = Field(default_factory=list)
+    resources: ResourceRequirements | None = None
+    tensor_parallel_size: int = Field(default=1, ge=1, le=16, description="GPUs per replica.")
+    accelerator: Literal["nvidia", "none"] = Field(
+        default="nvidia",
+        description="`nvidia` requests nvidia.com/gpu = tensorParallelSize; `none` runs on CPU.",
+    )
+    port: PortNumber = Field(default=8000, description="The engine's HTTP port (OpenAI API, /metrics).")
+    kv_events_port: PortNumber = Field(default=5557, description="The engine's ZMQ KV-event publisher port.")
+    startup_timeout_seconds: int = Field(
+        default=1800,
+        ge=30,
+        description="How long weight download and loading may take before the pod is restarted.",
+    )
+    drain_seconds: int = Field(
+        default=30,
+        ge=0,
+        le=600,
+        description="preStop wait so gateways take the pod out of rotation before it stops admitting.",
+    )
+    shutdown_timeout_seconds: int = Field(
+        default=60, ge=0, le=3600, description="How long in-flight requests may finish after SIGTERM."
+    )
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+
+
+class ScorerSpec(K8sModel):
+    type: str = Field(min_length=1, description="An EPP scorer plugin type, e.g. prefix-cache-scorer.")
+    weight: int = Field(default=1, ge=0, le=100)
+    parameters: dict[str, Any] | None = None
+
+
+def _default_scorers() -> list[ScorerSpec]:
+    # GIE's default profile.
+    return [
+        ScorerSpec(type="queue-scorer", weight=2),
+        ScorerSpec(type="kv-cache-utilization-scorer", weight=2),
+        ScorerSpec(type="prefix-cache-scorer", weight=3),
+    ]
+
+
+class RoutingSpec(K8sModel):
+    epp_image: str | None = Field(
+        default=None, description="Endpoint picker image; the operator's default when unset."
+    )
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailClose", description="What the gateway does when the endpoint picker does not answer."
+    )
+    scorers: list[ScorerSpec] = Field(
+        default_factory=_default_scorers,
+        min_length=1,
+        description="Scorers of the default scheduling profile and their weights (GIE's default when unset).",
+    )
+    picker: str = Field(default="max-score-picker", min_length=1)
+    config: str | None = Field(
+        default=None,
+        description="A complete EndpointPickerConfig YAML; replaces the one built from scorers and picker.",
+    )
+    tokenizer: str | None = Field(
+        default=None, description="Tokenizer for prefix keys; the model's by default."
+    )
+    secure_serving: bool = Field(default=True, description="Serve ext_proc over TLS (self-signed).")
+
+
+class AutoscalingSpec(K8sModel):
+    backend: Literal["keda", "hpa", "off"] = Field(
+        default="off",
+        description="keda: a KEDA ScaledObject (falls back to an HPA when KEDA is absent); hpa: an autoscaling/v2 HPA.",
+    )
+    min_replicas: int = Field(default=1, ge=0, le=1000)
+    max_replicas: int = Field(default=4, ge=1, le=1000)
+    metric: Literal["queue-size", "kv-cache-utilization", "saturation"] = Field(
+        default="queue-size",
+        description="The pool signal from the endpoint picker that drives scaling.",
+    )
+    target: str = Field(
+        default="5",
+        pattern=r"^[0-9]+(\.[0-9]+)?$",
+        description="Target value of the metric (per pool average): e.g. 5 waiting requests, 0.8 KV use, 1 saturation.",
+    )
+    prometheus_address: str | None = Field(
+        default=None, description="Prometheus the ScaledObject queries; the operator's default when unset."
+    )
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.minReplicas <= self.maxReplicas",
+                    "message": "minReplicas must not exceed maxReplicas",
+                }
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("minReplicas must not exceed maxReplicas")
+        return self
+
+
+class RouteParentRef(K8sModel):
+    name: str = Field(min_length=1, max_length=253)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)
+    section_name: str | None = Field(default=None, min_length=1, max_length=253)
+    group: str = Field(default="gateway.networking.k8s.io", max_length=253, pattern=GROUP_PATTERN)
+    kind: str = Field(default="Gateway", min_length=1, max_length=63, pattern=KIND_PATTERN)
+
+
+class HTTPRouteSpec(K8sModel):
+    parent_refs: list[RouteParentRef] = Field(min_length=1, max_length=32)
+    hostnames: list[str] | None = Field(default=None, max_length=16)
+    path_prefix: str = Field(default="/", pattern=r"^/")
+    request_timeout: str | None = Field(
+        default="300s", pattern=r"^([0-9]{1,5}(h|m|s|ms)){1,4}$", description="Gateway API duration."
+    )
+
+
+class ModelDeploymentSpec(K8sModel):
+    model: ModelSource
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="Engine replicas; unset with autoscaling on leaves the count to the autoscaler.",
+    )
+    routing: RoutingSpec = Field(default_factory=RoutingSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    http_route: HTTPRouteSpec | None = Field(
+        default=None, description="Attach the pool to these Gateways with an HTTPRoute."
+    )
+
+
+class AutoscalerStatus(K8sModel):
+    kind: str | None = Field(default=None, description="ScaledObject, HorizontalPodAutoscaler or none.")
+    query: str | None = None
+    has_data: bool | None = None
+
+
+class PoolSignals(K8sModel):
+    queue_size: str | None = Field(default=None, description="Average waiting requests per endpoint (EPP).")
+    kv_cache_utilization: str | None = None
+    saturation: str | None = None
+    observed_at: str | None = None
+
+
+class ModelDeploymentStatus(K8sModel):
+    observed_generation: int | None = None
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    endpoints: int | None = Field(default=None, description="Ready engine endpoints in the pool.")
+    pool: str | None = None
+    selector: str | None = Field(
+        default=None, description="Label selector of the engine pods (scale subresource)."
+    )
+    gateway_accepted: str | None = Field(
+        default=None, description="The pool's Accepted condition from its gateway(s): True, False or Unknown."
+    )
+    autoscaler: AutoscalerStatus | None = None
+    signals: PoolSignals | None = None
+    conditions: list[Condition] | None = _conditions_field(
+        "Ready, Progressing, Degraded, Autoscaling, Metrics."
+    )
+
+
+class ModelDeployment(K8sModel):
+    """One served model: engine replicas, their InferencePool, an endpoint picker and an autoscaler."""
+
+    model_config = ConfigDict(extra="ignore")
+    spec: ModelDeploymentSpec
+    status: ModelDeploymentStatus | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# CRD declarations
+# ---------------------------------------------------------------------------------------------
+
+INFERENCE_POOL_CRD = CRDSpec(
+    group=POOL_GROUP,
+    version=POOL_VERSION,
+    kind="InferencePool",
+    plural="inferencepools",
+    model=InferencePool,
+    short_names=("infpool",),
+    columns=(
+        PrinterColumn("Selector", ".spec.selector.matchLabels", priority=1),
+        PrinterColumn("Port", ".spec.targetPorts[0].number", type="integer"),
+        PrinterColumn("EPP", ".spec.endpointPickerRef.name"),
+        PrinterColumn("Failure Mode", ".spec.endpointPickerRef.failureMode", priority=1),
+        PrinterColumn("Accepted", '.status.parents[0].conditions[?(@.type=="Accepted")].status'),
+        PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+    ),
+    annotations={
+        "api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"
+    },
+)
+
+INFERENCE_OBJECTIVE_CRD = CRDSpec(
+    group=OBJECTIVE_GROUP,
+    version=OBJECTIVE_VERSION,
+    kind="InferenceObjective",
+    plural="inferenceobjectives",
+    model=InferenceObjective,
+    columns=(
+        PrinterColumn("Inference Pool", ".spec.poolRef.name"),
+        PrinterColumn("Priority", ".spec.priority", type="integer"),
+        PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+    ),
+)
+
+MODEL_DEPLOYMENT_CRD = CRDSpec(
+    group=KVGATE_GROUP,
+    version=KVGATE_VERSION,
+    kind="ModelDeployment",
+    plural="modeldeployments",
+    model=ModelDeployment,
+    short_names=("md", "mdep"),
+    categories=("kvgate",),
+    scale={
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    },
+    columns=(
+        PrinterColumn("Model", ".spec.model.source"),
+        PrinterColumn("Ready", ".status.readyReplicas", type="integer"),
+        PrinterColumn("Replicas", ".status.replicas", type="integer"),
+        PrinterColumn("Pool", ".status.pool"),
+        PrinterColumn("Endpoints", ".status.endpoints", type="integer"),
+        PrinterColumn("Status", '.status.conditions[?(@.type=="Ready")].reason'),
+        PrinterColumn("Autoscaler", ".status.autoscaler.kind", priority=1),
+        PrinterColumn("Queue", ".status.signals.queueSize", priority=1),
+        PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+    ),
+)
+
+ALL_CRDS = (INFERENCE_POOL_CRD, INFERENCE_OBJECTIVE_CRD, MODEL_DEPLOYMENT_CRD)
+
+
+def crd_manifests() -> list[dict[str, Any]]:
+    return [crd.manifest() for crd in ALL_CRDS]

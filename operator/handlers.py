@@ -1,0 +1,173 @@
+"""The kopf wiring: which events call which reconcile pass, with which credentials.
+
+Handlers live in their own `kopf.OperatorRegistry` (no module-level state), so tests can run
+several operators, each against its own API server, in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import kopf
+
+from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.kube import Credentials, KubeClient
+from kvgate.operator.reconcile import Event, Reconciler
+from kvgate.operator.resources import INFERENCE_POOLS, MODEL_DEPLOYMENTS
+from kvgate.operator.signals import SignalReader
+
+LoginFn = Callable[..., Any]
+PREFIX = "kvgate.dev"
+
+
+def _default_login(**kwargs: Any) -> Any:
+    # In a pod: the service account; elsewhere: the current kubeconfig context.
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+class Operator:
+    def __init__(self, config: OperatorConfig, login: LoginFn | None = None) -> None:
+        self.config = config
+        self.registry = kopf.OperatorRegistry()
+        self._login = login or _default_login
+        self._client: KubeClient | None = None
+        self._reconciler: Reconciler | None = None
+        self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
+        self._signals = SignalReader(config.prometheus_url) if config.prometheus_url else None
+        self._register()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _lock(self, kind: str, namespace: str, name: str) -> asyncio.Lock:
+        # A change handler and the resync timer may fire together for one object.
+        return self._locks.setdefault((kind, namespace, name), asyncio.Lock())
+
+    @property
+    def reconciler(self) -> Reconciler:
+        if self._reconciler is None:
+            raise RuntimeError("the operator has not logged in yet")
+        return self._reconciler
+
+    async def _connect(self, info: Any) -> None:
+        if self._client is not None:
+            await self._client.close()
+        self._client = KubeClient(Credentials.from_connection_info(info))
+        self._reconciler = Reconciler(self._client, self.config, self._signals)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    @staticmethod
+    def _post(body: Any, events: list[Event]) -> None:
+        for ev in events:
+            kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        reg = self.registry
+        md = {
+            "group": MODEL_DEPLOYMENTS.group,
+            "version": MODEL_DEPLOYMENTS.version,
+            "plural": MODEL_DEPLOYMENTS.plural,
+        }
+        pool = {
+            "group": INFERENCE_POOLS.group,
+            "version": INFERENCE_POOLS.version,
+            "plural": INFERENCE_POOLS.plural,
+        }
+        managed = {ANNOTATION_EPP: EPP_MANAGED}
+
+        @kopf.on.startup(registry=reg)
+        def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+            settings.persistence.finalizer = f"{PREFIX}/finalizer"
+            settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+            settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+                prefix=PREFIX, key="last-handled-configuration"
+            )
+            # kopf's per-handler success events are noise; ours (and failures) still post.
+            settings.posting.level = logging.WARNING
+            settings.scanning.disabled = not self.config.scanning
+            settings.watching.server_timeout = 300
+            settings.networking.request_timeout = 60
+
+        @kopf.on.login(registry=reg)
+        async def login(**kwargs: Any) -> Any:
+            info = self._login(**kwargs)
+            if asyncio.iscoroutine(info):
+                info = await info
+            if info is not None:
+                await self._connect(info)
+            return info
+
+        @kopf.on.cleanup(registry=reg)
+        async def cleanup(**_: Any) -> None:
+            await self.close()
+
+        async def reconcile_md(body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
+            meta = body.get("metadata", {})
+            if meta.get("deletionTimestamp"):
+                return  # children go with the owner (garbage collection); do not recreate them
+            async with self._lock("md", meta["namespace"], meta["name"]):
+                outcome = await self.reconciler.reconcile_model_deployment(dict(body))
+            for key, value in outcome.status.items():
+                patch.status[key] = value
+            self._post(body, outcome.events)
+
+        @kopf.on.resume(registry=reg, **md)
+        @kopf.on.create(registry=reg, **md)
+        @kopf.on.update(registry=reg, **md)
+        async def md_changed(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+            await reconcile_md(body, patch, logger)
+
+        @kopf.timer(
+            registry=reg, interval=self.config.resync_seconds, initial_delay=self.config.resync_seconds, **md
+        )
+        async def md_resync(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+            await reconcile_md(body, patch, logger)
+
+        async def reconcile_pool(body: kopf.Body) -> None:
+            meta = body.get("metadata", {})
+            if meta.get("deletionTimestamp"):
+                return
+            async with self._lock("pool", meta["namespace"], meta["name"]):
+                events = await self.reconciler.reconcile_managed_pool(dict(body))
+            self._post(body, events)
+
+        @kopf.on.resume(registry=reg, annotations=managed, **pool)
+        @kopf.on.create(registry=reg, annotations=managed, **pool)
+        @kopf.on.update(registry=reg, annotations=managed, **pool)
+        async def pool_changed(body: kopf.Body, **_: Any) -> None:
+            await reconcile_pool(body)
+
+        @kopf.timer(
+            registry=reg,
+            annotations=managed,
+            interval=self.config.resync_seconds,
+            initial_delay=self.config.resync_seconds,
+            **pool,
+        )
+        async def pool_resync(body: kopf.Body, **_: Any) -> None:
+            await reconcile_pool(body)
+
+    # -- running ----------------------------------------------------------------------------
+
+    async def run(self, stop_flag: Any = None, ready_flag: Any = None) -> None:
+        try:
+            await kopf.operator(
+                registry=self.registry,
+                standalone=self.config.standalone,
+                clusterwide=self.config.all_namespaces,
+                namespaces=list(self.config.namespaces),
+                liveness_endpoint=self.config.liveness_endpoint,
+                stop_flag=stop_flag,
+                ready_flag=ready_flag,
+            )
+        finally:
+            await self.close()

@@ -1,0 +1,474 @@
+"""Makes the cluster match a ModelDeployment (or an EPP-managed InferencePool), and reports.
+
+One pass: validate the spec (an invalid one creates nothing), learn what the cluster serves
+(KEDA, Gateway API), create or patch each child only where it differs from what we want,
+delete optional children no longer wanted, then read the children back into status
+conditions. Every pass is idempotent, so the same code serves create, update, resume and the
+periodic drift check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvgate.api.crds import ModelDeploymentSpec, PoolSignals, RoutingSpec
+from kvgate.operator import children as ch
+from kvgate.operator.conditions import Cond, find, merge_conditions, now_rfc3339
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.kube import ApiError, KubeClient
+from kvgate.operator.resources import (
+    DEPLOYMENTS,
+    HTTP_ROUTES,
+    INFERENCE_POOLS,
+    SCALED_OBJECTS,
+    resource_of,
+)
+from kvgate.operator.signals import SignalReader
+
+APPLIED_ANNOTATION = "kvgate.dev/applied"
+log = logging.getLogger("kvgate.operator")
+
+
+@dataclass
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Outcome:
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Patching helpers (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def is_subset(want: Any, have: Any) -> bool:
+    """Whether `have` already carries everything in `want` (extra fields in `have` are fine)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(is_subset(a, b) for a, b in zip(want, have, strict=True))
+        )
+    if isinstance(want, bool) or isinstance(have, bool):
+        return want == have
+    if isinstance(want, (int, float, str)) and isinstance(have, (int, float, str)):
+        return str(want) == str(have)  # quantities and int-or-string ports come back either way
+    return bool(want == have)
+
+
+def removals(previous: Any, current: Any) -> Any:
+    """Merge-patch nulls for dict keys we set before and no longer want (a 3-way apply)."""
+    if not isinstance(previous, dict) or not isinstance(current, dict):
+        return None
+    out: dict[str, Any] = {}
+    for key, old in previous.items():
+        if key not in current:
+            out[key] = None
+        else:
+            nested = removals(old, current[key])
+            if nested:
+                out[key] = nested
+    return out
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def _applied_body(manifest: dict[str, Any]) -> dict[str, Any]:
+    # What we record as applied: everything but identity (metadata.name/namespace/owner).
+    meta = manifest.get("metadata", {})
+    body = {k: v for k, v in manifest.items() if k not in ("apiVersion", "kind", "metadata")}
+    body["metadata"] = {k: v for k, v in meta.items() if k in ("labels", "annotations")}
+    return body
+
+
+def with_applied_annotation(manifest: dict[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(manifest))
+    record = json.dumps(_applied_body(manifest), sort_keys=True, separators=(",", ":"))
+    out["metadata"].setdefault("annotations", {})[APPLIED_ANNOTATION] = record
+    return out
+
+
+def patch_for(desired: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch turning `live` into `desired`, nulling what we applied before but dropped."""
+    patch = {k: v for k, v in desired.items() if k not in ("apiVersion", "kind")}
+    previous_raw = (live.get("metadata", {}).get("annotations") or {}).get(APPLIED_ANNOTATION)
+    if previous_raw:
+        try:
+            previous = json.loads(previous_raw)
+        except ValueError:
+            previous = None
+        nulls = removals(previous, _applied_body(desired)) if previous else None
+        if nulls:
+            patch = _deep_merge(patch, nulls)
+    return patch
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reconciler
+# ---------------------------------------------------------------------------------------------
+
+
+class SpecError(Exception):
+    pass
+
+
+def parse_spec(name: str, raw_spec: dict[str, Any] | None) -> ModelDeploymentSpec:
+    if len(name) > ch.MAX_MD_NAME:
+        raise SpecError(f"metadata.name: at most {ch.MAX_MD_NAME} characters (the EPP Service adds '-epp')")
+    try:
+        return ModelDeploymentSpec.model_validate(raw_spec or {})
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            problems.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
+        raise SpecError("; ".join(problems)) from None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        client: KubeClient,
+        config: OperatorConfig,
+        signals: SignalReader | None = None,
+        capability_ttl_s: float = 10.0,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.signals = signals
+        self._caps: ch.Capabilities | None = None
+        self._caps_at = 0.0
+        self._caps_ttl = capability_ttl_s
+
+    async def capabilities(self) -> ch.Capabilities:
+        if self._caps is None or time.monotonic() - self._caps_at > self._caps_ttl:
+            self._caps = ch.Capabilities(
+                keda=await self.client.serves(SCALED_OBJECTS),
+                gateway_api=await self.client.serves(HTTP_ROUTES),
+            )
+            self._caps_at = time.monotonic()
+        return self._caps
+
+    async def apply(self, manifest: dict[str, Any], owner_uid: str) -> tuple[dict[str, Any], str]:
+        """Create or patch one child; returns the live object and what was done."""
+        res = resource_of(manifest)
+        ns, name = manifest["metadata"].get("namespace"), manifest["metadata"]["name"]
+        desired = with_applied_annotation(manifest)
+        live = await self.client.get(res, ns, name)
+        if live is None:
+            return await self.client.create(res, ns, desired), "created"
+        if not controlled_by(live, owner_uid):
+            raise ApiError(
+                409, "Conflict", f"{manifest['kind']} {ns}/{name} exists and is not managed by kvgate"
+            )
+        if is_subset(desired, live):
+            return live, "unchanged"
+        return await self.client.patch(res, ns, name, patch_for(desired, live)), "patched"
+
+    async def apply_all(self, manifests: list[dict[str, Any]], owner_uid: str) -> dict[str, dict[str, Any]]:
+        live: dict[str, dict[str, Any]] = {}
+        for manifest in manifests:
+            obj, action = await self.apply(manifest, owner_uid)
+            if action != "unchanged":
+                log.info(
+                    "%s %s/%s %s",
+                    manifest["kind"],
+                    manifest["metadata"]["namespace"],
+                    manifest["metadata"]["name"],
+                    action,
+                )
+            live[f"{manifest['kind']}/{manifest['metadata']['name']}"] = obj
+        return live
+
+    async def prune(
+        self, namespace: str, name: str, keep_kinds: set[str], owner_uid: str, caps: ch.Capabilities
+    ) -> None:
+        served = {"ScaledObject": caps.keda, "HTTPRoute": caps.gateway_api, "HorizontalPodAutoscaler": True}
+        for kind in ch.OPTIONAL_KINDS:
+            if kind in keep_kinds or not served[kind]:
+                continue
+            res = ch_resource(kind)
+            live = await self.client.get(res, namespace, name)
+            if live is not None and controlled_by(live, owner_uid):
+                await self.client.delete(res, namespace, name)
+                log.info("%s %s/%s deleted (no longer wanted)", kind, namespace, name)
+
+    # -- ModelDeployment ---------------------------------------------------------------------
+
+    async def reconcile_model_deployment(self, body: dict[str, Any]) -> Outcome:
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+        generation = meta.get("generation")
+        old_status = body.get("status") or {}
+        old_conditions = old_status.get("conditions")
+        try:
+            spec = parse_spec(name, body.get("spec"))
+        except SpecError as exc:
+            return _failure(
+                old_conditions,
+                generation,
+                "InvalidSpec",
+                str(exc),
+                "Fix the spec; nothing was created or changed.",
+            )
+
+        owner = ch.model_deployment_owner(name, namespace, uid)
+        caps = await self.capabilities()
+        events: list[Event] = []
+        engine_live = await self.client.get(DEPLOYMENTS, namespace, name)
+        manifests = ch.model_deployment_children(
+            name, owner, spec, self.config, caps, engine_exists=engine_live is not None
+        )
+        try:
+            live = await self.apply_all(manifests, uid)
+            await self.prune(namespace, name, {m["kind"] for m in manifests}, uid, caps)
+        except ApiError as exc:
+            msg = f"applying children failed: {exc}"
+            return _failure(old_conditions, generation, "ApplyFailed", msg, msg)
+
+        engine = live[f"Deployment/{name}"]
+        epp = live[f"Deployment/{ch.epp_name(name)}"]
+        pool = live[f"InferencePool/{name}"]
+        es = engine.get("status") or {}
+        want = (engine.get("spec") or {}).get("replicas", 0) or 0
+        ready = int(es.get("readyReplicas") or 0)
+        updated = int(es.get("updatedReplicas") or 0)
+        epp_ready = int((epp.get("status") or {}).get("readyReplicas") or 0)
+        gen_seen = es.get("observedGeneration")
+        rolled = gen_seen is None or gen_seen >= (engine.get("metadata") or {}).get("generation", 0)
+
+        conds: list[Cond] = []
+        if want == 0:
+            conds.append(Cond("Ready", "False", "ScaledToZero", "No engine replicas are wanted right now."))
+        elif ready == 0:
+            conds.append(
+                Cond(
+                    "Ready", "False", "EngineNotReady", f"0/{want} engine replicas ready (loading weights?)."
+                )
+            )
+        elif epp_ready == 0:
+            conds.append(
+                Cond("Ready", "False", "EndpointPickerNotReady", "The endpoint picker is not ready.")
+            )
+        else:
+            conds.append(
+                Cond(
+                    "Ready", "True", "Available", f"{ready}/{want} engine replicas ready behind pool {name}."
+                )
+            )
+        if ready < want or updated < want or not rolled:
+            conds.append(
+                Cond("Progressing", "True", "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready.")
+            )
+        else:
+            conds.append(
+                Cond("Progressing", "False", "Complete", "All engine replicas are updated and ready.")
+            )
+        deadline = find(es.get("conditions"), "Progressing")
+        failure = find(es.get("conditions"), "ReplicaFailure")
+        if deadline and deadline.get("reason") == "ProgressDeadlineExceeded":
+            conds.append(Cond("Degraded", "True", "ProgressDeadlineExceeded", deadline.get("message", "")))
+        elif failure and failure.get("status") == "True":
+            conds.append(Cond("Degraded", "True", "ReplicaFailure", failure.get("message", "")))
+        else:
+            conds.append(Cond("Degraded", "False", "AsExpected", "No problems seen."))
+
+        scaler = ch.autoscaler_kind(spec.autoscaling, caps)
+        query = ch.autoscaler_query(name, spec.autoscaling.metric) if scaler else None
+        if scaler is None:
+            conds.append(Cond("Autoscaling", "False", "Disabled", "spec.autoscaling.backend is off."))
+        elif spec.autoscaling.backend == "keda" and scaler == "HorizontalPodAutoscaler":
+            msg = (
+                "KEDA's ScaledObject API is not served in this cluster; an autoscaling/v2 "
+                "HorizontalPodAutoscaler on the External metric "
+                f"{ch._external_metric_name(spec.autoscaling.metric)} is used instead (needs a metrics adapter)."
+            )
+            conds.append(Cond("Autoscaling", "True", "HPAFallback", msg))
+            if (find(old_conditions, "Autoscaling") or {}).get("reason") != "HPAFallback":
+                events.append(Event("Warning", "HPAFallback", msg))
+        elif scaler == "ScaledObject":
+            conds.append(Cond("Autoscaling", "True", "KEDA", f"KEDA ScaledObject {name} scales on: {query}"))
+        else:
+            conds.append(
+                Cond("Autoscaling", "True", "HPA", f"HorizontalPodAutoscaler {name} (External metric).")
+            )
+        if spec.http_route is not None and not caps.gateway_api:
+            conds.append(
+                Cond("Routed", "False", "GatewayAPIMissing", "HTTPRoute is not served; no route was created.")
+            )
+        elif spec.http_route is not None:
+            conds.append(
+                Cond("Routed", "True", "HTTPRouteApplied", f"HTTPRoute {name} points at pool {name}.")
+            )
+
+        accepted, accepted_cond = _gateway_accepted(pool)
+        conds.append(accepted_cond)
+
+        status: dict[str, Any] = {
+            "observedGeneration": generation,
+            "replicas": int(es.get("replicas") or 0),
+            "readyReplicas": ready,
+            "endpoints": ready * len(pool.get("spec", {}).get("targetPorts") or [1]),
+            "pool": name,
+            "selector": ",".join(f"{k}={v}" for k, v in ch.engine_selector(name).items()),
+            "gatewayAccepted": accepted,
+            "autoscaler": {"kind": scaler or "none", "query": query},
+        }
+        if self.signals is not None:
+            status["signals"], metrics_cond, has_data = await self._signals(name, spec, query)
+            status["autoscaler"]["hasData"] = has_data
+            conds.append(metrics_cond)
+        status["conditions"] = merge_conditions(old_conditions, conds, generation)
+        return Outcome(_drop_none(status), events)
+
+    async def _signals(
+        self, pool: str, spec: ModelDeploymentSpec, query: str | None
+    ) -> tuple[dict[str, Any] | None, Cond, bool | None]:
+        assert self.signals is not None
+        try:
+            sig = await self.signals.read(pool, spec.model.effective_served_name())
+        except Exception as exc:
+            return None, Cond("Metrics", "False", "PrometheusUnreachable", str(exc)[:500]), None
+        signals = PoolSignals(
+            queue_size=_fmt(sig.queue_size),
+            kv_cache_utilization=_fmt(sig.kv_cache_utilization),
+            saturation=_fmt(sig.saturation),
+            observed_at=now_rfc3339(),
+        ).wire()
+        if query is None:
+            cond = Cond("Metrics", "True", "SignalsRead", f"Pool signals read from {sig.source}.")
+            return signals, cond, None
+        check = await self.signals.check(query)
+        if check.error:
+            return signals, Cond("Metrics", "False", "PrometheusUnreachable", check.error[:500]), False
+        if not check.has_data:
+            msg = f"The autoscaler's query returns no data (is the EPP scraped?): {query}"
+            return signals, Cond("Metrics", "False", "NoData", msg), False
+        return signals, Cond("Metrics", "True", "QueryHasData", "The autoscaler's query returns data."), True
+
+    # -- InferencePool with kvgate.dev/epp: managed -------------------------------------------
+
+    async def reconcile_managed_pool(self, body: dict[str, Any]) -> list[Event]:
+        """Deploys a kvgate EPP for a hand-made InferencePool; fills endpointPickerRef if absent."""
+        meta = body["metadata"]
+        name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+        spec = body.get("spec") or {}
+        ref = spec.get("endpointPickerRef") or {}
+        epp = ref.get("name") or ch.epp_name(name)
+        if len(epp) > 63:
+            return [Event("Warning", "InvalidPool", f"EPP Service name {epp!r} is longer than 63 characters")]
+        port = (ref.get("port") or {}).get("number") or ch.EPP_GRPC_PORT
+        owner = ch.pool_owner(name, namespace, uid)
+        routing = RoutingSpec(failure_mode=ref.get("failureMode") or "FailClose")
+        target = ch.EPPTarget(
+            name=epp,
+            pool_name=name,
+            owner=owner,
+            instance=name,
+            pod_labels={ch.LABEL_POOL: name, ch.LABEL_ROLE: "epp"},
+            image=self.config.epp_image,
+            routing=routing,
+            grpc_port=int(port),
+        )
+        events: list[Event] = []
+        await self.apply_all(ch.epp_objects(target, self.config), uid)
+        if not ref.get("name"):
+            # Without a reference the gateway cannot find the picker we just deployed.
+            await self.client.patch(
+                INFERENCE_POOLS,
+                namespace,
+                name,
+                {
+                    "spec": {
+                        "endpointPickerRef": {
+                            "group": "",
+                            "kind": "Service",
+                            "name": epp,
+                            "port": {"number": int(port)},
+                            "failureMode": "FailClose",
+                        }
+                    }
+                },
+            )
+            events.append(
+                Event("Normal", "EndpointPickerRefSet", f"spec.endpointPickerRef now names Service {epp}.")
+            )
+        return events
+
+
+def ch_resource(kind: str):  # type: ignore[no-untyped-def]
+    return resource_of({"kind": kind})
+
+
+def _gateway_accepted(pool: dict[str, Any]) -> tuple[str, Cond]:
+    """The gateways' Accepted condition on the pool, read only (the gateway owns it)."""
+    parents = ((pool.get("status") or {}).get("parents")) or []
+    found = [c for c in (find(p.get("conditions"), "Accepted") for p in parents) if c]
+    if not found:
+        return "Unknown", Cond(
+            "GatewayAccepted", "Unknown", "NoParents", "No gateway reports on this pool yet."
+        )
+    worst = next((c for c in found if c.get("status") == "False"), None) or next(
+        (c for c in found if c.get("status") != "True"), None
+    )
+    chosen = worst or found[0]
+    status = chosen.get("status", "Unknown")
+    reason = chosen.get("reason") or "Unknown"
+    msg = f"{len(found)} gateway(s); " + (chosen.get("message") or "")
+    return status, Cond("GatewayAccepted", status, reason, msg.strip())
+
+
+def _failure(
+    old_conditions: list[dict[str, Any]] | None, generation: int | None, reason: str, msg: str, progress: str
+) -> Outcome:
+    conds = [
+        Cond("Ready", "False", reason, msg),
+        Cond("Progressing", "False", reason, progress),
+        Cond("Degraded", "True", reason, msg),
+    ]
+    status = {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old_conditions, conds, generation),
+    }
+    return Outcome(_drop_none(status), [Event("Warning", reason, msg)])
+
+
+def _fmt(value: float | None) -> str | None:
+    return None if value is None else f"{value:.3f}".rstrip("0").rstrip(".") or "0"
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = _drop_none(v)
+        if v is not None:
+            out[k] = v
+    return out

@@ -1,0 +1,350 @@
+"""The real kopf operator against kmock's emulated API: children, updates, drift, deletion."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+
+from kvgate.operator.conditions import find
+from kvgate.operator.resources import (
+    CONFIG_MAPS,
+    DEPLOYMENTS,
+    EVENTS,
+    HPAS,
+    HTTP_ROUTES,
+    INFERENCE_POOLS,
+    MODEL_DEPLOYMENTS,
+    SCALED_OBJECTS,
+    SERVICES,
+)
+
+NS = "models"  # the namespace the conftest operator watches
+RESYNC_S = 0.4  # the conftest operator's resync interval
+UID = "6f1c2a9e-0000-4000-8000-000000000001"
+
+BASE_CHILDREN = {
+    ("ServiceAccount", "smol-epp"),
+    ("Role", "smol-epp"),
+    ("RoleBinding", "smol-epp"),
+    ("ConfigMap", "smol-epp"),
+    ("Deployment", "smol-epp"),
+    ("Service", "smol-epp"),
+    ("InferencePool", "smol"),
+    ("Deployment", "smol"),
+    ("PodDisruptionBudget", "smol"),
+}
+
+
+def model_deployment(spec_extra: dict[str, Any] | None = None, name: str = "smol", uid: str = UID) -> dict:
+    spec: dict[str, Any] = {
+        "model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": "smollm2"},
+        "engine": {"image": "ghcr.io/kvgate/engine:test", "tensorParallelSize": 1},
+    }
+    spec.update(spec_extra or {})
+    return {
+        "apiVersion": "kvgate.dev/v1alpha1",
+        "kind": "ModelDeployment",
+        "metadata": {"name": name, "namespace": NS, "uid": uid},
+        "spec": spec,
+    }
+
+
+def md_status(cluster: Any, name: str = "smol") -> dict[str, Any]:
+    return cluster.objects(MODEL_DEPLOYMENTS).get(name, {}).get("status") or {}
+
+
+def condition(cluster: Any, type_: str, name: str = "smol") -> dict[str, Any] | None:
+    return find(md_status(cluster, name).get("conditions"), type_)
+
+
+async def test_create_builds_exactly_the_children_then_status(cluster: Any, operator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"replicas": 2}))
+    kids = await cluster.eventually(
+        lambda: len(cluster.children(UID)) == len(BASE_CHILDREN) and cluster.children(UID)
+    )
+    assert set(kids) == BASE_CHILDREN
+    for obj in kids.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": "kvgate.dev/v1alpha1",
+            "kind": "ModelDeployment",
+            "name": "smol",
+            "uid": UID,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    engine = kids[("Deployment", "smol")]
+    assert engine["spec"]["replicas"] == 2
+    args = engine["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == [
+        "--model",
+        "/models/HuggingFaceTB--SmolLM2-135M-Instruct",
+        "--served-model-name",
+        "smollm2",
+    ]
+    pool = kids[("InferencePool", "smol")]
+    assert pool["spec"]["endpointPickerRef"]["name"] == "smol-epp"
+    assert "status" not in pool  # the gateway writes pool status, never the operator
+
+    # Not ready yet: no pods exist in kmock.
+    cond = await cluster.eventually(lambda: condition(cluster, "Ready"), what="Ready condition")
+    assert cond["status"] == "False" and cond["reason"] == "EngineNotReady"
+
+    # Pretend the kubelet and the gateway did their part.
+    await cluster.client.patch(
+        DEPLOYMENTS,
+        NS,
+        "smol",
+        {"status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}},
+        "status",
+    )
+    await cluster.client.patch(
+        DEPLOYMENTS, NS, "smol-epp", {"status": {"replicas": 1, "readyReplicas": 1}}, "status"
+    )
+    accepted = {
+        "parents": [
+            {
+                "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "gw"},
+                "conditions": [
+                    {
+                        "type": "Accepted",
+                        "status": "True",
+                        "reason": "Accepted",
+                        "message": "ok",
+                        "lastTransitionTime": "2026-12-02T00:00:00Z",
+                    }
+                ],
+            }
+        ]
+    }
+    await cluster.client.patch(INFERENCE_POOLS, NS, "smol", {"status": accepted}, "status")
+    await cluster.eventually(
+        lambda: (condition(cluster, "Ready") or {}).get("status") == "True", what="Ready=True"
+    )
+    status = md_status(cluster)
+    assert status["readyReplicas"] == 2 and status["endpoints"] == 2 and status["pool"] == "smol"
+    await cluster.eventually(
+        lambda: md_status(cluster).get("gatewayAccepted") == "True", what="gateway Accepted surfaced"
+    )
+    assert (condition(cluster, "GatewayAccepted") or {})["reason"] == "Accepted"
+    # The operator never wrote the pool's status itself: it is exactly what the gateway wrote.
+    assert cluster.objects(INFERENCE_POOLS)["smol"]["status"] == accepted
+
+
+def engine_container(cluster: Any, name: str = "smol") -> dict[str, Any]:
+    return cluster.objects(DEPLOYMENTS)[name]["spec"]["template"]["spec"]["containers"][0]
+
+
+async def test_updates_replicas_image_and_switches_autoscaler(cluster: Any, operator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"replicas": 1}))
+    await cluster.eventually(lambda: ("PodDisruptionBudget", "smol") in cluster.children(UID))
+
+    await cluster.client.patch(
+        MODEL_DEPLOYMENTS,
+        NS,
+        "smol",
+        {"spec": {"replicas": 3, "engine": {"image": "ghcr.io/kvgate/engine:v2"}}},
+    )
+    await cluster.eventually(
+        lambda: cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 3, what="replicas 3"
+    )
+    await cluster.eventually(
+        lambda: engine_container(cluster)["image"] == "ghcr.io/kvgate/engine:v2", what="image"
+    )
+
+    # off -> keda: a ScaledObject on the EPP's pool metric appears.
+    await cluster.client.patch(
+        MODEL_DEPLOYMENTS,
+        NS,
+        "smol",
+        {
+            "spec": {
+                "replicas": None,
+                "autoscaling": {"backend": "keda", "minReplicas": 1, "maxReplicas": 6, "target": "4"},
+            }
+        },
+    )
+    so = await cluster.eventually(lambda: cluster.objects(SCALED_OBJECTS).get("smol"), what="ScaledObject")
+    trigger = so["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
+    assert 'inference_pool_average_queue_size{name="smol"}' in trigger["metadata"]["query"]
+    assert so["spec"]["maxReplicaCount"] == 6
+    cond = await cluster.eventually(
+        lambda: (
+            (condition(cluster, "Autoscaling") or {}).get("reason") == "KEDA"
+            and condition(cluster, "Autoscaling")
+        )
+    )
+    assert cond["status"] == "True"
+
+    # KEDA adds its own label and finalizer and the HPA sets the live replica count; an update
+    # of ours must keep all three.
+    await cluster.client.patch(
+        SCALED_OBJECTS,
+        NS,
+        "smol",
+        {"metadata": {"labels": {"scaledobject.keda.sh/name": "smol"}, "finalizers": ["finalizer.keda.sh"]}},
+    )
+    await cluster.client.patch(DEPLOYMENTS, NS, "smol", {"spec": {"replicas": 5}})
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"autoscaling": {"maxReplicas": 8}}})
+    await cluster.eventually(lambda: cluster.objects(SCALED_OBJECTS)["smol"]["spec"]["maxReplicaCount"] == 8)
+    so = cluster.objects(SCALED_OBJECTS)["smol"]
+    assert so["metadata"]["labels"]["scaledobject.keda.sh/name"] == "smol"
+    assert so["metadata"]["finalizers"] == ["finalizer.keda.sh"]
+    assert cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 5  # the autoscaler's, kept
+
+    # keda -> hpa: the ScaledObject goes, an autoscaling/v2 HPA comes.
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"autoscaling": {"backend": "hpa"}}})
+    hpa = await cluster.eventually(lambda: cluster.objects(HPAS).get("smol"), what="HPA")
+    assert hpa["spec"]["maxReplicas"] == 8
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "inference_pool_average_queue_size"
+    # kmock keeps the ScaledObject pending on KEDA's finalizer, as a real API server would.
+    await cluster.eventually(
+        lambda: (
+            "smol" not in cluster.objects(SCALED_OBJECTS)
+            or cluster.objects(SCALED_OBJECTS)["smol"]["metadata"].get("deletionTimestamp")
+        ),
+        what="ScaledObject deleted",
+    )
+    # hpa -> off: the HPA goes; replicas fall back to 1.
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"autoscaling": {"backend": "off"}}})
+    await cluster.eventually(lambda: "smol" not in cluster.objects(HPAS), what="HPA deleted")
+    await cluster.eventually(lambda: cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 1)
+    kids = cluster.children(UID)
+    assert set(kids) - BASE_CHILDREN <= {("ScaledObject", "smol")}  # only KEDA's pending one
+
+
+async def test_hand_deleted_or_edited_children_are_restored(cluster: Any, operator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+    await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN)
+    original_args = engine_container(cluster)["args"]
+
+    await cluster.client.delete(SERVICES, NS, "smol-epp")
+    await cluster.client.delete(DEPLOYMENTS, NS, "smol")
+    await cluster.client.patch(CONFIG_MAPS, NS, "smol-epp", {"data": {"epp-config.yaml": "tampered"}})
+    await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN, what="children recreated")
+    await cluster.eventually(
+        lambda: "prefix-cache-scorer" in cluster.objects(CONFIG_MAPS)["smol-epp"]["data"]["epp-config.yaml"],
+        what="config repaired",
+    )
+    assert engine_container(cluster)["args"] == original_args
+
+
+async def test_removed_fields_are_removed_from_children(cluster: Any, operator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"engine": {"drainSeconds": 20}}))
+    await cluster.eventually(lambda: engine_container(cluster).get("lifecycle"))
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"engine": {"drainSeconds": 0}}})
+    await cluster.eventually(lambda: "lifecycle" not in engine_container(cluster), what="preStop dropped")
+
+
+async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: Any, operator: Any) -> None:
+    bad = model_deployment(
+        {
+            "model": {"source": "s3://bucket/model"},
+            "autoscaling": {"backend": "keda", "minReplicas": 5, "maxReplicas": 2},
+        }
+    )
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, bad)
+    cond = await cluster.eventually(lambda: condition(cluster, "Ready"), what="Ready condition")
+    assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+    assert (
+        "spec.model.source" in cond["message"]
+        and "minReplicas must not exceed maxReplicas" in cond["message"]
+    )
+    assert (condition(cluster, "Degraded") or {})["status"] == "True"
+    events = await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "InvalidSpec"],
+        what="event",
+    )
+    assert events[0]["type"] == "Warning"
+    assert cluster.children(UID) == {}
+
+
+async def test_deletion_leaves_children_to_garbage_collection(cluster: Any, operator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+    await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN)
+    await cluster.eventually(lambda: cluster.objects(MODEL_DEPLOYMENTS)["smol"]["metadata"].get("finalizers"))
+    await cluster.client.delete(MODEL_DEPLOYMENTS, NS, "smol")
+    await cluster.eventually(
+        lambda: "smol" not in cluster.objects(MODEL_DEPLOYMENTS), what="finalizer released"
+    )
+    assert await cluster.collect_garbage() == len(BASE_CHILDREN)
+    await asyncio.sleep(3 * RESYNC_S)  # a stale timer or handler would recreate them now
+    assert cluster.children(UID) == {}
+
+
+async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, operator: Any) -> None:
+    pool_uid = "6f1c2a9e-0000-4000-8000-00000000000f"
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {
+            "name": "vllm-llama3",
+            "namespace": NS,
+            "uid": pool_uid,
+            "annotations": {"kvgate.dev/epp": "managed"},
+        },
+        "spec": {"selector": {"matchLabels": {"app": "vllm-llama3"}}, "targetPorts": [{"number": 8000}]},
+    }
+    await cluster.client.create(INFERENCE_POOLS, NS, pool)
+    kids = await cluster.eventually(
+        lambda: len(cluster.children(pool_uid)) == 6 and cluster.children(pool_uid)
+    )
+    assert {kind for kind, _ in kids} == {
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+    }
+    assert {name for _, name in kids} == {"vllm-llama3-epp"}
+    args = kids[("Deployment", "vllm-llama3-epp")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["--pool-name", "vllm-llama3", "--pool-namespace", NS]
+    ref = await cluster.eventually(
+        lambda: cluster.objects(INFERENCE_POOLS)["vllm-llama3"]["spec"].get("endpointPickerRef")
+    )
+    assert ref == {
+        "group": "",
+        "kind": "Service",
+        "name": "vllm-llama3-epp",
+        "port": {"number": 9002},
+        "failureMode": "FailClose",
+    }
+    # A pool without the annotation is left alone.
+    plain = copy.deepcopy(pool)
+    plain["metadata"].update(name="other", uid="6f1c2a9e-0000-4000-8000-0000000000aa", annotations={})
+    await cluster.client.create(INFERENCE_POOLS, NS, plain)
+    await asyncio.sleep(3 * RESYNC_S)
+    assert cluster.children("6f1c2a9e-0000-4000-8000-0000000000aa") == {}
+
+
+@pytest.mark.parametrize("keda", [False])
+async def test_without_keda_an_hpa_stands_in_with_a_condition(
+    cluster: Any, operator: Any, keda: bool
+) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"autoscaling": {"backend": "keda"}}))
+    hpa = await cluster.eventually(lambda: cluster.objects(HPAS).get("smol"), what="HPA fallback")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smol"}
+    cond = await cluster.eventually(lambda: condition(cluster, "Autoscaling"))
+    assert cond["reason"] == "HPAFallback" and "KEDA" in cond["message"]
+    events = [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "HPAFallback"]
+    assert events and events[0]["type"] == "Warning"
+    assert ("ScaledObject", "smol") not in cluster.children(UID)
+    # Unset replicas with an autoscaler: created at minReplicas, then left to the HPA.
+    assert cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 1
+
+
+async def test_http_route_points_at_the_pool(cluster: Any, operator: Any) -> None:
+    route = {"parentRefs": [{"name": "inference-gateway"}], "hostnames": ["llm.example.com"]}
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"httpRoute": route}))
+    obj = await cluster.eventually(lambda: cluster.objects(HTTP_ROUTES).get("smol"), what="HTTPRoute")
+    assert obj["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "smol"}
+    ]
+    assert obj["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"httpRoute": None}})
+    await cluster.eventually(lambda: "smol" not in cluster.objects(HTTP_ROUTES), what="HTTPRoute deleted")
