@@ -36,6 +36,7 @@ import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
 import envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 as processing_mode_pb2
 import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
+import envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2 as previous_hosts_pb2
 import envoy.extensions.transport_sockets.tls.v3.tls_pb2 as tls_pb2
 import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_protocol_options_pb2
 import envoy.type.matcher.v3.string_pb2 as string_pb2
@@ -191,13 +192,30 @@ def build_bootstrap(
         )
     )
     # Before the EPP answers (and whenever it cannot), the request has no destination header.
+    unpicked = route_components_pb2.RouteAction(
+        cluster=FALLBACK_CLUSTER if fallback else ROUTED_CLUSTER, timeout=no_timeout
+    )
+    if fallback:
+        # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
+        # (safe: the request never reached an engine), on top of the cluster's health checks.
+        unpicked.retry_policy.CopyFrom(
+            route_components_pb2.RetryPolicy(
+                retry_on="connect-failure,refused-stream",
+                num_retries=wrap(len(fallback)),
+                retry_host_predicate=[
+                    route_components_pb2.RetryPolicy.RetryHostPredicate(
+                        name="envoy.retry_host_predicates.previous_hosts",
+                        typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+                    )
+                ],
+                host_selection_retry_max_attempts=5,
+            )
+        )
     routes.append(
         route_components_pb2.Route(
             name="unpicked",
             match=route_components_pb2.RouteMatch(prefix="/"),
-            route=route_components_pb2.RouteAction(
-                cluster=FALLBACK_CLUSTER if fallback else ROUTED_CLUSTER, timeout=no_timeout
-            ),
+            route=unpicked,
             response_headers_to_add=upstream_headers,
         )
     )
@@ -245,13 +263,17 @@ def build_bootstrap(
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(h2),
         },
+        # No panic routing to an EPP known to be down: with zero healthy hosts the ext_proc
+        # stream fails at once, before any body is streamed, so FailOpen can still let the
+        # request through (a body already handed to a dying stream cannot be recovered).
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent(0)),
     )
     if epp_health_check:
         epp_cluster.health_checks.append(
             health_check_pb2.HealthCheck(
-                timeout=_seconds(1),
-                interval=_seconds(1),
-                no_traffic_interval=_seconds(1),
+                timeout=_seconds(0.5),
+                interval=_seconds(0.5),
+                no_traffic_interval=_seconds(0.5),
                 unhealthy_threshold=wrap(1),
                 healthy_threshold=wrap(1),
                 grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
@@ -290,6 +312,15 @@ def build_bootstrap(
                 connect_timeout=_seconds(5),
                 lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
                 load_assignment=_load_assignment(FALLBACK_CLUSTER, fallback),
+                health_checks=[
+                    health_check_pb2.HealthCheck(
+                        timeout=_seconds(1),
+                        interval=_seconds(2),
+                        unhealthy_threshold=wrap(1),
+                        healthy_threshold=wrap(1),
+                        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health"),
+                    )
+                ],
             )
         )
     if direct_upstream:
@@ -309,6 +340,12 @@ def build_bootstrap(
     )
     # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML cannot dump
     return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True))
+
+
+def percent(value: float) -> Any:
+    from envoy.type.v3 import percent_pb2
+
+    return percent_pb2.Percent(value=value)
 
 
 def wrap(n: int) -> Any:
