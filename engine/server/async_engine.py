@@ -102,7 +102,10 @@ class AsyncEngine:
         self._stopping = False
         self._routes: dict[str, tuple[RequestHandle, int]] = {}
         self._handles: set[RequestHandle] = set()
-        self._waiting = 0  # engine's waiting queue as of the last command/step (engine thread writes)
+        # Requests that will still be waiting after the next step's admissions (engine thread
+        # writes): a request that just arrived to a free slot is not "queued".
+        self._waiting = 0
+        self._max_num_seqs = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0) or 0)
         self._timings: dict[str, _Timing] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -249,7 +252,8 @@ class AsyncEngine:
                         self._timings.pop(rid, None)
                         engine.abort_request(rid)
                     if adds:
-                        self._waiting = int(engine.get_stats().num_waiting)
+                        stats = engine.get_stats()
+                        self._waiting = self._queued(stats.num_waiting, stats.num_running)
                 if adds:
                     # Answer admissions before the (possibly long) step so errors return at once.
                     self._post(self._deliver, result)
@@ -257,14 +261,17 @@ class AsyncEngine:
                 busy = engine.has_unfinished_requests()
                 if busy:
                     result.outputs = engine.step()
-                    self._observe(result.outputs, time.monotonic())
+                now = time.monotonic()
                 if self.publisher is not None:
                     self.publisher.publish(engine.drain_kv_events())
                 else:
                     engine.drain_kv_events()
                 snap = StatsSnapshot.from_engine_stats(engine.get_stats())
-                self._waiting = snap.num_waiting
-                self.metrics.update(snap)
+                self._waiting = self._queued(snap.num_waiting, snap.num_running)
+                with self.metrics.lock:
+                    if result.outputs:
+                        self._observe(result.outputs, now)
+                    self.metrics.update(snap)
                 if result.outputs:
                     self._post(self._deliver, result)
                 busy = engine.has_unfinished_requests()
@@ -272,6 +279,11 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
             self._post(self.fail_all, self.dead_reason)
+
+    def _queued(self, waiting: int, running: int) -> int:
+        if not self._max_num_seqs:
+            return waiting
+        return max(0, waiting - max(0, self._max_num_seqs - running))
 
     def _apply_add(self, add: _Add) -> BaseException | None:
         try:
@@ -283,6 +295,7 @@ class AsyncEngine:
 
     def _observe(self, outputs: list[RequestOutput], now: float) -> None:
         m = self.metrics
+        m.touch()
         for out in outputs:
             timing = self._timings.get(out.request_id)
             if timing is None:

@@ -1,21 +1,26 @@
-"""vLLM's Prometheus metrics, same names, types and labels, in a registry of our own.
+"""vLLM's Prometheus metrics: same names, types, labels and buckets, in a registry of our own.
 
-Counters that the engine keeps as running totals (tokens, prefix-cache queries/hits,
-preemptions) are advanced by the difference between successive engine snapshots; the
-latency histograms and the per-reason success counter are fed per request by the server.
-All writes happen on the engine thread; prometheus_client's own locks make scrapes safe.
+The exposition is rendered here rather than by prometheus_client: an EPP scrapes every engine
+about 20 times a second, and prometheus_client's generic renderer took ~3.7 ms for these ~100
+samples (8 engines on 2 cores would spend most of a core on scrapes). Precomputed series
+prefixes make a render ~30x cheaper, and an unchanged registry returns its cached bytes. The
+output is Prometheus text format 0.0.4, checked against prometheus_client's parser in tests.
+
+Writes come from the engine thread (per step), renders from the event loop; one lock keeps a
+render from seeing half a step (e.g. a histogram count without its bucket).
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: F401  (re-exported)
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
 from kvgate.api import metrics as names
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # vLLM V1's buckets, so dashboards and SLO queries written for vLLM read the same.
 TTFT_BUCKETS = (
@@ -33,6 +38,98 @@ E2E_BUCKETS = (
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _num(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    return repr(float(value))
+
+
+class _Metric:
+    def __init__(self, name: str, kind: str, doc: str) -> None:
+        self.name = name
+        self.header = f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
+
+    def lines(self) -> Iterable[str]:
+        raise NotImplementedError
+
+
+class Scalar(_Metric):
+    """A gauge or counter family: one value per label set."""
+
+    def __init__(self, name: str, kind: str, doc: str) -> None:
+        super().__init__(name, kind, doc)
+        self.series: dict[str, float] = {}
+
+    def child(self, labels: Mapping[str, str]) -> _Child:
+        key = f"{self.name}{_labels(labels)} "
+        self.series.setdefault(key, 0.0)
+        return _Child(self.series, key)
+
+    def remove(self, labels: Mapping[str, str]) -> None:
+        self.series.pop(f"{self.name}{_labels(labels)} ", None)
+
+    def lines(self) -> Iterable[str]:
+        for prefix, value in self.series.items():
+            yield prefix + _num(value) + "\n"
+
+
+class _Child:
+    __slots__ = ("_key", "_series")
+
+    def __init__(self, series: dict[str, float], key: str) -> None:
+        self._series = series
+        self._key = key
+
+    def set(self, value: float) -> None:
+        self._series[self._key] = float(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._series[self._key] += amount
+
+    @property
+    def value(self) -> float:
+        return self._series[self._key]
+
+
+class Histogram(_Metric):
+    def __init__(self, name: str, doc: str, labels: Mapping[str, str], buckets: tuple[float, ...]) -> None:
+        super().__init__(name, "histogram", doc)
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)  # last slot: above every bound (+Inf only)
+        self.sum = 0.0
+        self.count = 0
+        inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        sep = "," if inner else ""
+        self._bucket_prefixes = [
+            f'{name}_bucket{{{inner}{sep}le="{_num(b)}"}} ' for b in (*buckets, float("inf"))
+        ]
+        self._sum_prefix = f"{name}_sum{_labels(labels)} "
+        self._count_prefix = f"{name}_count{_labels(labels)} "
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self) -> Iterable[str]:
+        cumulative = 0
+        for prefix, n in zip(self._bucket_prefixes, self.counts, strict=True):
+            cumulative += n
+            yield f"{prefix}{cumulative}.0\n"
+        yield f"{self._count_prefix}{self.count}.0\n"
+        yield f"{self._sum_prefix}{_num(self.sum)}\n"
+
+
 @dataclass
 class StatsSnapshot:
     """What the metrics need from `LLMEngine.get_stats()`, read once per engine step."""
@@ -48,24 +145,15 @@ class StatsSnapshot:
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
-        def pick(*keys: str, default: float = 0) -> float:
-            for key in keys:
-                value = getattr(stats, key, None)
-                if value is not None:
-                    return value
-            return default
-
         return cls(
-            num_running=int(pick("num_running")),
-            num_waiting=int(pick("num_waiting")),
-            kv_cache_usage=float(pick("kv_cache_usage")),
-            prompt_tokens_total=int(pick("prompt_tokens_total", "num_prompt_tokens_total", "prompt_tokens")),
-            generation_tokens_total=int(
-                pick("generation_tokens_total", "num_generation_tokens_total", "generation_tokens")
-            ),
-            prefix_cache_queries_total=int(pick("prefix_cache_queries_total")),
-            prefix_cache_hits_total=int(pick("prefix_cache_hits_total")),
-            num_preemptions_total=int(pick("num_preemptions_total")),
+            num_running=int(getattr(stats, "num_running", 0)),
+            num_waiting=int(getattr(stats, "num_waiting", 0)),
+            kv_cache_usage=float(getattr(stats, "kv_cache_usage", 0.0)),
+            prompt_tokens_total=int(getattr(stats, "prompt_tokens_total", 0)),
+            generation_tokens_total=int(getattr(stats, "generation_tokens_total", 0)),
+            prefix_cache_queries_total=int(getattr(stats, "prefix_cache_queries_total", 0)),
+            prefix_cache_hits_total=int(getattr(stats, "prefix_cache_hits_total", 0)),
+            num_preemptions_total=int(getattr(stats, "num_preemptions_total", 0)),
         )
 
 
@@ -94,44 +182,54 @@ class CacheConfigInfo:
 
 class EngineMetrics:
     def __init__(self, model_name: str, cache: CacheConfigInfo, engine_index: str = "0") -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        base = [names.LABEL_MODEL_NAME, names.LABEL_ENGINE]
-        values = {names.LABEL_MODEL_NAME: model_name, names.LABEL_ENGINE: engine_index}
-        r = self.registry
+        self.lock = threading.Lock()
+        base = {names.LABEL_MODEL_NAME: model_name, names.LABEL_ENGINE: engine_index}
+        self._families: list[_Metric] = []
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, base, registry=r).labels(**values)
+        def scalar(name: str, kind: str, doc: str) -> _Child:
+            family = Scalar(name, kind, doc)
+            self._families.append(family)
+            return family.child(base)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, base, registry=r).labels(**values)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            family = Histogram(name, doc, base, buckets)
+            self._families.append(family)
+            return family
 
-        def histogram(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(name, doc, base, buckets=tuple(buckets), registry=r).labels(**values)
-
-        self.running = gauge(names.NUM_REQUESTS_RUNNING, "Number of requests in model execution batches.")
-        self.waiting = gauge(names.NUM_REQUESTS_WAITING, "Number of requests waiting to be processed.")
-        self.kv_usage = gauge(names.KV_CACHE_USAGE_PERC, "KV-cache usage. 1 means 100 percent usage.")
-        self.gpu_usage = gauge(
-            names.GPU_CACHE_USAGE_PERC, "GPU KV-cache usage. 1 means 100 percent usage (deprecated alias)."
+        self.running = scalar(
+            names.NUM_REQUESTS_RUNNING, "gauge", "Number of requests in model execution batches."
         )
-        self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Number of prefill tokens processed.")
-        self.generation_tokens = counter(
-            names.GENERATION_TOKENS_TOTAL, "Number of generation tokens processed."
+        self.waiting = scalar(
+            names.NUM_REQUESTS_WAITING, "gauge", "Number of requests waiting to be processed."
         )
-        self.prefix_queries = counter(
-            names.PREFIX_CACHE_QUERIES_TOTAL, "Prefix cache queries, in terms of number of queried tokens."
+        self.kv_usage = scalar(
+            names.KV_CACHE_USAGE_PERC, "gauge", "KV-cache usage. 1 means 100 percent usage."
         )
-        self.prefix_hits = counter(
-            names.PREFIX_CACHE_HITS_TOTAL, "Prefix cache hits, in terms of number of cached tokens."
+        self.gpu_usage = scalar(
+            names.GPU_CACHE_USAGE_PERC,
+            "gauge",
+            "GPU KV-cache usage. 1 means 100 percent usage (deprecated alias).",
         )
-        self.preemptions = counter(names.NUM_PREEMPTIONS_TOTAL, "Cumulative number of preemptions.")
-        success = Counter(
-            names.REQUEST_SUCCESS_TOTAL,
-            "Count of successfully processed requests.",
-            [*base, "finished_reason"],
-            registry=r,
+        self.prompt_tokens = scalar(
+            names.PROMPT_TOKENS_TOTAL, "counter", "Number of prefill tokens processed."
         )
-        self.success = {reason: success.labels(**values, finished_reason=reason) for reason in FINISH_REASONS}
+        self.generation_tokens = scalar(
+            names.GENERATION_TOKENS_TOTAL, "counter", "Number of generation tokens processed."
+        )
+        self.prefix_queries = scalar(
+            names.PREFIX_CACHE_QUERIES_TOTAL,
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
+        self.prefix_hits = scalar(
+            names.PREFIX_CACHE_HITS_TOTAL,
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+        )
+        self.preemptions = scalar(names.NUM_PREEMPTIONS_TOTAL, "counter", "Cumulative number of preemptions.")
+        success = Scalar(names.REQUEST_SUCCESS_TOTAL, "counter", "Count of successfully processed requests.")
+        self._families.append(success)
+        self.success = {r: success.child({**base, "finished_reason": r}) for r in FINISH_REASONS}
         self.ttft = histogram(
             names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS
         )
@@ -141,34 +239,36 @@ class EngineMetrics:
         self.e2e = histogram(
             names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", E2E_BUCKETS
         )
-        info = Gauge(
-            names.CACHE_CONFIG_INFO,
-            "Information of the LLMEngine CacheConfig",
-            [*cache.labels(), "engine"],
-            registry=r,
-        )
-        info.labels(**cache.labels(), engine=engine_index).set(1)
-        self._lora = Gauge(
-            names.LORA_REQUESTS_INFO,
-            "Running stats on lora requests.",
-            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            registry=r,
-        )
-        self._lora_labels: tuple[str, str, str] | None = None
-        self.set_lora_state(max_lora=0, running=(), waiting=())
+        # vLLM's info gauges carry no model_name: the cache config plus the engine index.
+        info = Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig")
+        self._families.append(info)
+        info.child({**cache.labels(), "engine": engine_index}).set(1)
+        self._lora = Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.")
+        self._families.append(self._lora)
+        self._lora_labels: dict[str, str] | None = None
         self._last = StatsSnapshot()
+        self._version = 0
+        self._rendered: tuple[int, bytes] | None = None
+        self.set_lora_state(max_lora=0, running=(), waiting=())
 
     def set_lora_state(self, max_lora: int, running: Iterable[str], waiting: Iterable[str]) -> None:
         """Like vLLM: one series, value = time of the last change, adapters comma-separated."""
-        labels = (str(max_lora), ",".join(sorted(waiting)), ",".join(sorted(running)))
+        labels = {
+            "max_lora": str(max_lora),
+            "waiting_lora_adapters": ",".join(sorted(waiting)),
+            "running_lora_adapters": ",".join(sorted(running)),
+        }
         if labels == self._lora_labels:
             return
-        if self._lora_labels is not None:
-            self._lora.remove(*self._lora_labels)
-        self._lora.labels(*labels).set(time.time())
-        self._lora_labels = labels
+        with self.lock:
+            if self._lora_labels is not None:
+                self._lora.remove(self._lora_labels)
+            self._lora.child(labels).set(time.time())
+            self._lora_labels = labels
+            self._version += 1
 
     def update(self, snap: StatsSnapshot) -> None:
+        """Engine thread, once per step (caller holds `lock`)."""
         self.running.set(snap.num_running)
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv_cache_usage)
@@ -183,12 +283,30 @@ class EngineMetrics:
         ):
             if new > old:
                 counter.inc(new - old)
+        if snap != last:
+            self._version += 1
         self._last = snap
 
     def request_finished(self, reason: str | None) -> None:
+        """Engine thread (caller holds `lock`)."""
         counter = self.success.get(reason or "stop")
         if counter is not None:
             counter.inc()
+        self._version += 1
+
+    def touch(self) -> None:
+        """Something changed outside `update` (a histogram observation); caller holds `lock`."""
+        self._version += 1
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        with self.lock:
+            cached = self._rendered
+            if cached is not None and cached[0] == self._version:
+                return cached[1]
+            parts: list[str] = []
+            for family in self._families:
+                parts.append(family.header)
+                parts.extend(family.lines())
+            body = "".join(parts).encode()
+            self._rendered = (self._version, body)
+            return body

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 STARTED = re.compile(r"kvgate engine serving (\S+).* on http://(\S+?)(?:,|$)")
 KV = re.compile(r"kv events (\S+)(?: replay (\S+))? topic (\S+)")
@@ -34,15 +35,14 @@ class EngineProcess:
         return "".join(self.lines)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample as `name{labels}` -> value, plus `name` -> value for label-free lookups."""
+        """Every sample as `name{labels sorted}` -> value, plus `name` -> value of its first series."""
         text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
         out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line or line.startswith("#"):
-                continue
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-            out.setdefault(key.split("{", 1)[0], float(value))
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+                out.setdefault(sample.name, sample.value)
         return out
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
