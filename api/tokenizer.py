@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.api.chat_template import ChatTemplateError, render_chat_template
 from tokenizers import Tokenizer as _FastTokenizer
 from tokenizers.decoders import DecodeStream
+
+from kvgate.api.chat_template import ChatTemplateError, render_chat_template
 
 __all__ = [
     "ChatTemplateError",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvgate.api.chat_template import ChatTemplateError, render_chat_template
 from kvgate.api.tokenizer import ModelNotFoundError, Tokenizer, load_tokenizer, resolve_model
 

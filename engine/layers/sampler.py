@@ -1,0 +1,177 @@
+"""Turn one step's logits into tokens: greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
+
+Batched: every row of the step goes through the same tensor ops; only seeded rows draw their
+noise one by one (each from its own generator, so a seeded request samples the same tokens no
+matter what else is in the batch).
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks index i with
+probability p_i, so no cumulative sums or multinomial calls are needed.
+
+A seeded request's noise for its k-th generated token comes from a generator seeded with
+(seed, k). That makes sampling a pure function of (seed, position): reproducible across runs,
+batch mixes and preemption-by-recompute, with no per-request state to leak.
+
+Logprobs follow vLLM: log-softmax of the raw model logits (before temperature or any masking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvgate.engine.runner_api import SampledToken
+from kvgate.engine.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SampleRequest:
+    """One row of the logits: which request, its parameters, and how many tokens it has made."""
+
+    request_id: str
+    params: SamplingParams
+    num_generated: int = 0
+
+
+def _mix_seed(seed: int, step: int) -> int:
+    """A well-spread 63-bit generator seed from (request seed, token index): splitmix64."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < _GREEDY_EPS or p.top_k == 1
+
+
+class Sampler:
+    def __init__(
+        self, device: torch.device, seed: int = 0, stop_token_ids_for_min_tokens: Collection[int] = ()
+    ):
+        self.device = device
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+        # Masked while a request is below min_tokens (the model's EOS ids; per-request stop ids are added).
+        self.eos_token_ids = set(stop_token_ids_for_min_tokens)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> list[SampledToken]:
+        """logits: [len(rows), vocab] fp32. Returns one SampledToken per row, in order."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
+        if not rows:
+            return []
+        raw = logits
+        logits = self._mask_min_tokens(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
+        if random_rows:
+            index = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample(logits.index_select(0, index), [rows[i] for i in random_rows])
+            tokens = tokens.index_copy(0, index, sampled)
+        return self._package(raw, tokens, rows)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+        masked: torch.Tensor | None = None
+        for i, r in enumerate(rows):
+            if r.num_generated >= r.params.min_tokens:
+                continue
+            stop_ids = [
+                t for t in {*self.eos_token_ids, *r.params.stop_token_ids} if 0 <= t < logits.shape[1]
+            ]
+            if not stop_ids:
+                continue
+            if masked is None:
+                masked = logits.clone()
+            masked[i, stop_ids] = float("-inf")
+        return logits if masked is None else masked
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device, dtype=torch.float32)
+        logits = logits / temperature[:, None]
+
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0 for p in min_p):
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device)[:, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+
+        top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        use_top_p = any(p < 1.0 for p in top_p)
+        if use_top_p:
+            logits = self._top_k_top_p(logits, top_k, top_p)
+        elif any(k < vocab for k in top_k):
+            logits = self._top_k(logits, top_k)
+
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._generator)
+        else:
+            if unseeded:
+                idx = torch.tensor(unseeded, device=device)
+                draw = torch.empty((len(unseeded), vocab), device=device).exponential_(
+                    generator=self._generator
+                )
+                noise.index_copy_(0, idx, draw)
+            for i in seeded:
+                r = rows[i]
+                assert r.params.seed is not None
+                g = torch.Generator(device=device)
+                g.manual_seed(_mix_seed(r.params.seed, r.num_generated))
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+        k = torch.tensor(top_k, device=logits.device)
+        kth = logits.topk(int(k.max()), dim=-1).values  # [R, k_max], descending
+        threshold = kth.gather(1, (k - 1)[:, None])
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+        k = torch.tensor(top_k, device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        # Keep the smallest prefix whose mass reaches p (always the top token); p = 1 keeps all.
+        p = torch.tensor([q if q < 1.0 else float("inf") for q in top_p], device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill((before >= p) & (ranks > 0), float("-inf"))
+        return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+    @staticmethod
+    def _package(
+        raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[SampleRequest]
+    ) -> list[SampledToken]:
+        want = [r.params.logprobs for r in rows]
+        token_list = tokens.tolist()
+        if all(n is None for n in want):
+            return [SampledToken(r.request_id, t) for r, t in zip(rows, token_list, strict=True)]
+        wanted_rows = [i for i, n in enumerate(want) if n is not None]
+        index = torch.tensor(wanted_rows, device=raw.device)
+        logprobs = raw.index_select(0, index).log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])[:, 0].tolist()
+        top_n = max(n or 0 for n in want)
+        top_values: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if top_n:
+            top = logprobs.topk(top_n, dim=-1)
+            top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        out = [SampledToken(r.request_id, t) for r, t in zip(rows, token_list, strict=True)]
+        for j, i in enumerate(wanted_rows):
+            n = want[i] or 0
+            out[i].logprob = chosen[j]
+            out[i].top_logprobs = list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n else []
+        return out

@@ -1,0 +1,307 @@
+"""The real model runner: loads the model, owns the paged KV cache, runs a step, samples.
+
+CPU: fp32, torch attention backend (batched decode gather, per-chunk SDPA for prefills).
+GPU: bf16, Triton kernels, and CUDA graphs for all-decode steps (unless enforce_eager).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvgate.api.tokenizer import resolve_model
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.layers.attention import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    build_attention_metadata,
+)
+from kvgate.engine.layers.sampler import Sampler, SampleRequest
+from kvgate.engine.loader import load_model, open_checkpoint
+from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
+from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+
+if TYPE_CHECKING:
+    from kvgate.api.tokenizer import Tokenizer
+    from kvgate.engine.cuda_graphs import DecodeGraphs
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RunnerConfigError(ValueError):
+    """A runner setting cannot be honoured (bad dtype, device, or a KV pool too small to run)."""
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise RunnerConfigError("device 'cuda' was requested but no CUDA GPU is available")
+    if requested not in ("cpu",) and not requested.startswith("cuda"):
+        raise RunnerConfigError(f"device {requested!r} is not supported (auto, cpu, cuda)")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    aliases = {
+        "fp32": "float32",
+        "float": "float32",
+        "fp16": "float16",
+        "half": "float16",
+        "bf16": "bfloat16",
+    }
+    name = aliases.get(requested, requested)
+    if name not in _DTYPES:
+        raise RunnerConfigError(f"dtype {requested!r} is not supported (auto, float32, float16, bfloat16)")
+    return _DTYPES[name]
+
+
+class TorchModelRunner:
+    """Implements `ModelRunner` for the Llama family on CPU or one GPU."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        if self.block_size < 1:
+            raise RunnerConfigError("block_size must be positive")
+        self.model_path = resolve_model(config.model)
+        checkpoint = open_checkpoint(self.model_path)
+        self.model_config = checkpoint.config
+        model_len = checkpoint.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_len:
+            log.warning(
+                "max_model_len %d exceeds the model's context %d; using %d",
+                config.max_model_len,
+                model_len,
+                model_len,
+            )
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.vocab_size = checkpoint.config.vocab_size
+        backend: AttentionBackend = (
+            TritonAttentionBackend() if self.device.type == "cuda" else TorchAttentionBackend()
+        )
+        self._torch_backend = isinstance(backend, TorchAttentionBackend)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model: LlamaForCausalLM = load_model(
+            checkpoint, backend, self.max_model_len, self.dtype, self.device, progress=progress
+        )
+        self.num_kv_blocks = self._size_kv_pool()
+        cfg = self.model_config
+        self.kv_cache = torch.zeros(
+            (cfg.num_layers, 2, self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.kv_caches: list[KVCache] = [
+            (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)
+        ]
+        self.sampler = Sampler(self.device, seed=config.seed)
+        self._eos_loaded = False
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
+        log.info(
+            "model runner ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            self.model_path.name,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.num_kv_blocks,
+            self.block_size,
+            self.max_model_len,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        from kvgate.api.tokenizer import load_tokenizer
+
+        return load_tokenizer(self.config.tokenizer or self.config.model)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_config
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * element
+
+    def _size_kv_pool(self) -> int:
+        per_block = self.kv_bytes_per_block
+        min_blocks = math.ceil(self.max_model_len / self.block_size)
+        if self.config.num_kv_blocks is not None:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cpu":
+            if self.config.kv_cache_memory is not None:
+                budget = self.config.kv_cache_memory
+            else:
+                # 1 GiB, but no more than four full-length sequences need, nor less than one.
+                budget = min(_DEFAULT_CPU_KV_BYTES, 4 * min_blocks * per_block)
+                budget = max(budget, min_blocks * per_block)
+            blocks = budget // per_block
+        else:
+            blocks = self._gpu_kv_budget() // per_block
+        if blocks < 1:
+            raise RunnerConfigError(
+                f"the KV cache budget holds no block ({per_block} bytes each); raise --kv-cache-memory "
+                "or --gpu-memory-utilization"
+            )
+        if blocks < min_blocks:
+            log.warning(
+                "KV pool of %d blocks cannot hold one %d-token sequence; long requests will be preempted",
+                blocks,
+                self.max_model_len,
+            )
+        return int(blocks)
+
+    def _gpu_kv_budget(self) -> int:
+        """gpu_memory_utilization x total, minus what the weights and a peak-size step use."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._profile_step()
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_elsewhere = total - free  # weights, CUDA context, other processes
+        budget = int(total * self.config.gpu_memory_utilization) - used_elsewhere - activation_peak
+        log.info(
+            "GPU memory: total %.1f GiB, in use %.1f GiB, step peak %.2f GiB -> KV budget %.1f GiB",
+            total / 2**30,
+            used_elsewhere / 2**30,
+            activation_peak / 2**30,
+            budget / 2**30,
+        )
+        return max(0, budget)
+
+    def _profile_step(self) -> None:
+        """Run the largest step the scheduler may send, into a scratch one-block cache."""
+        cfg = self.model_config
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        scratch = torch.zeros(
+            (cfg.num_layers, 2, 1, self.block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        caches = [(scratch[i, 0], scratch[i, 1]) for i in range(cfg.num_layers)]
+        blocks = math.ceil(tokens / self.block_size)
+        meta, positions = build_attention_metadata(
+            [tokens], [0], [[0] * blocks], self.block_size, self.device, torch_plan=False
+        )
+        meta.slot_mapping.fill_(-1)  # write nothing: the scratch cache has one block
+        with torch.inference_mode():
+            ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, positions, caches, meta)
+            rows = min(self.config.max_num_seqs, tokens)
+            self.model.compute_logits(hidden[:rows]).softmax(-1)
+        del scratch, caches
+
+    def _capture_graphs(self) -> None:
+        from kvgate.engine.cuda_graphs import DecodeGraphs
+
+        try:
+            self.graphs = DecodeGraphs.capture(self)
+        except Exception:  # a capture failure must not take the engine down: run eager
+            log.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.graphs = None
+
+    def _ensure_eos(self) -> None:
+        if self._eos_loaded:
+            return
+        self._eos_loaded = True
+        try:
+            self.sampler.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        except Exception:  # no tokenizer (e.g. a bare test checkpoint): only per-request stop ids
+            log.warning(
+                "no tokenizer for %s; min_tokens masks only the request's stop_token_ids", self.model_path
+            )
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        if not batch.seqs:
+            return []
+        # Decodes (one new token) first: the attention backends batch them together.
+        order = sorted(range(len(batch.seqs)), key=lambda i: len(batch.seqs[i].token_ids) != 1)
+        seqs = [batch.seqs[i] for i in order]
+        self._validate(seqs)
+        with torch.inference_mode():
+            hidden, last_token_rows = self._forward(seqs)
+            sampled_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.sample]
+            if not sampled_seqs:
+                return []
+            rows = torch.tensor([row for _, row in sampled_seqs], device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if any(s.sampling_params.min_tokens > s.num_generated for s, _ in sampled_seqs):
+                self._ensure_eos()
+            requests = [
+                SampleRequest(s.request_id, s.sampling_params, s.num_generated) for s, _ in sampled_seqs
+            ]
+            tokens = self.sampler(logits, requests)
+        by_id = {t.request_id: t for t in tokens}
+        return [by_id[s.request_id] for s in batch.seqs if s.sample]
+
+    def _validate(self, seqs: list[ScheduledSeq]) -> None:
+        for s in seqs:
+            end = s.start_pos + len(s.token_ids)
+            if not s.token_ids:
+                raise ValueError(f"request {s.request_id}: no tokens to compute")
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"request {s.request_id}: position {end} exceeds max_model_len {self.max_model_len}"
+                )
+            if len(s.block_table) * self.block_size < end:
+                raise ValueError(f"request {s.request_id}: block table covers fewer than {end} tokens")
+
+    def _forward(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        query_lens = [len(s.token_ids) for s in seqs]
+        ctx_lens = [s.start_pos for s in seqs]
+        last_rows = _cumsum_minus1(query_lens)
+        flat = [t for s in seqs for t in s.token_ids]
+        if self.graphs is not None and all(q == 1 for q in query_lens) and self.graphs.fits(len(seqs)):
+            hidden = self.graphs.run(flat, ctx_lens, [s.block_table for s in seqs])
+            return hidden, last_rows
+        meta, positions = build_attention_metadata(
+            query_lens,
+            ctx_lens,
+            [s.block_table for s in seqs],
+            self.block_size,
+            self.device,
+            torch_plan=self._torch_backend,
+            decode_num_splits=self._decode_splits(
+                len(seqs), max(c + q for c, q in zip(ctx_lens, query_lens, strict=True))
+            ),
+        )
+        input_ids = torch.tensor(flat, dtype=torch.long).to(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, last_rows
+
+    def _decode_splits(self, num_seqs: int, max_seq_len: int) -> int:
+        if self._torch_backend:
+            return 1
+        from kvgate.engine.kernels.paged_attention import decode_num_splits
+
+        return decode_num_splits(max_seq_len, num_seqs, self.model_config.num_kv_heads)
+
+
+def _cumsum_minus1(lengths: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        total += n
+        out.append(total - 1)
+    return out

@@ -1,0 +1,184 @@
+"""Triton kernels against their torch references, on CPU under TRITON_INTERPRET=1 (small shapes).
+
+Triton decides interpret-or-compile when a kernel is decorated, i.e. when its module is
+imported, so the variable is set before the kernel modules are imported (and they are reloaded
+if something imported them earlier without it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+pytest.importorskip("numpy")
+
+from kvgate.engine.layers.activation import silu_and_mul_torch
+from kvgate.engine.layers.attention import paged_attention_reference, store_kv_torch
+from kvgate.engine.layers.norm import rms_norm_torch
+from kvgate.engine.layers.rotary import RotaryEmbedding, apply_rotary_torch
+from kvgate.engine.models.config import RopeScaling
+
+pytestmark = pytest.mark.triton
+
+
+def _interpreted(module_name: str):  # type: ignore[no-untyped-def]
+    module = importlib.import_module(module_name)
+    if any(type(v).__name__ == "JITFunction" for v in vars(module).values()):
+        module = importlib.reload(module)
+    return module
+
+
+activation = _interpreted("kvgate.engine.kernels.activation")
+kv_store = _interpreted("kvgate.engine.kernels.kv_store")
+norm = _interpreted("kvgate.engine.kernels.norm")
+rotary = _interpreted("kvgate.engine.kernels.rotary")
+paged = _interpreted("kvgate.engine.kernels.paged_attention")
+assert "triton" in sys.modules
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def test_kernels_run_interpreted() -> None:
+    assert type(paged._paged_attention_kernel).__name__ == "InterpretedFunction"
+
+
+@pytest.mark.parametrize("n", [48, 64])
+def test_rms_norm_matches_reference(n: int) -> None:
+    x = torch.randn(5, n)
+    w = torch.randn(n)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), rms_norm_torch(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_fused_residual_updates_residual_in_place() -> None:
+    x, res, w = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32)
+    expected_sum = x + res
+    out = norm.rms_norm(x, w, 1e-5, residual=res)
+    torch.testing.assert_close(res, expected_sum)
+    torch.testing.assert_close(out, rms_norm_torch(expected_sum, w, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_per_head_on_a_strided_view() -> None:
+    qkv = torch.randn(3, 4 * 16 + 2 * 16)
+    q = qkv[:, : 4 * 16].view(3, 4, 16)  # non-contiguous across tokens, like the fused projection
+    w = torch.randn(16)
+    torch.testing.assert_close(norm.rms_norm(q, w, 1e-6), rms_norm_torch(q, w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+def test_silu_and_mul_matches_reference() -> None:
+    x = torch.randn(6, 2 * 40)
+    torch.testing.assert_close(activation.silu_and_mul(x), silu_and_mul_torch(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scaling", [RopeScaling(), RopeScaling(kind="llama3", factor=8.0, original_max_position_embeddings=32)]
+)
+def test_rotary_matches_reference_in_place_on_strided_views(scaling: RopeScaling) -> None:
+    heads, kv_heads, dim = 4, 2, 32
+    rope = RotaryEmbedding(dim, 64, 10000.0, scaling)
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, : heads * dim].view(5, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(5, kv_heads, dim)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    q_ref, k_ref = apply_rotary_torch(positions, q.clone(), k.clone(), rope.cos_sin)
+    rotary.apply_rotary(positions, q, k, rope.cos_sin)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-5)
+
+
+def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(num_blocks, block_size, kv_heads, dim), torch.randn(
+        num_blocks, block_size, kv_heads, dim
+    )
+
+
+def test_store_kv_writes_slots_and_skips_padding() -> None:
+    k_cache, v_cache = _cache(6, 4, 2, 16)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    kv = torch.randn(5, 2 * 2 * 16)  # [k | v] per token, a strided view like the real one
+    k = kv[:, :32].view(5, 2, 16)
+    v = kv[:, 32:].view(5, 2, 16)
+    slots = torch.tensor([0, 5, 23, -1, 9])
+    kv_store.store_kv(k, v, k_cache, v_cache, slots)
+    store_kv_torch(k, v, ref_k, ref_v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def _random_batch(
+    query_lens: list[int], ctx_lens: list[int], block_size: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tables drawn from a shuffled pool (non-contiguous, like a real allocator)."""
+    pool = torch.randperm(num_blocks).tolist()
+    lens = [q + c for q, c in zip(query_lens, ctx_lens, strict=True)]
+    max_blocks = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), max_blocks, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = torch.tensor([pool.pop() for _ in range(need)], dtype=torch.int32)
+    query_start = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    return tables, torch.tensor(lens, dtype=torch.int32), query_start
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"),
+    [(4, 2, 16, 4), (6, 2, 24, 8), (3, 3, 16, 16)],  # GQA group 2, odd group 3 with a non-power-of-2 dim, MHA
+)
+def test_paged_attention_mixed_prefill_and_decode(
+    heads: int, kv_heads: int, dim: int, block_size: int
+) -> None:
+    # decodes first, then a fresh prefill, then a chunk over a cached prefix
+    query_lens, ctx_lens = [1, 1, 7, 5], [9, 0, 0, 13]
+    tables, seq_lens, query_start = _random_batch(query_lens, ctx_lens, block_size, num_blocks=24)
+    k_cache, v_cache = _cache(24, block_size, kv_heads, dim)
+    q = torch.randn(sum(query_lens), heads, dim)
+    scale = dim**-0.5
+    expected = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, query_start, scale)
+    got = paged.paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, query_start, max(query_lens), scale, block_m=16, block_n=16
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_attention_query_tiles_span_several_programs() -> None:
+    # 20 query tokens with group 2 and BLOCK_M 16 -> 3 query tiles of 8 tokens
+    query_lens, ctx_lens = [20], [6]
+    tables, seq_lens, query_start = _random_batch(query_lens, ctx_lens, 4, num_blocks=12)
+    k_cache, v_cache = _cache(12, 4, 2, 16)
+    q = torch.randn(20, 4, 16)
+    expected = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, query_start, 0.25)
+    got = paged.paged_attention(
+        q, k_cache, v_cache, tables, seq_lens, query_start, 20, 0.25, block_m=16, block_n=16
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_split_kv_decode_matches_reference(num_splits: int) -> None:
+    ctx_lens = [0, 21, 40]
+    query_lens = [1, 1, 1]
+    tables, seq_lens, query_start = _random_batch(query_lens, ctx_lens, 8, num_blocks=16)
+    k_cache, v_cache = _cache(16, 8, 2, 16)
+    q = torch.randn(3, 4, 16)
+    expected = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, query_start, 0.25)
+    got = paged.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, num_splits, block_n=16)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_split_kv_decode_padding_rows_are_zero() -> None:
+    tables, _, _ = _random_batch([1, 1], [4, 4], 4, num_blocks=4)
+    k_cache, v_cache = _cache(4, 4, 1, 16)
+    q = torch.randn(2, 2, 16)
+    seq_lens = torch.tensor([5, 0], dtype=torch.int32)  # row 1 is CUDA-graph padding
+    got = paged.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, 2, block_n=16)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert got[0].abs().sum() > 0
