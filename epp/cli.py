@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = None
     if needs_tokenizer(config):
-        from kvgate.api.tokenizer import load_tokenizer
+        from kvgate.epp.tokenization import load as load_tokenizer
 
         try:
             tokenizer = load_tokenizer(args.tokenizer)

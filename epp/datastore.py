@@ -39,10 +39,10 @@ class EndpointState:
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
     inflight: int = 0  # requests this EPP routed here whose responses have not finished
     kv_events_live: bool = False  # the subscriber is connected and in sequence
+    address: str = ""  # = endpoint.address; a plain field because scorers read it per endpoint
 
-    @property
-    def address(self) -> str:
-        return self.endpoint.address
+    def __post_init__(self) -> None:
+        self.address = self.endpoint.address
 
     def age(self, now: float) -> float:
         m = self.metrics

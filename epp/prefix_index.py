@@ -171,26 +171,44 @@ class ApproximateIndex:
         if since is None:
             return _longest_prefix(keys, endpoints, self._lru.get)
         lru = self._lru
-
-        def recent(key: int) -> set[str] | None:
+        alive = set(endpoints)
+        result = dict.fromkeys(alive, 0)
+        depth = 0
+        for key in keys:
             holders = lru.get(key)
-            return {ep for ep, t in holders.items() if t >= since} if holders else None
-
-        return _longest_prefix(keys, endpoints, recent)
+            if not holders:
+                break
+            still = {ep for ep in alive if holders.get(ep, -1.0) >= since}
+            if len(still) != len(alive):
+                for ep in alive - still:
+                    result[ep] = depth
+                alive = still
+                if not alive:
+                    return result
+            depth += 1
+        for ep in alive:
+            result[ep] = depth
+        return result
 
 
 def _longest_prefix(
     keys: Sequence[int], endpoints: Iterable[str], lookup: Callable[[int], Collection[str] | None]
 ) -> dict[str, int]:
-    result = dict.fromkeys(endpoints, 0)
-    alive = set(result)
-    for depth, key in enumerate(keys):
+    alive = set(endpoints)
+    result = dict.fromkeys(alive, 0)
+    depth = 0
+    for key in keys:
         holders = lookup(key)
         if not holders:
             break
-        alive.intersection_update(holders)
-        if not alive:
-            break
-        for ep in alive:
-            result[ep] = depth + 1
+        still = alive.intersection(holders)
+        if len(still) != len(alive):
+            for ep in alive - still:
+                result[ep] = depth
+            alive = still
+            if not alive:
+                return result
+        depth += 1
+    for ep in alive:
+        result[ep] = depth
     return result

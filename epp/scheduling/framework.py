@@ -57,8 +57,62 @@ class PreRequest(Plugin, Protocol):
 @dataclass
 class ProfileResult:
     targets: list[EndpointState]  # empty: filters left nothing
-    scores: dict[str, float]  # address -> weighted total
-    breakdown: dict[str, dict[str, float]]  # address -> scorer name -> raw score
+    scores: dict[str, float]  # chosen address -> weighted total
+    breakdown: dict[str, dict[str, float]]  # chosen address -> scorer name -> score
+    filtered_out: int
+
+
+@dataclass
+class SchedulingProfile:
+    name: str
+    filters: list[Filter]
+    scorers: list[tuple[Scorer, float]]
+    picker: Picker
+    _pre_request: list[PreRequest] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        # resolved once: isinstance() against a Protocol costs microseconds per call
+        self._pre_request = [p for p in self.plugins() if callable(getattr(p, "pre_request", None))]  # type: ignore[misc]
+
+    def plugins(self) -> list[Plugin]:
+        return [*self.filters, *(s for s, _ in self.scorers), self.picker]
+
+    def run(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> ProfileResult:
+        timings = ctx.plugin_seconds
+        clock = time.perf_counter
+        endpoints = candidates
+        for f in self.filters:
+            t0 = clock()
+            endpoints = f.filter(ctx, endpoints)
+            timings[f.name] = clock() - t0
+            if not endpoints:
+                return ProfileResult([], {}, {}, len(candidates))
+        totals = [0.0] * len(endpoints)
+        per_scorer: list[tuple[str, list[float]]] = []
+        for scorer, weight in self.scorers:
+            t0 = clock()
+            # clamped: one plugin's bug must not dominate the sum
+            scores = [0.0 if s < 0.0 else 1.0 if s > 1.0 else s for s in scorer.score(ctx, endpoints)]
+            timings[scorer.name] = clock() - t0
+            totals = [t + weight * s for t, s in zip(totals, scores, strict=True)]
+            per_scorer.append((scorer.name, scores))
+        t0 = clock()
+        targets = self.picker.pick(ctx, endpoints, totals)
+        timings[self.picker.name] = clock() - t0
+        # the per-scorer breakdown is only kept for the chosen endpoints (logs, debugging)
+        index = {id(e): i for i, e in enumerate(endpoints)}
+        breakdown = {t.address: {name: sc[index[id(t)]] for name, sc in per_scorer} for t in targets}
+        scores_by_address = {t.address: totals[index[id(t)]] for t in targets}
+        return ProfileResult(targets, scores_by_address, breakdown, len(candidates) - len(endpoints))
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None: ...
+
+
+@dataclass
+class ProfileResult:
+    targets: list[EndpointState]  # empty: filters left nothing
+    scores: dict[str, float]  # chosen address -> weighted total
+    breakdown: dict[str, dict[str, float]]  # chosen address -> scorer name -> score
     filtered_out: int
 
 

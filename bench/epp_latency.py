@@ -1,0 +1,416 @@
+"""EPP speed: latency Envoy+EPP adds over the same Envoy's direct route, and picks per second.
+
+    .venv/bin/python bench/epp_latency.py                # everything
+    .venv/bin/python bench/epp_latency.py picks          # in-process pick() with 16 endpoints
+    .venv/bin/python bench/epp_latency.py grpc           # ext_proc streams/s through the gRPC server
+    .venv/bin/python bench/epp_latency.py latency        # through Envoy at 50 and 200 req/s
+
+Targets: added latency p50 ≤ 1 ms and p99 ≤ 5 ms; ≥ 1,000 picks/s on one core, 16 endpoints.
+The latency run sends each request pair (one direct, one through the EPP, random order) to the
+same simulated engine at the same moment, so both routes see the same machine load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "e2e"))
+
+N_ENDPOINTS = 16
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant for team %d. " % i
+    + " ".join(f"Guideline {k}: answer carefully." for k in range(25))
+    for i in range(8)
+]
+
+
+def chat_body(i: int) -> dict:
+    return {
+        "model": "default",
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]},
+            {"role": "user", "content": f"Question number {i}: what is {i} times {i + 1}?"},
+        ],
+        "max_tokens": 1,
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+# -- in-process picks ----------------------------------------------------------------------------
+def build_director(profile: str):
+    from kvgate.api.kv_events import BlockStored
+    from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+    from kvgate.epp.director import Director
+    from kvgate.epp.request import InferenceRequest
+    from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
+    from kvgate.epp.tokenization import load as load_tokenizer
+
+    tok = load_tokenizer("default")
+    ds = Datastore()
+    ds.set_endpoints([Endpoint(f"10.0.0.{i}:8000") for i in range(N_ENDPOINTS)])
+    rng = random.Random(0)
+    for st in ds.all():
+        ds.update_metrics(
+            st.address,
+            EndpointMetrics(
+                waiting=rng.randint(0, 4),
+                running=rng.randint(0, 16),
+                kv_usage=rng.random(),
+                updated_at=time.monotonic() + 3600,
+            ),
+        )
+        st.kv_events_live = True
+    # every system prompt cached on two endpoints, as KV events would report it
+    for i, _ in enumerate(SYSTEM_PROMPTS):
+        req = InferenceRequest("x", "default", "default", chat_body(i), tokenizer=tok)
+        ids = req.token_ids
+        n = len(ids) // 16
+        for ep in (i % N_ENDPOINTS, (i + 5) % N_ENDPOINTS):
+            ds.index.apply(
+                f"10.0.0.{ep}:8000",
+                [BlockStored(list(range(i * 1000, i * 1000 + n)), None, ids[: n * 16], 16)],
+            )
+    cfg = load_config(None, profile)
+    return Director(ds, build_profiles(cfg)[0], saturation_detector(cfg)), tok
+
+
+def bench_picks(seconds: float = 3.0) -> dict:
+    from kvgate.epp.request import InferenceRequest, parse_body
+
+    out = {}
+    for profile in ("precise-prefix", "default", "round-robin"):
+        director, tok = build_director(profile)
+        bodies = [json.dumps(chat_body(i)).encode() for i in range(512)]
+        n = 0
+        # CPU time of this process: what one core delivers, even on a machine shared with others
+        c0, w0 = time.process_time(), time.perf_counter()
+        while time.process_time() - c0 < seconds:
+            body = parse_body(bodies[n % len(bodies)])
+            d = director.pick(InferenceRequest(str(n), "default", "default", body, tokenizer=tok))
+            director.finished(d.targets[0])
+            n += 1
+        rate = n / (time.process_time() - c0)
+        wall = n / (time.perf_counter() - w0)
+        out[profile] = round(rate)
+        print(
+            f"in-process pick(), {N_ENDPOINTS} endpoints, profile {profile:15s}: {rate:8.0f} picks/s per core "
+            f"({1e6 / rate:.0f} µs CPU each, incl. JSON parse + chat template + tokenize; wall {wall:.0f}/s)"
+        )
+    return out
+
+
+# -- through the gRPC server ---------------------------------------------------------------------
+async def _grpc_client(port: int, seconds: float, concurrency: int) -> tuple[int, list[float]]:
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    done = 0
+    lat: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker(w: int) -> None:
+        nonlocal done
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = ep_grpc.ExternalProcessorStub(ch)
+            i = w
+            while time.perf_counter() < deadline:
+                body = json.dumps(chat_body(i)).encode()
+                hdrs = base_pb2.HeaderMap(
+                    headers=[
+                        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+                        base_pb2.HeaderValue(key="x-request-id", raw_value=str(i).encode()),
+                    ]
+                )
+                status = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"200")])
+                t0 = time.perf_counter()
+                call = stub.Process()
+                await call.write(ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hdrs)))
+                await call.write(
+                    ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+                )
+                await call.read()  # header response
+                await call.read()  # body
+                lat.append(time.perf_counter() - t0)
+                await call.write(ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=status)))
+                await call.read()
+                await call.write(
+                    ep.ProcessingRequest(response_body=ep.HttpBody(body=b"{}", end_of_stream=True))
+                )
+                await call.read()
+                await call.done_writing()
+                done += 1
+                i += concurrency
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return done, lat
+
+
+def _client_proc(port: int, seconds: float, concurrency: int, q) -> None:
+    q.put(asyncio.run(_grpc_client(port, seconds, concurrency)))
+
+
+def bench_grpc(
+    seconds: float = 5.0, clients: int = 2, concurrency: int = 8, profile_dir: Path | None = None
+) -> dict:
+    """EPP pinned to core 0 (one core); load from separate client processes."""
+    import multiprocessing as mp
+    import subprocess
+
+    import harness
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
+    logs.mkdir(parents=True, exist_ok=True)
+    ports = [harness.free_port() for _ in range(N_ENDPOINTS)]
+    stub = harness.Process(
+        "metrics-stub", [sys.executable, __file__, "_metrics_stub", *map(str, ports)], logs / "stub.log"
+    ).start()
+    fake = [f"127.0.0.1:{p}" for p in ports]
+    grpc_port, health, metrics = harness.free_port(), harness.free_port(), harness.free_port()
+    argv = [
+        "taskset",
+        "-c",
+        "0",
+        *harness.KVGATE,
+        "epp",
+        "serve",
+        "--endpoints",
+        ",".join(fake),
+        "--grpc-port",
+        str(grpc_port),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--secure-serving=false",
+    ]
+    proc = harness.Process("epp", argv, logs / "epp-grpc.log").start()
+    try:
+        epp = harness.Epp(proc, grpc_port, health, metrics, False).wait_ready()
+        harness.wait_until(
+            lambda: 'inference_pool_ready_pods{name="local"} 16.0' in epp.metrics_text(),
+            20,
+            "16 endpoints scraped",
+        )
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        spy = None
+        if profile_dir is not None:
+            spy = subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(proc.pid),
+                    "-o",
+                    str(profile_dir / "epp-grpc.svg"),
+                    "-d",
+                    str(int(seconds)),
+                    "-r",
+                    "200",
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        ps = [
+            ctx.Process(target=_client_proc, args=(grpc_port, seconds, concurrency, q))
+            for _ in range(clients)
+        ]
+        for p in ps:
+            p.start()
+        results = [q.get() for _ in ps]
+        for p in ps:
+            p.join()
+        if spy is not None:
+            spy.wait(30)
+    finally:
+        proc.stop()
+        stub.stop()
+    total = sum(n for n, _ in results)
+    lat = [x for _, l in results for x in l]
+    rate = total / seconds
+    print(
+        f"through the gRPC server (EPP on one core, {clients}x{concurrency} streams): {rate:7.0f} picks/s, "
+        f"request-phase p50 {pct(lat, 0.5) * 1e3:.2f} ms p99 {pct(lat, 0.99) * 1e3:.2f} ms"
+    )
+    return {"picks_per_s": round(rate), "p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+def _metrics_stub(ports: list[int]) -> None:
+    """Stands in for 16 engines' /metrics (the pick benchmark needs them reachable, not busy)."""
+    rng = random.Random(1)
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    if not head:
+                        return
+                    text = (
+                        f'vllm:num_requests_waiting{{model_name="default"}} {rng.randint(0, 3)}\n'
+                        f'vllm:num_requests_running{{model_name="default"}} {rng.randint(0, 16)}\n'
+                        f'vllm:kv_cache_usage_perc{{model_name="default"}} {rng.random():.3f}\n'
+                    ).encode()
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(text), text)
+                    )
+                    await writer.drain()
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+
+        servers = [await asyncio.start_server(serve, "127.0.0.1", p) for p in ports]
+        await asyncio.gather(*(srv.serve_forever() for srv in servers))
+
+    asyncio.run(main())
+
+
+# -- through Envoy ---------------------------------------------------------------------------------
+async def _open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, list[float]]:
+    """Every 1/rate s, one request straight to the engine and one through the EPP, same instant."""
+    import httpx
+
+    lat: dict[str, list[float]] = {"direct": [], "epp": []}
+    errors: dict[str, int] = {"direct": 0, "epp": 0}
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=10, limits=limits) as client:
+
+        async def one(route: str, i: int) -> None:
+            headers = {"content-type": "application/json"}
+            if route == "direct":
+                headers["x-kvgate-route"] = "direct"
+            t0 = time.perf_counter()
+            resp = await client.post("/v1/chat/completions", content=body, headers=headers)
+            await resp.aread()
+            if resp.status_code != 200:
+                errors[route] += 1
+                return
+            lat[route].append(time.perf_counter() - t0)
+
+        tasks = []
+        start = time.perf_counter()
+        n = int(rate * seconds)
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            order = ["direct", "epp"] if i % 2 else ["epp", "direct"]
+            tasks += [asyncio.create_task(one(r, i)) for r in order]
+        await asyncio.gather(*tasks)
+    lat["errors"] = [float(errors["direct"]), float(errors["epp"])]
+    return lat
+
+
+def bench_latency(
+    rates: tuple[float, ...] = (50, 200), seconds: float = 10.0, profile_dir: Path | None = None
+) -> dict:
+    import subprocess
+
+    import harness
+
+    logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
+    logs.mkdir(parents=True, exist_ok=True)
+    engine = harness.start_engine(
+        logs, "--sim-itl", "0", "--sim-prefill-time-per-token", "0", "--sim-itl-per-seq", "0"
+    )
+    procs = [engine.proc]
+    results = {}
+    try:
+        engine.wait_ready()
+        epp = harness.start_epp(logs, [engine])
+        procs.append(epp.proc)
+        envoy = harness.start_envoy(logs, epp.grpc_port, direct_upstream=engine.address)
+        procs.append(envoy.proc)
+        epp.wait_ready()
+        envoy.wait_ready()
+        envoy.wait_epp_healthy()
+        body = json.dumps(chat_body(0)).encode()
+        asyncio.run(_open_loop(envoy.url, 50, 2, body))  # warm-up: connections, caches
+        for rate in rates:
+            spy = None
+            if profile_dir is not None:
+                spy = subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "-p",
+                        str(epp.proc.pid),
+                        "-o",
+                        str(profile_dir / f"epp-envoy-{int(rate)}rps.svg"),
+                        "-d",
+                        str(int(seconds)),
+                        "-r",
+                        "200",
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            lat = asyncio.run(_open_loop(envoy.url, rate, seconds, body))
+            if spy is not None:
+                spy.wait(30)
+            d, e = lat["direct"], lat["epp"]
+            row = {
+                "direct_p50_ms": pct(d, 0.5) * 1e3,
+                "direct_p99_ms": pct(d, 0.99) * 1e3,
+                "epp_p50_ms": pct(e, 0.5) * 1e3,
+                "epp_p99_ms": pct(e, 0.99) * 1e3,
+                "errors": lat["errors"],
+            }
+            row["added_p50_ms"] = row["epp_p50_ms"] - row["direct_p50_ms"]
+            row["added_p99_ms"] = row["epp_p99_ms"] - row["direct_p99_ms"]
+            results[rate] = row
+            print(
+                f"{rate:5.0f} req/s: direct p50 {row['direct_p50_ms']:.2f} p99 {row['direct_p99_ms']:.2f} ms | "
+                f"via EPP p50 {row['epp_p50_ms']:.2f} p99 {row['epp_p99_ms']:.2f} ms | "
+                f"added p50 {row['added_p50_ms']:+.2f} ms (target ≤ 1) p99 {row['added_p99_ms']:+.2f} ms (target ≤ 5)"
+                f"  errors {lat['errors']}"
+            )
+    finally:
+        harness.stop_all(*procs)
+    return results
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "_metrics_stub":
+        _metrics_stub([int(p) for p in sys.argv[2:]])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "what", nargs="*", default=["picks", "grpc", "latency"], choices=["picks", "grpc", "latency"]
+    )
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each latency phase")
+    p.add_argument("--profile", type=Path, default=None, help="write py-spy flame graphs of the EPP here")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    args = p.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    if "picks" in args.what:
+        out["picks"] = bench_picks()
+    if "grpc" in args.what:
+        out["grpc"] = bench_grpc(profile_dir=args.profile)
+    if "latency" in args.what:
+        out["latency"] = bench_latency(seconds=args.seconds, profile_dir=args.profile)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
