@@ -241,7 +241,7 @@ def bench_grpc(
         proc.stop()
         stub.stop()
     total = sum(n for n, _ in results)
-    lat = [x for _, l in results for x in l]
+    lat = [x for _, sample in results for x in sample]
     rate = total / seconds
     print(
         f"through the gRPC server (EPP on one core, {clients}x{concurrency} streams): {rate:7.0f} picks/s, "

@@ -105,61 +105,6 @@ class SchedulingProfile:
         scores_by_address = {t.address: totals[index[id(t)]] for t in targets}
         return ProfileResult(targets, scores_by_address, breakdown, len(candidates) - len(endpoints))
 
-    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None: ...
-
-
-@dataclass
-class ProfileResult:
-    targets: list[EndpointState]  # empty: filters left nothing
-    scores: dict[str, float]  # chosen address -> weighted total
-    breakdown: dict[str, dict[str, float]]  # chosen address -> scorer name -> score
-    filtered_out: int
-
-
-@dataclass
-class SchedulingProfile:
-    name: str
-    filters: list[Filter]
-    scorers: list[tuple[Scorer, float]]
-    picker: Picker
-    _pre_request: list[PreRequest] = field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        # resolved once: isinstance() against a Protocol costs microseconds per call
-        self._pre_request = [p for p in self.plugins() if callable(getattr(p, "pre_request", None))]  # type: ignore[misc]
-
-    def plugins(self) -> list[Plugin]:
-        return [*self.filters, *(s for s, _ in self.scorers), self.picker]
-
-    def run(self, ctx: SchedulingContext, candidates: list[EndpointState]) -> ProfileResult:
-        timings = ctx.plugin_seconds
-        endpoints = candidates
-        for f in self.filters:
-            t0 = time.perf_counter()
-            endpoints = f.filter(ctx, endpoints)
-            timings[f.name] = time.perf_counter() - t0
-            if not endpoints:
-                return ProfileResult([], {}, {}, len(candidates))
-        totals = [0.0] * len(endpoints)
-        breakdown: dict[str, dict[str, float]] = {e.address: {} for e in endpoints}
-        for scorer, weight in self.scorers:
-            t0 = time.perf_counter()
-            scores = scorer.score(ctx, endpoints)
-            timings[scorer.name] = time.perf_counter() - t0
-            for i, s in enumerate(scores):
-                s = min(1.0, max(0.0, s))  # a plugin's bug must not dominate the sum
-                totals[i] += weight * s
-                breakdown[endpoints[i].address][scorer.name] = s
-        t0 = time.perf_counter()
-        targets = self.picker.pick(ctx, endpoints, totals)
-        timings[self.picker.name] = time.perf_counter() - t0
-        return ProfileResult(
-            targets,
-            {e.address: t for e, t in zip(endpoints, totals, strict=True)},
-            breakdown,
-            len(candidates) - len(endpoints),
-        )
-
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         for plugin in self._pre_request:
             plugin.pre_request(ctx, target)

@@ -56,7 +56,7 @@ def test_chat_request_tokens_match_the_engine_path(real, cached) -> None:
     )
     assert req.token_ids == expected
     before = cached.hits
-    InferenceRequest("r2", "default", "default", body, tokenizer=cached).token_ids
+    assert InferenceRequest("r2", "default", "default", body, tokenizer=cached).token_ids == expected
     assert cached.hits > before
 
 
