@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "e2e"))
 
 N_ENDPOINTS = 16
 SYSTEM_PROMPTS = [
-    "You are a helpful assistant for team %d. " % i
+    f"You are a helpful assistant for team {i}. "
     + " ".join(f"Guideline {k}: answer carefully." for k in range(25))
     for i in range(8)
 ]
