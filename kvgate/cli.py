@@ -39,7 +39,19 @@ def _load(module: str) -> ModuleType | None:
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _selected(argv: list[str] | None) -> tuple[str, ...] | None:
+    """The command path argv names, if any: then only that command's module is imported."""
+    args = sys.argv[1:] if argv is None else argv
+    for path in COMMANDS:
+        if tuple(args[: len(path)]) == path:
+            return path
+    return None
+
+
+def build_parser(argv: list[str] | None = None, *, only_selected: bool = False) -> argparse.ArgumentParser:
+    """The full parser; with only_selected, other commands' modules are not imported (they may
+    be slow to import, and every engine start-up would pay for them)."""
+    selected = _selected(argv) if only_selected else None
     parser = argparse.ArgumentParser(
         prog="kvgate",
         description="kvgate: Kubernetes-native LLM serving. Run `kvgate up` for a local stack.",
@@ -47,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for path, module_name in COMMANDS.items():
-        module = _load(module_name)
+        skip = selected is not None and path != selected
+        module = None if skip else _load(module_name)
         help_text = getattr(module, "HELP", "(not implemented yet)")
         if len(path) == 1:
             p = sub.add_parser(path[0], help=help_text, description=help_text)
@@ -65,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv, only_selected=True)
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
