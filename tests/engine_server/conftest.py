@@ -29,6 +29,7 @@ class EngineProcess:
     replay_endpoint: str | None = None
     topic: str | None = None
     lines: list[str] = field(default_factory=list)
+    cpu_at_ready: float = 0.0  # CPU seconds the process had used when it logged "serving"
 
     @property
     def log(self) -> str:
@@ -56,6 +57,14 @@ class EngineProcess:
         return self.proc.returncode
 
 
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def launch(*args: str, timeout: float = 60) -> EngineProcess:
     cmd = [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--port", "0", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -70,6 +79,7 @@ def launch(*args: str, timeout: float = 60) -> EngineProcess:
             m = STARTED.search(line)
             if m and not started.is_set():
                 eng.base_url = f"http://{m.group(2)}"
+                eng.cpu_at_ready = cpu_seconds(proc.pid)
                 if kv := KV.search(line):
                     eng.kv_endpoint, eng.replay_endpoint, eng.topic = kv.group(1), kv.group(2), kv.group(3)
                 started.set()

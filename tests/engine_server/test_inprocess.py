@@ -1,0 +1,163 @@
+"""The server's parts in one process: engine-loop crash handling, admission races, failure
+injection switched off, and the Prometheus renderer's edge cases."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.runner_api import SampledToken, ScheduledBatch
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.server.app import ServerState, build_app
+from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError
+from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics, StatsSnapshot
+from kvgate.engine.server.serving import ModelInfo, OpenAIServing
+from kvgate.engine.sim_runner import SimulatedRunner
+
+
+class DeviceLost(SimulatedRunner):
+    """Stands in for a GPU that fails mid-run: the one thing this machine cannot produce."""
+
+    fail_after = 3
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        if self.steps >= self.fail_after:
+            raise RuntimeError("CUDA error: device lost")
+        return super().execute(batch)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # type: ignore[no-untyped-def]
+    from kvgate.api.tokenizer import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def _engine(tokenizer, runner_cls=SimulatedRunner, **kw) -> LLMEngine:  # type: ignore[no-untyped-def]
+    config = EngineConfig(simulate=True, simulation=SimulationConfig(time_scale=0.0), **kw)
+    return LLMEngine(config, runner=runner_cls(config, tokenizer), tokenizer=tokenizer)
+
+
+async def _server(engine: LLMEngine, **state_kw) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:  # type: ignore[no-untyped-def]
+    metrics = EngineMetrics("m", CacheConfigInfo(16, 64, True))
+    async_engine = AsyncEngine(engine, metrics)
+    async_engine.start(asyncio.get_running_loop())
+    info = ModelInfo(["m"], "m", engine.max_model_len, engine.vocab_size, 0)
+    state = ServerState(
+        OpenAIServing(async_engine, engine.tokenizer, info), async_engine, metrics, "test", **state_kw
+    )
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            yield client, async_engine
+    finally:
+        await asyncio.to_thread(async_engine.stop)
+
+
+async def test_engine_crash_fails_requests_and_health(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    async for client, async_engine in _server(_engine(tokenizer, DeviceLost)):
+        r = await client.post(
+            "/v1/completions", json={"prompt": "hello", "max_tokens": 50, "ignore_eos": True}
+        )
+        assert r.status_code == 500
+        assert "engine loop crashed" in r.json()["error"]["message"]
+        assert "CUDA" not in r.text  # no internals to the client
+        assert not async_engine.alive
+        health = await client.get("/health")
+        assert health.status_code == 503
+        again = await client.post("/v1/completions", json={"prompt": "hello"})
+        assert again.status_code == 503
+
+
+async def test_client_gone_before_admission_leaves_nothing_behind(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(tokenizer)
+    async for _, async_engine in _server(engine):
+        params = SamplingParams(max_tokens=1000, ignore_eos=True)
+        task = asyncio.ensure_future(async_engine.submit("gone", [([1000, 2000, 3000], params)]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await async_engine.wait_idle(2.0)
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.has_unfinished_requests()
+        assert engine.get_stats().kv_cache_usage == 0
+
+
+async def test_engine_rejection_becomes_400_and_n_is_all_or_nothing(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engine = _engine(tokenizer)
+    async for _, async_engine in _server(engine):
+        bad = SamplingParams(n=2)  # the engine wants n == 1 per request: it must refuse
+        good = SamplingParams(max_tokens=1000, ignore_eos=True)
+        from kvgate.engine.server.errors import APIError
+
+        with pytest.raises(APIError) as info:
+            await async_engine.submit("mixed", [([1000, 2000], good), ([1000, 2000], bad)])
+        assert info.value.status == 400
+        for _ in range(100):
+            if not engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.has_unfinished_requests(), "the admitted sibling must be aborted"
+
+
+async def test_failure_header_is_ignored_unless_enabled(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    async for client, _ in _server(_engine(tokenizer), failure_injection=False):
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"x-kvgate-inject-failure": "500"},
+        )
+        assert r.status_code == 200
+    async for client, _ in _server(_engine(tokenizer), failure_injection=True):
+        r = await client.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"x-kvgate-inject-failure": "500"},
+        )
+        assert r.status_code == 500
+
+
+def test_renderer_escapes_labels_and_buckets_are_inclusive() -> None:
+    m = EngineMetrics('we"ird\\model\nname', CacheConfigInfo(16, 64, False))
+    with m.lock:
+        m.ttft.observe(0.01)  # exactly on a bound: counted in le="0.01"
+        m.ttft.observe(5000.0)  # above every bound: only +Inf
+        m.update(StatsSnapshot(num_running=2, kv_cache_usage=0.25, generation_tokens_total=7))
+        m.request_finished("stop")
+    families = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    ttft = families["vllm:time_to_first_token_seconds"]
+    buckets = {s.labels["le"]: s.value for s in ttft.samples if s.name.endswith("_bucket")}
+    assert buckets["0.005"] == 0 and buckets["0.01"] == 1 and buckets["2560.0"] == 1 and buckets["+Inf"] == 2
+    count = next(s.value for s in ttft.samples if s.name.endswith("_count"))
+    assert count == 2
+    running = families["vllm:num_requests_running"].samples[0]
+    assert running.labels["model_name"] == 'we"ird\\model\nname' and running.value == 2
+    gen = families["vllm:generation_tokens"].samples[0]
+    assert gen.value == 7
+    assert families["vllm:cache_config_info"].samples[0].labels["enable_prefix_caching"] == "False"
+
+
+def test_renderer_cache_tracks_changes() -> None:
+    m = EngineMetrics("m", CacheConfigInfo(16, 64, True))
+    first = m.render()
+    assert m.render() is first  # nothing changed: the cached bytes
+    with m.lock:
+        m.update(StatsSnapshot(num_waiting=3))
+    assert b'vllm:num_requests_waiting{model_name="m",engine="0"} 3.0' in m.render()
+    m.set_lora_state(max_lora=2, running=["b", "a"], waiting=[])
+    text = m.render().decode()
+    assert 'running_lora_adapters="a,b"' in text and text.count("vllm:lora_requests_info{") == 1
+
+
+def test_engine_dead_error_carries_status() -> None:
+    assert EngineDeadError("x", 503).status == 503
