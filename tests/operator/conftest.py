@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import itertools
+import json
+import re
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import celpy
 import jsonpatch
+import jsonschema
 import kmock
 import kopf
 import pytest
+import referencing
+from kubernetes_validate import utils as kv_utils
 
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.handlers import Operator
@@ -194,3 +203,143 @@ async def operator(cluster: Cluster, operator_config: OperatorConfig) -> AsyncIt
         stop.set()
         await asyncio.to_thread(thread.join, 10)
         assert not thread.is_alive(), "the operator did not stop"
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema validation: real Kubernetes schemas for built-in kinds, CRD schemas for the rest.
+# ---------------------------------------------------------------------------------------------
+
+K8S_VERSION = "1.37"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMAS = Path(__file__).parent / "schemas"
+
+
+def _strict_jsonschema(node: Any) -> Any:
+    """A CRD's OpenAPI v3 schema as a JSON schema, with unknown fields rejected (like
+    `kubectl apply --validate=strict`) and Kubernetes' extensions expressed in JSON schema."""
+    if isinstance(node, list):
+        return [_strict_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-")}
+    if node.get("x-kubernetes-int-or-string"):
+        out = {k: v for k, v in out.items() if k != "type"}
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if (
+        "properties" in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+        and "additionalProperties" not in node
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """The API server's defaulting, so CEL rules see what they would see in a cluster."""
+    if isinstance(value, dict) and "properties" in schema:
+        out = dict(value)
+        for key, sub in schema["properties"].items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+            if key in out:
+                out[key] = _apply_defaults(sub, out[key])
+        return out
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_apply_defaults(schema["items"], v) for v in value]
+    return value
+
+
+def _cel_failures(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    failures: list[str] = []
+    for rule in schema.get("x-kubernetes-validations", []):
+        program = _CEL.program(_CEL.compile(rule["rule"]))
+        if not program.evaluate({"self": celpy.json_to_cel(value)}):
+            failures.append(f"{path or '<root>'}: {rule.get('message', rule['rule'])}")
+    if isinstance(value, dict):
+        for key, sub in (schema.get("properties") or {}).items():
+            if key in value:
+                failures += _cel_failures(sub, value[key], f"{path}.{key}")
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            failures += _cel_failures(schema["items"], item, f"{path}[{i}]")
+    return failures
+
+
+_CEL = celpy.Environment()
+
+
+@functools.cache
+def _k8s_definitions() -> tuple[str, Any]:
+    version = [v for v in kv_utils.all_versions() if kv_utils.major_minor(v) == K8S_VERSION][-1]
+    schema_dir = f"v{version}-local-strict"
+    return schema_dir, kv_utils.schema_contents(
+        f"kubernetes-json-schema/{schema_dir}/_definitions.json", version
+    )
+
+
+@functools.cache
+def _k8s_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validator:
+    """kubernetes-validate's strict schema for a built-in kind (as its validate() loads it),
+    built once: loading the definitions per object would dominate the test time."""
+    schema_dir, definitions = _k8s_definitions()
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv_utils.schema_contents(
+            f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{group_version}.json", K8S_VERSION
+        )
+    except FileNotFoundError:
+        raise AssertionError(f"no Kubernetes {K8S_VERSION} schema for {api_version} {kind}") from None
+    registry = referencing.Resource.from_contents(schema) @ referencing.Registry()
+    registry = referencing.Resource.from_contents(definitions) @ registry
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+class Validator:
+    """Validates any object kvgate emits: built-in kinds with kubernetes-validate (strict, a
+    current Kubernetes), our kinds with our CRDs' schemas and CEL rules, KEDA's and Gateway
+    API's kinds with their published schemas."""
+
+    def __init__(self) -> None:
+        from kvgate.api.crds import crd_manifests
+
+        self.openapi: dict[tuple[str, str], dict[str, Any]] = {}
+        for crd in crd_manifests():
+            version = crd["spec"]["versions"][0]
+            key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
+            self.openapi[key] = version["schema"]["openAPIV3Schema"]
+        for name, key in (
+            ("keda.sh_v1alpha1_scaledobject.json", ("keda.sh/v1alpha1", "ScaledObject")),
+            ("gateway.networking.k8s.io_v1_httproute.json", ("gateway.networking.k8s.io/v1", "HTTPRoute")),
+        ):
+            self.openapi[key] = json.loads((SCHEMAS / name).read_text())
+
+    @functools.cache  # noqa: B019  (one session-wide instance)
+    def _crd_validator(self, key: tuple[str, str]) -> jsonschema.Draft202012Validator:
+        return jsonschema.Draft202012Validator(_strict_jsonschema(self.openapi[key]))
+
+    def errors(self, obj: dict[str, Any]) -> list[str]:
+        key = (obj.get("apiVersion", ""), obj.get("kind", ""))
+        if key in self.openapi:
+            found = [
+                f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                for e in self._crd_validator(key).iter_errors(obj)
+            ]
+            if not found:
+                found = _cel_failures(self.openapi[key], _apply_defaults(self.openapi[key], obj))
+            return found
+        return [
+            f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in _k8s_validator(*key).iter_errors(obj)
+        ]
+
+    def check(self, obj: dict[str, Any]) -> None:
+        problems = self.errors(obj)
+        name = f"{obj.get('kind')} {obj.get('metadata', {}).get('name')}"
+        assert not problems, f"{name} is invalid: {problems}"
+
+
+@pytest.fixture(scope="session")
+def validator() -> Validator:
+    return Validator()

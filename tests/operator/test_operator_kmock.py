@@ -331,8 +331,11 @@ async def test_without_keda_an_hpa_stands_in_with_a_condition(
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "smol"}
     cond = await cluster.eventually(lambda: condition(cluster, "Autoscaling"))
     assert cond["reason"] == "HPAFallback" and "KEDA" in cond["message"]
-    events = [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "HPAFallback"]
-    assert events and events[0]["type"] == "Warning"
+    events = await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "HPAFallback"],
+        what="event",
+    )
+    assert events[0]["type"] == "Warning"
     assert ("ScaledObject", "smol") not in cluster.children(UID)
     # Unset replicas with an autoscaler: created at minReplicas, then left to the HPA.
     assert cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 1

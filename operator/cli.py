@@ -1,0 +1,118 @@
+"""`kvgate operator run`: the Kubernetes operator for ModelDeployments and managed InferencePools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from urllib.parse import urlparse
+
+from kvgate.operator.config import (
+    DEFAULT_ENGINE_IMAGE,
+    DEFAULT_EPP_IMAGE,
+    DEFAULT_PROMETHEUS_ADDRESS,
+    OperatorConfig,
+)
+
+HELP = "run the operator: ModelDeployment -> engine Deployment, InferencePool, EPP, autoscaler, HTTPRoute"
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable; glob patterns allowed); default: all namespaces",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch every namespace (needs a ClusterRole)"
+    )
+    p.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="Prometheus the operator reads pool queue/saturation from into status (off when unset)",
+    )
+    p.add_argument(
+        "--keda-prometheus-address",
+        default=DEFAULT_PROMETHEUS_ADDRESS,
+        help="Prometheus address written into KEDA ScaledObjects (in-cluster URL)",
+    )
+    p.add_argument("--engine-image", default=DEFAULT_ENGINE_IMAGE, help="engine image when a spec names none")
+    p.add_argument(
+        "--epp-image", default=DEFAULT_EPP_IMAGE, help="endpoint picker image when a spec names none"
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=30.0,
+        help="how often every object is re-checked: repairs hand-edited or deleted children, refreshes status",
+    )
+    p.add_argument(
+        "--liveness-port",
+        type=int,
+        default=8080,
+        help="port of the /healthz liveness endpoint (0 turns it off)",
+    )
+    p.add_argument(
+        "--standalone",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run without kopf peering (one operator replica; the chart runs one with Recreate)",
+    )
+    p.add_argument(
+        "--scanning",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="watch for namespaces and CRDs appearing at run time (needs list/watch on both)",
+    )
+    p.add_argument("--run-as-user", type=int, default=65532, help="uid the engine and EPP pods run as")
+    p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+
+
+def _config(args: argparse.Namespace) -> OperatorConfig:
+    if args.prometheus_url is not None:
+        url = urlparse(args.prometheus_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"--prometheus-url must be an http(s) URL, got {args.prometheus_url!r}")
+    if args.resync_seconds <= 0:
+        raise ValueError("--resync-seconds must be positive")
+    if not 0 <= args.liveness_port <= 65535:
+        raise ValueError("--liveness-port must be 0..65535")
+    all_namespaces = args.all_namespaces or not args.namespace
+    return OperatorConfig(
+        engine_image=args.engine_image,
+        epp_image=args.epp_image,
+        keda_prometheus_address=args.keda_prometheus_address,
+        prometheus_url=args.prometheus_url,
+        resync_seconds=args.resync_seconds,
+        namespaces=tuple(args.namespace),
+        all_namespaces=all_namespaces,
+        standalone=args.standalone,
+        scanning=args.scanning,
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+        run_as_user=args.run_as_user,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        print(f"kvgate operator run: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import asyncio
+
+    from kvgate.operator.handlers import Operator  # kopf is heavy: import only when running
+
+    try:
+        asyncio.run(Operator(config).run())
+    except KeyboardInterrupt:
+        return 130
+    return 0

