@@ -55,9 +55,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    # Listen now: connections that arrive between the start-up log line and uvicorn's accept
-    # loop wait in the backlog instead of being refused.
-    sock.listen(2048)
     return sock
 
 
@@ -199,6 +196,10 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
 
+    # Listen only now that the engine is built (probes during a model load are refused, not
+    # left hanging), and before the ready line: connections arriving between that line and
+    # uvicorn's accept loop wait in the backlog.
+    sock.listen(2048)
     mode = " (simulated)" if config.simulate else ""
     kv = ""
     if publisher is not None:

@@ -169,15 +169,6 @@ def test_failure_injection_delay_and_disconnect(sim_engine: EngineProcess) -> No
     assert bad.status_code == 400
 
 
-def test_failure_injection_is_off_for_real_serving(engine_factory) -> None:
-    # Without --simulate or --enable-failure-injection the header must do nothing. A simulated
-    # engine always honours it, so check the flag plumbing through the help text instead of a model.
-    from kvgate.cli import build_parser
-
-    args = build_parser().parse_args(["engine", "serve"])
-    assert args.enable_failure_injection is False and args.simulate is False
-
-
 def test_cli_errors_are_one_line(engine_factory) -> None:
     import subprocess
     import sys
