@@ -102,6 +102,7 @@ class AsyncEngine:
         self._stopping = False
         self._routes: dict[str, tuple[RequestHandle, int]] = {}
         self._handles: set[RequestHandle] = set()
+        self._pending: set[asyncio.Future[None]] = set()  # admissions the engine has not answered
         # Requests that will still be waiting after the next step's admissions (engine thread
         # writes): a request that just arrived to a free slot is not "queued".
         self._waiting = 0
@@ -177,6 +178,7 @@ class AsyncEngine:
             for index, (rid, (prompt, params)) in enumerate(zip(ids, items, strict=True)):
                 fut = self._loop.create_future()
                 futures.append(fut)
+                self._pending.add(fut)
                 self._routes[rid] = (handle, index)
                 self._adds.append(_Add(rid, prompt, params, arrival, lora_id, fut))
             self._cv.notify()
@@ -204,6 +206,7 @@ class AsyncEngine:
 
     def _deliver(self, result: _StepResult) -> None:
         for fut, err in result.accepts:
+            self._pending.discard(fut)
             if not fut.done():
                 if err is None:
                     fut.set_result(None)
@@ -221,6 +224,10 @@ class AsyncEngine:
     def fail_all(self, reason: str, status: int = 500) -> None:
         """End every request in flight with an error (engine crash, or shutdown timeout)."""
         err = EngineDeadError(reason, status)
+        for fut in self._pending:
+            if not fut.done():
+                fut.set_exception(APIError(status if status != 500 else 503, reason, code="engine_stopped"))
+        self._pending.clear()
         for handle in list(self._handles):
             handle.queue.put_nowait(err)
 
