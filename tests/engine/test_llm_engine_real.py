@@ -26,17 +26,22 @@ QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What i
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
+def llm() -> LLM:
+    """Built the way a user builds it: default model, runner and tokenizer made by the engine."""
+    return LLM(block_size=BS, max_model_len=512, num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")
-def runner() -> Any:
+def tok(llm: LLM) -> Any:
+    return llm.get_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def runner(llm: LLM) -> Any:
     from kvgate.engine.model_runner import TorchModelRunner
 
-    return TorchModelRunner(EngineConfig(block_size=BS, max_model_len=512, num_kv_blocks=256), progress=False)
+    assert isinstance(llm.engine.runner, TorchModelRunner)
+    return llm.engine.runner
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +178,7 @@ def test_preemption_and_abort_under_a_tiny_pool_change_no_token(
     _assert_no_leak(engine)
 
 
-def test_offline_llm_chat_on_the_real_model(runner: Any, tok: Any) -> None:
-    llm = LLM(runner=runner, tokenizer=tok, block_size=BS, max_model_len=512)
+def test_offline_llm_chat_on_the_real_model(llm: LLM, tok: Any) -> None:
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=7),
@@ -182,3 +186,4 @@ def test_offline_llm_chat_on_the_real_model(runner: Any, tok: Any) -> None:
     assert "Paris" in out.text
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason in ("stop", "length")
+    assert llm.engine.get_stats().kv_cache_usage == 0.0
