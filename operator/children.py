@@ -415,6 +415,7 @@ class EPPTarget:
     routing: RoutingSpec
     grpc_port: int = EPP_GRPC_PORT
     tokenizer: str | None = None
+    kv_events_port: int = 5557  # the engines' KV-event publisher port the EPP subscribes to
     termination_grace_seconds: int = 130
 
 
@@ -433,6 +434,7 @@ def epp_target_for_md(
         image=spec.routing.epp_image or config.epp_image,
         routing=spec.routing,
         tokenizer=tokenizer,
+        kv_events_port=spec.engine.kv_events_port,
         # A request streaming when the EPP restarts must be able to finish through it.
         termination_grace_seconds=spec.engine.drain_seconds + spec.engine.shutdown_timeout_seconds + 10,
     )
@@ -453,6 +455,8 @@ def epp_args(target: EPPTarget) -> list[str]:
         "--metrics-port",
         str(EPP_METRICS_PORT),
     ]
+    if target.kv_events_port != 5557:  # the EPP's default
+        args += ["--kv-events-port", str(target.kv_events_port)]
     if not target.routing.secure_serving:
         args.append("--secure-serving=false")
     if target.tokenizer:

@@ -42,14 +42,18 @@ class PrometheusUnavailable(Exception):
 class SignalReader:
     def __init__(self, url: str, timeout_s: float = 5.0) -> None:
         from prometheus_api_client import PrometheusConnect  # lazy: only with --prometheus-url
+        from urllib3.util.retry import Retry
 
         self.url = url
-        self._prom = PrometheusConnect(url=url, disable_ssl=True)
-        self._timeout_s = timeout_s
+        # Short timeouts and one quick retry: a slow or absent Prometheus must not stall resyncs
+        # (the client's default retries with backoff for many seconds).
+        retry = Retry(total=1, backoff_factor=0.1, status_forcelist=(502, 503, 504))
+        self._prom = PrometheusConnect(url=url, disable_ssl=True, retry=retry, timeout=timeout_s)
+        self._timeout_ms = int(timeout_s * 1000)
 
     def _scalar(self, query: str) -> float | None:
         try:
-            result = self._prom.custom_query(query, params={"timeout": f"{self._timeout_s}s"})
+            result = self._prom.custom_query(query, params={"timeout": f"{self._timeout_ms}ms"})
         except Exception as exc:  # the client raises several types for one cause: no answer
             raise PrometheusUnavailable(f"{self.url}: {exc}") from exc
         if not result:
