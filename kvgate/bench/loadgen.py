@@ -112,6 +112,9 @@ async def send_one(
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")
                     result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        result.cached_tokens = int(details["cached_tokens"])
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     if delta.get("content") or choice.get("text"):

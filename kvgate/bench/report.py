@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate.bench.stats import Summary
+from kvgate.bench.stats import RequestResult, Summary
 
 # (header, attribute, format) — times shown in milliseconds, rates as percentages.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -80,3 +80,25 @@ def slo_line(summaries: Sequence[Summary]) -> str:
         f"goodput: requests/s that succeeded with TTFT ≤ {s.slo_ttft_s * 1000:.0f} ms "
         f"and mean ITL ≤ {s.slo_itl_s * 1000:.0f} ms"
     )
+
+
+def write_requests_jsonl(path: Path, label: str, results: Sequence[RequestResult]) -> None:
+    """Every request's timings, for analysis beyond the summary (one JSON object per line)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in results:
+            rec = {
+                "strategy": label,
+                "index": r.index,
+                "group": r.group,
+                "sent_at": r.sent_at,
+                "status": r.status,
+                "ttft": r.ttft,
+                "e2e": r.e2e,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "output_tokens": r.output_tokens,
+                "itl_max": max(r.itls, default=None),
+                "error": r.error,
+            }
+            f.write(json.dumps(rec) + "\n")

@@ -223,6 +223,11 @@ def print_report(args: argparse.Namespace, result: BenchResult, started: str) ->
     if json_path is not None:
         report.write_json(json_path, summaries, {**result.settings, "started": started})
         print(f"results: {json_path}")
+        for n, o in enumerate(result.outcomes):
+            rate = f"-{o.summary.request_rate:g}rps" if o.summary.request_rate else ""
+            report.write_requests_jsonl(
+                json_path.parent / f"requests-{n:02d}-{o.label}{rate}.jsonl", o.label, o.results
+            )
     if plot_dir is not None:
         for path in charts(plot_dir, result):
             print(f"chart: {path}")

@@ -20,6 +20,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     e2e: float | None = None  # only for requests that completed successfully
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
     output_tokens: int = 0
     error: str | None = None
     started_streaming: bool = False

@@ -162,6 +162,9 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         admin_port=p.envoy_admin,
         listen_host=LOOPBACK,
         epp_tls=False,
+        # One local EPP: active health checks could only fail over to nothing, and on a busy
+        # laptop a single 1 s miss would mark it unhealthy and fail requests with empty 500s.
+        epp_health_check=False,
     )
 
 
@@ -203,6 +206,7 @@ class StackInfo:
                 "model": self.model,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}],
                 "max_tokens": 64,
+                "temperature": 0,  # greedy: the same answer every time
             }
         )
         return (

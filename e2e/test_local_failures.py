@@ -1,0 +1,126 @@
+"""`kvgate up --simulate` under failure: an engine killed mid-run, then Ctrl-C leaving nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvgate.local.ports import port_is_free
+
+sys.path.insert(0, str(Path(__file__).parent))
+from local_up_process import UpProcess, pid_alive, start_up, stop_up
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    # max-num-seqs 2: requests beyond two per engine wait in its queue, so when an engine dies
+    # some of its requests are mid-stream and others have not started.
+    up = start_up(tmp_path_factory.mktemp("fail"), "--simulate", "--engines", "3", "--max-num-seqs", "2")
+    try:
+        up.wait_for_line(r"^curl ")
+        yield up
+    finally:
+        stop_up(up)
+
+
+@dataclass
+class Outcome:
+    started: bool = False  # got a 200 and a stream object back
+    tokens: int = 0
+    completed: bool = False
+    error: str | None = None
+    error_after_s: float | None = None
+
+
+def test_killed_engine_loses_no_request_that_had_not_started_streaming(stack: UpProcess) -> None:
+    info = stack.stack
+    # The openai client's own retries (on 5xx and connection errors) plus the EPP dropping the
+    # dead engine are what reroute requests that never reached a live engine.
+    client = openai.OpenAI(base_url=info["gateway_url"] + "/v1", api_key="unused", max_retries=4, timeout=60)
+    outcomes = [Outcome() for _ in range(18)]
+
+    def run(i: int) -> None:
+        o = outcomes[i]
+        t0 = time.monotonic()
+        try:
+            stream = client.chat.completions.create(
+                model=info["model"],
+                # Distinct prompts, so the precise-prefix picker spreads them over all engines.
+                messages=[{"role": "user", "content": f"request {i} " + "word " * (i * 7 % 50)}],
+                max_tokens=120,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            o.started = True
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    o.tokens += 1
+            o.completed = True
+        except Exception as exc:  # what a client sees is the point here
+            o.error = f"{type(exc).__name__}: {exc}"
+            o.error_after_s = time.monotonic() - t0
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(outcomes))]
+    for t in threads:
+        t.start()
+    time.sleep(0.6)  # everything admitted: some streaming, some queued behind max-num-seqs
+    victim = info["engine_pids"][0]
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a client hung after the engine died"
+
+    never_started = [o for o in outcomes if not o.started]
+    assert never_started == [], f"requests lost before streaming began: {never_started}"
+    broken = [o for o in outcomes if not o.completed]
+    for o in broken:  # mid-stream casualties fail cleanly and promptly, never hang
+        assert o.error is not None and o.error_after_s is not None and o.error_after_s < 30
+    assert any(o.completed for o in outcomes)
+    stack.wait_for_line(r"engine-0 exited with code .*2 engine\(s\) left", timeout=10)
+
+    # Afterwards the dead engine is out of rotation: every request is served, by the others.
+    dead = info["engine_urls"][0].removeprefix("http://")
+    with httpx.Client(timeout=30) as c:
+        for i in range(12):
+            r = c.post(
+                info["gateway_url"] + "/v1/chat/completions",
+                json={
+                    "model": info["model"],
+                    "messages": [{"role": "user", "content": f"after {i}"}],
+                    "max_tokens": 4,
+                },
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers.get("x-kvgate-upstream") != dead
+
+
+def test_ctrl_c_stops_everything_and_frees_every_port(stack: UpProcess) -> None:
+    info = stack.stack
+    pids = [*info["engine_pids"], info["epp_pid"], info["envoy_pid"]]
+    ports = [
+        int(u.rsplit(":", 1)[1]) for u in (info["gateway_url"], *info["engine_urls"], info["envoy_admin_url"])
+    ]
+    ports.append(int(info["epp_metrics_url"].split(":")[2].split("/")[0]))
+    t0 = time.monotonic()
+    rc = stack.interrupt(timeout=40)
+    assert rc == 0, "\n".join(stack.lines[-20:])
+    assert time.monotonic() - t0 < 40
+    assert "stopped; all ports freed" in stack.lines[-1]
+    for pid in pids:
+        assert not pid_alive(pid), f"orphan process {pid}"
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)  # nothing left in its process group either
+    for port in ports:
+        assert port_is_free(port), f"port {port} still bound"
+    # The component logs survive the stack, for post-mortems.
+    assert (Path(info["log_dir"]) / "engine-0.log").stat().st_size > 0

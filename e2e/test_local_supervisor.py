@@ -1,0 +1,129 @@
+"""The process supervisor behind `kvgate up`: prefixed logs, whole process groups stopped, and no
+orphans even when the supervisor itself is killed with SIGKILL."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvgate.local.ports import PortBusyError, plan_ports
+from kvgate.local.supervisor import ProcessSpec, Supervisor
+
+# A child that prints, spawns a grandchild into its own group, reports the grandchild's pid,
+# and then sleeps (ignoring nothing: SIGTERM ends it).
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    print("hello from the child", flush=True)
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    print(f"grandchild {g.pid}", flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _grandchild(lines: list[str]) -> int:
+    return int(next(line for line in lines if "grandchild" in line).split()[-1])
+
+
+def test_logs_are_prefixed_and_stop_all_ends_the_whole_group(tmp_path: Path) -> None:
+    echo = io.StringIO()
+    sup = Supervisor(tmp_path, echo=echo)
+    proc = sup.start(ProcessSpec(name="engine-0", argv=[sys.executable, "-c", PARENT]))
+    deadline = time.monotonic() + 15
+    while "grandchild" not in echo.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = echo.getvalue().splitlines()
+    assert lines[0].startswith("[engine-0]") and lines[0].endswith("hello from the child")
+    grandchild = _grandchild(lines)
+    sup.stop_all(timeout_s=5)
+    assert proc.exit_code() is not None
+    assert _wait_gone(grandchild), "the grandchild outlived stop_all"
+    assert "hello from the child" in (tmp_path / "engine-0.log").read_text()
+    assert proc.tail()[0] == "hello from the child"
+
+
+def test_a_child_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
+    sup = Supervisor(tmp_path)
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"
+    proc = sup.start(ProcessSpec(name="stubborn", argv=[sys.executable, "-c", stubborn]))
+    deadline = time.monotonic() + 15
+    while "up" not in (tmp_path / "stubborn.log").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    sup.stop_all(timeout_s=1)
+    assert proc.exit_code() == -signal.SIGKILL
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_children_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    # The supervisor runs in its own process here, so it can be SIGKILLed like a crashed `kvgate up`.
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from kvgate.local.supervisor import ProcessSpec, Supervisor
+        sup = Supervisor(Path({str(tmp_path)!r}))
+        p = sup.start(ProcessSpec(name="child", argv=[sys.executable, "-c", "import time; time.sleep(300)"]))
+        print(p.pid, flush=True)
+        time.sleep(300)
+        """
+    )
+    outer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert outer.stdout is not None
+    child = int(outer.stdout.readline())
+    assert _alive(child)
+    outer.kill()
+    outer.wait(timeout=10)
+    assert _wait_gone(child), "the child was orphaned"
+
+
+def test_port_plan_is_consecutive_from_the_base_and_names_busy_ports() -> None:
+    plan = plan_ports(8080, 20000, 2)
+    assert plan.engines == (20000, 20001)
+    assert plan.kv_events == (20002, 20003)
+    assert plan.kv_replay == (20004, 20005)
+    assert (plan.epp_grpc, plan.epp_health, plan.epp_metrics, plan.envoy_admin) == (
+        20006,
+        20007,
+        20008,
+        20009,
+    )
+    free = plan_ports(0, 0, 3)
+    ports = [p for _, p in free.named()]
+    assert len(set(ports)) == len(ports) == 3 * 3 + 5
+    free.check_free()
+    clash = plan_ports(20000, 20000, 1)
+    with pytest.raises(PortBusyError, match="planned for both"):
+        clash.check_free()
+    with pytest.raises(PortBusyError, match="out of range"):
+        plan_ports(8080, 65534, 2).check_free()
