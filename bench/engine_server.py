@@ -3,6 +3,7 @@
     .venv/bin/python -P bench/engine_server.py            # everything
     .venv/bin/python -P bench/engine_server.py requests   # non-streaming req/s and latency
     .venv/bin/python -P bench/engine_server.py stream     # streamed tokens/s
+    .venv/bin/python -P bench/engine_server.py stack      # httptools+uvloop vs h11+asyncio
     .venv/bin/python -P bench/engine_server.py metrics    # /metrics render cost vs prometheus_client
     .venv/bin/python -P bench/engine_server.py startup    # 1 and 8 simulated engines
 
@@ -168,6 +169,38 @@ def bench_requests(seconds: float) -> dict[str, Any]:
     return out
 
 
+def bench_stack(seconds: float) -> dict[str, Any]:
+    """httptools + uvloop (the default when installed) against h11 + asyncio, same load."""
+    out: dict[str, Any] = {}
+    body = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+    for name, args in (
+        ("h11+asyncio", ("--http-parser", "h11", "--event-loop", "asyncio")),
+        ("httptools+uvloop", ("--http-parser", "httptools", "--event-loop", "uvloop")),
+    ):
+        eng = Engine("--simulate", "--sim-time-scale", "0", "--max-num-seqs", "256", *args)
+        try:
+            _load(eng, body, 4, 1.0)
+            for concurrency in (1, 16):
+                cpu0 = _cpu_seconds(eng.proc.pid)
+                lat, _, wall = _load(eng, body, concurrency, seconds)
+                cpu = _cpu_seconds(eng.proc.pid) - cpu0
+                out[f"{name}_c{concurrency}"] = {
+                    "rps": round(len(lat) / wall, 1),
+                    "p50_ms": round(_pct(lat, 50) * 1000, 2),
+                    "p99_ms": round(_pct(lat, 99) * 1000, 2),
+                    "server_cpu_us_per_request": round(cpu / len(lat) * 1e6),
+                }
+                print(f"{name} c{concurrency}", out[f"{name}_c{concurrency}"], flush=True)
+        finally:
+            eng.stop()
+    for c in (1, 16):
+        base, new = out[f"h11+asyncio_c{c}"], out[f"httptools+uvloop_c{c}"]
+        out[f"cpu_per_request_ratio_c{c}"] = round(
+            new["server_cpu_us_per_request"] / base["server_cpu_us_per_request"], 3
+        )
+    return out
+
+
 def bench_stream(seconds: float) -> dict[str, Any]:
     eng = Engine("--simulate", "--sim-time-scale", "0", "--max-num-seqs", "256")
     out: dict[str, Any] = {}
@@ -265,7 +298,7 @@ def bench_startup() -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="*", default=["requests", "stream", "metrics", "startup"])
+    p.add_argument("what", nargs="*", default=["requests", "stream", "stack", "metrics", "startup"])
     p.add_argument("--seconds", type=float, default=4.0, help="load duration per measurement")
     p.add_argument("--out", default=None, help="write the JSON results here")
     args = p.parse_args()
@@ -275,6 +308,8 @@ def main() -> int:
             results["requests"] = bench_requests(args.seconds)
         elif what == "stream":
             results["stream"] = bench_stream(args.seconds)
+        elif what == "stack":
+            results["stack"] = bench_stack(args.seconds)
         elif what == "metrics":
             results["metrics"] = bench_metrics()
         elif what == "startup":

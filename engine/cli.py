@@ -135,6 +135,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="honour the x-kvgate-inject-failure header (always on with --simulate)",
     )
     h.add_argument(
+        "--http-parser",
+        default="auto",
+        choices=["auto", "httptools", "h11"],
+        help="HTTP/1.1 parser (auto: httptools when installed)",
+    )
+    h.add_argument(
+        "--event-loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="event loop (auto: uvloop when installed)",
+    )
+    h.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
     )
 
@@ -224,6 +236,8 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         kv_events_topic_endpoint=args.kv_events_topic_endpoint,
         kv_events_buffer=args.kv_events_buffer,
         enable_failure_injection=args.enable_failure_injection,
+        http_parser=args.http_parser,
+        event_loop=args.event_loop,
     )
     return config, options
 

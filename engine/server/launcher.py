@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import uvicorn
@@ -42,6 +42,8 @@ class ServerOptions:
     kv_events_topic_endpoint: str | None = None
     kv_events_buffer: int = 10_000
     enable_failure_injection: bool = False
+    http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
+    event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -74,6 +76,31 @@ def _own_ip() -> str:
         return "127.0.0.1"
 
 
+def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise ServeError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]
+
+
+def _http_protocol(choice: str) -> str:
+    if choice == "auto":
+        return "auto"  # uvicorn picks httptools when it is importable, else h11
+    if choice == "httptools":
+        try:
+            import httptools  # noqa: F401
+        except ImportError:
+            raise ServeError(
+                "--http-parser httptools: httptools is not installed (pip install httptools)"
+            ) from None
+    return choice
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -99,7 +126,8 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
     sock = bind_socket(options.host, options.port)
     try:
         engine = build_engine(config)
-        return asyncio.run(_serve(config, options, engine, sock))
+        with asyncio.Runner(loop_factory=_loop_factory(options.event_loop)) as runner:
+            return runner.run(_serve(config, options, engine, sock))
     finally:
         sock.close()
 
@@ -158,6 +186,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
+        http=_http_protocol(options.http_parser),  # type: ignore[arg-type]
         log_config=None,
         log_level=logging.WARNING,
         access_log=False,
