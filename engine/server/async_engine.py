@@ -256,8 +256,10 @@ class AsyncEngine:
                         result.accepts.append((add.accepted, self._apply_add(add)))
                     # After the adds: a client may leave before its admission was answered.
                     for rid in aborts:
-                        self._timings.pop(rid, None)
-                        engine.abort_request(rid)
+                        # A client that left mid-request counts as finished_reason="abort".
+                        if self._timings.pop(rid, None) is not None and engine.abort_request(rid):
+                            with self.metrics.lock:
+                                self.metrics.request_finished("abort")
                     if adds:
                         stats = engine.get_stats()
                         self._waiting = self._queued(stats.num_waiting, stats.num_running)

@@ -39,8 +39,12 @@ def _busy(eng: EngineProcess) -> bool:
     return m["vllm:num_requests_running"] >= 1 and m["vllm:kv_cache_usage_perc"] > 0
 
 
+ABORTED = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="sim-model"}'
+
+
 def test_disconnect_mid_stream_frees_blocks(sim_engine: EngineProcess) -> None:
     _wait_for(lambda: _idle(sim_engine))
+    aborted = sim_engine.metrics()[ABORTED]
     body = {"prompt": "tell me a long story " * 10, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with (
         httpx.Client(timeout=30) as client,
@@ -55,7 +59,9 @@ def test_disconnect_mid_stream_frees_blocks(sim_engine: EngineProcess) -> None:
     # 900 tokens at 2 ms each would take ~2 s; the abort must free everything well before that.
     _wait_for(lambda: _idle(sim_engine), timeout=1.0)
     time.sleep(0.1)
-    assert sim_engine.metrics()["vllm:generation_tokens_total"] - tokens_before < 300
+    after = sim_engine.metrics()
+    assert after["vllm:generation_tokens_total"] - tokens_before < 300
+    assert after[ABORTED] == aborted + 1
 
 
 def test_disconnect_while_waiting_non_streaming_frees_blocks(sim_engine: EngineProcess) -> None:
