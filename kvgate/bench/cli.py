@@ -81,6 +81,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--sim-kv-blocks", type=int, default=SIM_DEFAULTS["sim_kv_blocks"], help="KV blocks per engine"
     )
+    g.add_argument("--sim-time-scale", type=float, default=None, help="multiply every simulated duration")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix", help="request shape")

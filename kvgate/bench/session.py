@@ -51,7 +51,7 @@ def _settings(args: argparse.Namespace, workload: WorkloadSpec, slo: Slo) -> dic
     keys = (
         "workload seed groups prefix_tokens suffix_tokens output_tokens conversations turns "
         "first_turn_tokens user_turn_tokens request_rate concurrency num_requests duration simulate engines "
-        "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks max_num_seqs engine_model url"
+        "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks sim_time_scale max_num_seqs engine_model url"
     ).split()
     out = {k: getattr(args, k, None) for k in keys}
     out["slo_ttft_s"] = slo.ttft_s
@@ -141,6 +141,7 @@ def on_local_stacks(
             itl=args.sim_itl,
             itl_per_seq=args.sim_itl_per_seq,
             kv_blocks=args.sim_kv_blocks,
+            time_scale=args.sim_time_scale,
         )
         if args.simulate
         else SimTiming(),

@@ -1,0 +1,117 @@
+"""`kvgate bench` end to end on simulated engines: the strategy comparison (small), a run against a
+running stack's gateway, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgate.local.ports import plan_ports
+from kvgate.local.stack import LocalStack, StackConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = (
+    "strategy",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "output_tok_s",
+    "prefix_hit_rate",
+    "errors",
+)
+# A small shared-prefix workload: 3 groups × 512-token prefixes on 2 fast simulated engines.
+SMALL = [
+    "--simulate",
+    "--engines", "2",
+    "--groups", "3",
+    "--prefix-tokens", "512",
+    "--suffix-tokens", "16",
+    "--output-tokens", "8",
+    "--num-requests", "36",
+    "--request-rate", "12",
+    "--sim-time-scale", "0.5",
+    "--no-progress",
+]  # fmt: skip
+
+
+def bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvgate", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_compare_writes_table_json_and_charts(tmp_path: Path) -> None:
+    out = bench(
+        *SMALL,
+        "--compare",
+        "--strategies", "round-robin,precise-prefix",
+        "--json", str(tmp_path / "r.json"),
+        "--plot", str(tmp_path / "charts"),
+        "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    table = out.stdout.splitlines()
+    assert table[0].startswith("strategy") and "TTFT p90 ms" in table[0]
+    assert table[2].startswith("round-robin") and table[3].startswith("precise-prefix")
+    assert "precise-prefix TTFT p90 =" in out.stdout and "of the best achievable" in out.stdout
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert [r["strategy"] for r in records] == ["round-robin", "precise-prefix"]
+    for r in records:
+        for key in REQUIRED:
+            assert key in r, key
+        assert r["errors"] == 0 and r["requests"] == 36
+        assert 0 < r["ideal_prefix_hit_rate"] < 1
+    rr, pp = records
+    # 3 prefixes on 2 engines: round-robin computes each prefix on both, precise-prefix once.
+    assert pp["prefix_hit_rate"] > rr["prefix_hit_rate"]
+    assert pp["prefix_hit_rate"] >= 0.9 * pp["ideal_prefix_hit_rate"]
+    for name in ("latency_cdf.png", "comparison.png"):
+        assert (tmp_path / "charts" / name).read_bytes()[:4] == b"\x89PNG"
+    assert len(list(tmp_path.glob("requests-*.jsonl"))) == 2
+    assert (tmp_path / "logs" / "precise-prefix" / "epp.log").exists()
+
+
+def test_bench_against_a_running_gateway_reads_engine_metrics(tmp_path: Path) -> None:
+    cfg = StackConfig(
+        ports=plan_ports(0, 0, 2), engines=2, simulate=True, log_dir=tmp_path / "logs", ready_timeout_s=60
+    )
+    with LocalStack(cfg) as stack:
+        info = stack.start()
+        out = bench(
+            "--stack-file", str(Path(info.log_dir) / "stack.json"),
+            "--workload", "multi-turn",
+            "--conversations", "3", "--turns", "3", "--first-turn-tokens", "64", "--user-turn-tokens", "16",
+            "--output-tokens", "4",
+            "--num-requests", "9", "--request-rate", "20", "--no-progress",
+            "--json", str(tmp_path / "r.json"),
+        )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    (record,) = json.loads((tmp_path / "r.json").read_text())
+    assert record["strategy"] == "endpoint" and record["completed"] == 9
+    # Later turns resend earlier ones: the engines report prefix hits.
+    assert record["prefix_hit_rate"] is not None and record["prefix_hit_rate"] > 0.2
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--url", "http://127.0.0.1:1", "--num-requests", "1"], "cannot list models"),
+        (["--request-rate", "fast"], "is not a number"),
+        (["--compare", "--strategies", "fastest"], "unknown strategy fastest"),
+        (["--workload", "random", "--min-prompt-tokens", "9", "--max-prompt-tokens", "3"], "prompt lengths"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
+    out = bench(*args, timeout=60)
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
