@@ -86,6 +86,13 @@ class SSEResponse:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # uvicorn raises ClientDisconnected (an OSError) on a send to a closed socket
             pass
+        except Exception:  # a bug mid-stream: the status line is gone, so end with an error event
+            log.exception("unhandled error while streaming")
+            error = b'data: {"error": {"message": "Internal server error.", "type": "server_error", "param": null, "code": "internal_error"}}\n\n'
+            try:
+                await send({"type": "http.response.body", "body": error, "more_body": False})
+            except OSError:
+                pass
         finally:
             await self.body.aclose()  # type: ignore[attr-defined]
             self.on_close()

@@ -46,6 +46,7 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n: one request must not flood the engine
 
 
 @dataclass
@@ -226,6 +227,11 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported.", "echo")
         prompts = self.completion_prompts(req)
+        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise bad_request(
+                f"{len(prompts)} prompts x n={req.n} is more than {MAX_SEQUENCES_PER_REQUEST} sequences in one request.",
+                "prompt",
+            )
         items: list[tuple[list[int], SamplingParams]] = []
         for ids in prompts:
             max_tokens = self._check_prompt(ids, req.max_tokens, "prompt")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -246,6 +248,7 @@ def test_wrong_or_missing_api_key_is_401(sim_engine: EngineProcess) -> None:
         (b'{"prompt": []}', "empty"),
         (b'{"prompt": "x", "suffix": "y"}', "suffix"),
         (b'{"prompt": "x", "best_of": 3}', "best_of"),
+        (json.dumps({"prompt": ["x"] * 100, "n": 20}).encode(), "sequences in one request"),
     ],
 )
 def test_bad_completion_bodies_are_400(sim_engine: EngineProcess, body: bytes, needle: str) -> None:
