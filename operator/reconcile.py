@@ -70,16 +70,23 @@ def is_subset(want: Any, have: Any) -> bool:
     return bool(want == have)
 
 
-def removals(previous: Any, current: Any) -> Any:
+# Fields we stop setting in order to hand them to another controller, not to clear them:
+# nulling spec.replicas would make the API server default it to 1 and scale the engines down
+# before the autoscaler acts.
+HANDED_OVER: frozenset[tuple[str, ...]] = frozenset({("spec", "replicas")})
+
+
+def removals(previous: Any, current: Any, path: tuple[str, ...] = ()) -> Any:
     """Merge-patch nulls for dict keys we set before and no longer want (a 3-way apply)."""
     if not isinstance(previous, dict) or not isinstance(current, dict):
         return None
     out: dict[str, Any] = {}
     for key, old in previous.items():
         if key not in current:
-            out[key] = None
+            if (*path, key) not in HANDED_OVER:
+                out[key] = None
         else:
-            nested = removals(old, current[key])
+            nested = removals(old, current[key], (*path, key))
             if nested:
                 out[key] = nested
     return out

@@ -1,4 +1,5 @@
-"""Runs the real kopf operator against kmock's Kubernetes emulator, in this test's event loop."""
+"""Operator test harness: kmock (made a little more like a real API server) with the real kopf
+operator in its own thread, and validators for every kind kvgate emits."""
 
 from __future__ import annotations
 

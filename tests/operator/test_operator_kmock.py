@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvgate.operator.conditions import find
 from kvgate.operator.resources import (
@@ -168,6 +175,8 @@ async def test_updates_replicas_image_and_switches_autoscaler(cluster: Any, oper
         },
     )
     so = await cluster.eventually(lambda: cluster.objects(SCALED_OBJECTS).get("smol"), what="ScaledObject")
+    # Handing the count to the autoscaler leaves the live count alone (a null would reset it to 1).
+    assert cluster.objects(DEPLOYMENTS)["smol"]["spec"]["replicas"] == 3
     trigger = so["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
     assert 'inference_pool_average_queue_size{name="smol"}' in trigger["metadata"]["query"]
@@ -351,3 +360,56 @@ async def test_http_route_points_at_the_pool(cluster: Any, operator: Any) -> Non
     assert obj["spec"]["parentRefs"][0]["name"] == "inference-gateway"
     await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"httpRoute": None}})
     await cluster.eventually(lambda: "smol" not in cluster.objects(HTTP_ROUTES), what="HTTPRoute deleted")
+
+
+async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: Any) -> None:
+    """`kvgate operator run` as its own process: kubeconfig login, liveness, reconcile, SIGTERM."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": cluster.url}}],
+                "users": [{"name": "dev", "user": {"token": "dev-token"}}],
+                "contexts": [
+                    {"name": "kmock", "context": {"cluster": "kmock", "user": "dev", "namespace": NS}}
+                ],
+                "current-context": "kmock",
+            }
+        )
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        str(Path(sys.executable).parent / "kvgate"), "operator", "run", "--namespace", NS, "--no-scanning",
+        "--resync-seconds", "0.5", "--liveness-port", str(port),
+    ]  # fmt: skip
+    log = tmp_path / "operator.log"
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=out, stderr=out
+        )
+    try:
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as resp:
+                    return resp.status == 200
+            except OSError:
+                return False
+
+        await cluster.eventually(lambda: asyncio.to_thread(healthy), within=30, what="liveness endpoint")
+        await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+        await cluster.eventually(
+            lambda: set(cluster.children(UID)) == BASE_CHILDREN, within=20, what="children"
+        )
+        requests = [
+            r for r in cluster.emulator if r.headers.get("Authorization")
+        ]  # kmock iterates its requests
+        assert requests and all(r.headers["Authorization"] == "Bearer dev-token" for r in requests)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 20)
+    assert code == 0, log.read_text()[-2000:]
