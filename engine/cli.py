@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 HELP = "serve a model over an OpenAI-compatible HTTP API, with vLLM metrics and KV events"
@@ -65,7 +66,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="HF model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)",
     )
     m.add_argument(
-        "--served-model-name", default=None, help="name clients send as 'model' (default: --model)"
+        "--served-model-name", default=None, help="name clients send as 'model'; unset: the --model value"
     )
     m.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
     m.add_argument(
@@ -77,7 +78,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     m.add_argument(
-        "--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)"
+        "--max-model-len", type=_positive_int, default=None, help="context length; unset: the model's"
     )
 
     s = p.add_argument_group("scheduling and KV cache")
@@ -89,7 +90,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--max-queued-requests",
         type=_positive_int,
         default=None,
-        help="waiting-queue bound; beyond it requests get 429 (default: unbounded)",
+        help="bound on requests that cannot start at the next step; beyond it 429 + Retry-After; unset: unbounded",
     )
     s.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block")
     s.add_argument(
@@ -102,7 +103,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--kv-cache-memory",
         type=_bytes,
         default=None,
-        help="bytes for the KV pool, e.g. 2GiB (default: a budget from free memory)",
+        help="bytes for the KV pool, e.g. 2GiB; unset: a budget from free memory",
     )
     s.add_argument(
         "--gpu-memory-utilization", type=float, default=0.9, help="fraction of GPU memory the engine may use"
@@ -121,7 +122,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--port", type=_port, default=8000, help="port to bind (0: any free port, logged at start)"
     )
     h.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 and tokenizer routes"
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1 and tokenizer routes; also read from $KVGATE_API_KEY",
     )
     h.add_argument(
         "--shutdown-timeout",
@@ -154,7 +157,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--kv-events-endpoint",
         default=None,
-        help="ZMQ PUB endpoint to bind, e.g. tcp://*:5557 (default: off)",
+        help="ZMQ PUB endpoint to bind, e.g. tcp://*:5557; unset: no KV events",
     )
     k.add_argument(
         "--kv-events-replay-endpoint",
@@ -164,7 +167,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     k.add_argument(
         "--kv-events-topic-endpoint",
         default=None,
-        help="host:port put in the topic kv@<host:port>@<model> (default: this server's; $POD_IP when bound to 0.0.0.0)",
+        help="host:port put in the topic kv@<host:port>@<model>; unset: this server's address ($POD_IP:port when bound to 0.0.0.0)",
     )
     k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
 
@@ -183,7 +186,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--sim-itl-per-seq",
         type=_non_negative_float,
         default=0.0005,
-        help="extra seconds per step for each further running sequence",
+        help="extra seconds per step for each sequence decoding in it",
     )
     sim.add_argument(
         "--sim-kv-blocks", type=_positive_int, default=2048, help="KV blocks of the simulated pool"
@@ -228,7 +231,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
     options = ServerOptions(
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("KVGATE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
         kv_events_endpoint=args.kv_events_endpoint,
