@@ -253,3 +253,19 @@ def test_offline_llm_generate_and_chat(tok: Any) -> None:
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(simulate=True, tokenizer=tok, no_such_option=1)
     _assert_no_leak(llm.engine)
+
+
+def test_without_chunked_prefill_every_sequence_fits_one_step(tok: Any) -> None:
+    engine = _engine(tok, enable_chunked_prefill=False, max_num_batched_tokens=64, num_kv_blocks=64)
+    assert engine.max_model_len == 64  # a preempted sequence must be recomputable in one step
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        engine.add_request("long", _prompt(1, 64), SamplingParams())
+    for i in range(3):
+        engine.add_request(f"r{i}", _prompt(i, 40), SamplingParams(max_tokens=30, ignore_eos=True))
+    outs = _run(engine)
+    assert {k: (len(v.token_ids), v.finish_reason) for k, v in outs.items()} == {
+        "r0": (24, "length"),  # 40 + 24 = max_model_len
+        "r1": (24, "length"),
+        "r2": (24, "length"),
+    }
+    _assert_no_leak(engine)
