@@ -169,6 +169,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="host:port put in the topic kv@<host:port>@<model>; unset: this server's address ($POD_IP:port when bound to 0.0.0.0)",
     )
+    k.add_argument(
+        "--kv-events-connect",
+        action="store_true",
+        help="connect the PUB socket to --kv-events-endpoint (a subscriber that binds, llm-d style) instead of binding it",
+    )
     k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
 
     sim = p.add_argument_group("simulation (no model: real scheduler, KV cache, metrics and events)")
@@ -238,6 +243,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic_endpoint=args.kv_events_topic_endpoint,
         kv_events_buffer=args.kv_events_buffer,
+        kv_events_connect=args.kv_events_connect,
         enable_failure_injection=args.enable_failure_injection,
         http_parser=args.http_parser,
         event_loop=args.event_loop,

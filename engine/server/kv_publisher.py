@@ -1,6 +1,6 @@
 """KV-cache events over ZMQ, in vLLM's wire layout (what llm-d's indexer subscribes to).
 
-PUB socket: every engine step that changed the cache sends one 3-frame message
+PUB socket (bound, or connected to a subscriber that binds — llm-d's push layout): every engine step that changed the cache sends one 3-frame message
 ``[topic, seq (8-byte big-endian), msgpack([ts, [event, ...], dp_rank])]``. Sequence numbers
 start at 0 and grow by one per batch, so a subscriber sees a gap when it missed messages.
 
@@ -39,6 +39,7 @@ class KVEventPublisher:
         replay_endpoint: str | None = None,
         buffer_size: int = 10_000,
         data_parallel_rank: int = 0,
+        connect: bool = False,
     ) -> None:
         self.topic = topic.encode()
         self._dp_rank = data_parallel_rank
@@ -46,8 +47,12 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
-        self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if connect:  # push mode (llm-d style): the subscriber binds, every engine connects to it
+            self._pub.connect(endpoint)
+            self.endpoint = endpoint
+        else:
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self._lock = threading.Lock()

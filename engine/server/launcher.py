@@ -41,6 +41,7 @@ class ServerOptions:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic_endpoint: str | None = None
     kv_events_buffer: int = 10_000
+    kv_events_connect: bool = False
     enable_failure_injection: bool = False
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
@@ -161,9 +162,17 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
                 topic_for(topic_endpoint, model_name),
                 replay_endpoint=options.kv_events_replay_endpoint,
                 buffer_size=options.kv_events_buffer,
+                connect=options.kv_events_connect,
             )
         except Exception as exc:  # zmq.ZMQError or OSError: a bad or taken endpoint
-            raise ServeError(f"cannot open the KV-event sockets: {exc}") from None
+            hint = (
+                ""
+                if options.kv_events_connect
+                else " (to push to a remote subscriber, add --kv-events-connect)"
+            )
+            raise ServeError(
+                f"cannot open the KV-event sockets at {options.kv_events_endpoint}: {exc}{hint}"
+            ) from None
     async_engine = AsyncEngine(engine, metrics, publisher, max_queued_requests=options.max_queued_requests)
     tokenizer = engine.tokenizer  # type: ignore[attr-defined]
     info = ModelInfo(

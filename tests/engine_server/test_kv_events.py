@@ -126,3 +126,36 @@ def test_replay_serves_missed_batches(sim_engine: EngineProcess) -> None:
     assert dealer.recv_multipart() == [b"", b"\xff" * 8, b""]
     dealer.close()
     sub.close()
+
+
+def test_connect_mode_pushes_to_a_binding_subscriber(engine_factory) -> None:
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.bind("tcp://127.0.0.1:*")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+    eng = engine_factory("--simulate", "--kv-events-endpoint", endpoint, "--kv-events-connect")
+    deadline = time.monotonic() + 10
+    while not sub.poll(100):
+        assert time.monotonic() < deadline, "no KV events pushed"
+        r = httpx.post(
+            f"{eng.base_url}/v1/completions", json={"prompt": uuid.uuid4().hex * 8, "max_tokens": 1}
+        )
+        assert r.status_code == 200
+    topic, _, events = _decode(sub.recv_multipart())
+    assert topic.startswith("kv@127.0.0.1:") and topic.endswith("@default")
+    assert events and events[0][0] == "BlockStored"
+    sub.close()
+
+
+def test_unbindable_endpoint_is_a_clear_cli_error() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--simulate", "--port", "0",
+         "--kv-events-endpoint", "tcp://192.0.2.1:5557"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--kv-events-connect" in out.stderr
