@@ -110,9 +110,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
+        block_size = self.kv.block_size
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        scheduled: set[str] = set()
         preempted = False
 
         # 1. Running requests, oldest first.
@@ -127,7 +127,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while self.kv.allocate(request, num_new) is None:
+            covered = len(request.block_ids) * block_size
+            # Most decode steps stay inside the last block: no allocation to do.
+            while (
+                request.num_computed_tokens + num_new > covered and self.kv.allocate(request, num_new) is None
+            ):
                 # Free room by recomputing the newest arrival later; maybe this very request.
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -136,7 +140,6 @@ class Scheduler:
                     break
             else:
                 seqs.append(self._seq(request, num_new))
-                scheduled.add(request.request_id)
                 request.num_computed_tokens += num_new
                 budget -= num_new
                 i += 1
@@ -162,7 +165,6 @@ class Scheduler:
                 request.first_scheduled_time = now
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             seqs.append(self._seq(request, num_new))
-            scheduled.add(request.request_id)
             request.num_computed_tokens += num_new
             budget -= num_new
 
