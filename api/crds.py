@@ -469,7 +469,18 @@ class ModelDeploymentStatus(K8sModel):
 class ModelDeployment(K8sModel):
     """One served model: engine replicas, their InferencePool, an endpoint picker and an autoscaler."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    # The endpoint picker's Service is `<name>-epp`, a 63-character DNS label.
+                    "rule": "size(self.metadata.name) <= 59",
+                    "message": "metadata.name must be at most 59 characters (the EPP Service adds '-epp')",
+                }
+            ]
+        },
+    )
     spec: ModelDeploymentSpec
     status: ModelDeploymentStatus | None = None
 

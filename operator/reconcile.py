@@ -183,36 +183,41 @@ class Reconciler:
             self._caps_at = time.monotonic()
         return self._caps
 
-    async def apply(self, manifest: dict[str, Any], owner_uid: str) -> tuple[dict[str, Any], str]:
-        """Create or patch one child; returns the live object and what was done."""
+    async def apply(
+        self, manifest: dict[str, Any], live: dict[str, Any] | None
+    ) -> tuple[dict[str, Any], str]:
+        """Create or patch one child given its live state; returns the result and what was done."""
         res = resource_of(manifest)
         ns, name = manifest["metadata"].get("namespace"), manifest["metadata"]["name"]
         desired = with_applied_annotation(manifest)
-        live = await self.client.get(res, ns, name)
         if live is None:
             return await self.client.create(res, ns, desired), "created"
-        if not controlled_by(live, owner_uid):
-            raise ApiError(
-                409, "Conflict", f"{manifest['kind']} {ns}/{name} exists and is not managed by kvgate"
-            )
         if is_subset(desired, live):
             return live, "unchanged"
         return await self.client.patch(res, ns, name, patch_for(desired, live)), "patched"
 
     async def apply_all(self, manifests: list[dict[str, Any]], owner_uid: str) -> dict[str, dict[str, Any]]:
-        live: dict[str, dict[str, Any]] = {}
-        for manifest in manifests:
-            obj, action = await self.apply(manifest, owner_uid)
+        """Applies every child, or none: an object of a child's name that someone else owns stops
+        the whole set before anything is written (it is never taken over)."""
+        lives = [
+            await self.client.get(resource_of(m), m["metadata"].get("namespace"), m["metadata"]["name"])
+            for m in manifests
+        ]
+        foreign = [
+            f"{m['kind']} {m['metadata']['namespace']}/{m['metadata']['name']}"
+            for m, live in zip(manifests, lives, strict=True)
+            if live is not None and not controlled_by(live, owner_uid)
+        ]
+        if foreign:
+            raise ApiError(409, "Conflict", f"{', '.join(foreign)} exist(s) and is not managed by kvgate")
+        out: dict[str, dict[str, Any]] = {}
+        for manifest, live in zip(manifests, lives, strict=True):
+            obj, action = await self.apply(manifest, live)
+            meta = manifest["metadata"]
             if action != "unchanged":
-                log.info(
-                    "%s %s/%s %s",
-                    manifest["kind"],
-                    manifest["metadata"]["namespace"],
-                    manifest["metadata"]["name"],
-                    action,
-                )
-            live[f"{manifest['kind']}/{manifest['metadata']['name']}"] = obj
-        return live
+                log.info("%s %s/%s %s", manifest["kind"], meta["namespace"], meta["name"], action)
+            out[f"{manifest['kind']}/{meta['name']}"] = obj
+        return out
 
     async def prune(
         self, namespace: str, name: str, keep_kinds: set[str], owner_uid: str, caps: ch.Capabilities

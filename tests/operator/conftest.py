@@ -162,12 +162,17 @@ def keda() -> bool:
 
 
 @pytest.fixture
+def gateway_api() -> bool:
+    return True
+
+
+@pytest.fixture
 def operator_config() -> OperatorConfig:
     return OperatorConfig(namespaces=(NS,), resync_seconds=RESYNC_S, standalone=True, scanning=False)
 
 
 @pytest.fixture
-async def cluster(keda: bool) -> AsyncIterator[Cluster]:
+async def cluster(keda: bool, gateway_api: bool) -> AsyncIterator[Cluster]:
     async with Emulator() as emulator, kmock.Server(emulator) as server:
         emulator.resources[CRDS.key] = kmock.ResourceInfo(
             kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}
@@ -177,10 +182,9 @@ async def cluster(keda: bool) -> AsyncIterator[Cluster]:
         register(emulator, NAMESPACES)
         register(emulator, EVENTS)
         for res in BY_KIND.values():
-            if res is SCALED_OBJECTS and not keda:
+            if (res is SCALED_OBJECTS and not keda) or (res is HTTP_ROUTES and not gateway_api):
                 continue
             register(emulator, res)
-        assert HTTP_ROUTES in BY_KIND.values()
         client = KubeClient(Credentials(server=str(server.url)))
         try:
             yield Cluster(emulator, client, str(server.url))

@@ -362,6 +362,30 @@ async def test_http_route_points_at_the_pool(cluster: Any, operator: Any) -> Non
     await cluster.eventually(lambda: "smol" not in cluster.objects(HTTP_ROUTES), what="HTTPRoute deleted")
 
 
+@pytest.mark.parametrize("gateway_api", [False])
+async def test_without_gateway_api_no_route_and_a_condition(
+    cluster: Any, operator: Any, gateway_api: bool
+) -> None:
+    route = {"parentRefs": [{"name": "inference-gateway"}]}
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"httpRoute": route}))
+    cond = await cluster.eventually(lambda: condition(cluster, "Routed"), what="Routed condition")
+    assert cond["status"] == "False" and cond["reason"] == "GatewayAPIMissing"
+    assert set(cluster.children(UID)) == BASE_CHILDREN  # everything else is there
+
+
+async def test_an_existing_object_of_the_same_name_is_never_taken_over(cluster: Any, operator: Any) -> None:
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "smol-epp", "namespace": NS},
+               "data": {"epp-config.yaml": "someone else's"}}  # fmt: skip
+    await cluster.client.create(CONFIG_MAPS, NS, foreign)
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+    cond = await cluster.eventually(lambda: condition(cluster, "Degraded"), what="Degraded condition")
+    assert cond["status"] == "True" and cond["reason"] == "ApplyFailed"
+    assert "ConfigMap models/smol-epp exist(s) and is not managed by kvgate" in cond["message"]
+    assert cluster.children(UID) == {}  # nothing half-created
+    assert cluster.objects(CONFIG_MAPS)["smol-epp"]["data"] == {"epp-config.yaml": "someone else's"}
+    assert "ownerReferences" not in cluster.objects(CONFIG_MAPS)["smol-epp"]["metadata"]
+
+
 async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: Any) -> None:
     """`kvgate operator run` as its own process: kubeconfig login, liveness, reconcile, SIGTERM."""
     kubeconfig = tmp_path / "kubeconfig"

@@ -193,6 +193,11 @@ def test_model_deployment_crd_rejects_what_the_operator_rejects(validator: Any) 
         assert validator.errors({**base, "spec": spec}), spec
         with pytest.raises(ValueError):
             ModelDeploymentSpec.model_validate(spec)
+    long_name = {**good, "metadata": {"name": "m" * 60}}
+    assert validator.errors(long_name) == [
+        "<root>: metadata.name must be at most 59 characters (the EPP Service adds '-epp')"
+    ]
+    validator.check({**good, "metadata": {"name": "m" * 59}})
 
 
 # ---------------------------------------------------------------------------------------------
