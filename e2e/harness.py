@@ -32,6 +32,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports (all held open while choosing, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 class StartError(RuntimeError):
     pass
 
@@ -141,7 +155,7 @@ class Engine:
 
 def start_engine(log_dir: Path, *extra: str, name: str | None = None) -> Engine:
     """A simulated engine (real scheduler and KV cache, no model) with KV events and replay."""
-    port, pub, replay = free_port(), free_port(), free_port()
+    port, pub, replay = free_ports(3)
     kv_events, kv_replay = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
     argv = [
         *KVGATE,
@@ -189,7 +203,7 @@ class Epp:
 def start_epp(
     log_dir: Path, engines: list[Engine], *extra: str, secure: bool = False, kv_events: bool = True
 ) -> Epp:
-    grpc_port, health_port, metrics_port = free_port(), free_port(), free_port()
+    grpc_port, health_port, metrics_port = free_ports(3)
     argv = [
         *KVGATE,
         "epp",
@@ -252,7 +266,7 @@ def start_envoy(log_dir: Path, epp_port: int, **kwargs: Any) -> Envoy:
     """Envoy in front of the EPP, its bootstrap from ``kvgate.epp.envoy_config.build_bootstrap``."""
     from kvgate.epp.envoy_config import build_bootstrap
 
-    port, admin = free_port(), free_port()
+    port, admin = free_ports(2)
     config = build_bootstrap(port, "127.0.0.1", epp_port, admin_port=admin, **kwargs)
     path = log_dir / f"envoy-{port}.json"
     path.write_text(json.dumps(config))

@@ -66,6 +66,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     d.add_argument("--pool-name", default="", help="InferencePool to serve (Kubernetes discovery)")
     d.add_argument("--pool-namespace", default="default", help="namespace of the InferencePool")
     d.add_argument(
+        "--kube-api-server",
+        default="",
+        help="Kubernetes API URL without auth (kubectl proxy); default: the pod's service account",
+    )
+    d.add_argument(
         "--kv-events-port",
         type=_port,
         default=5557,
@@ -203,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         pool_namespace=args.pool_namespace,
         kv_events_port=args.kv_events_port,
         kv_replay_port=args.kv_replay_port,
+        kube_api_server=args.kube_api_server or None,
         bind_host=args.host,
         grpc_port=args.grpc_port,
         grpc_health_port=args.grpc_health_port,

@@ -8,10 +8,9 @@ import re
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from kvgate.api import metrics as vllm
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError
 
 log = logging.getLogger("kvgate.epp.scraper")
 
@@ -76,8 +75,9 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetr
     lora_ts = -1.0
     lora: dict[str, str] = {}
     found_kv = False
+    prefixes = tuple(wanted)
     for line in text.splitlines():
-        if not line or line[0] == "#":
+        if not line.startswith(prefixes):
             continue
         m = _LINE.match(line)
         if m is None or m.group(1) not in wanted:
@@ -138,7 +138,7 @@ class MetricsScraper:
         self.mapping = mapping
         self.interval = interval
         self.path = path
-        self._client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_keepalive_connections=1024))
+        self.timeout = timeout
         self._tasks: dict[str, asyncio.Task[None]] = {}
         datastore.subscribe(self._on_endpoint)
         for state in datastore.all():
@@ -153,39 +153,43 @@ class MetricsScraper:
                 self._poll(endpoint), name=f"scrape {endpoint.address}"
             )
 
-    async def scrape_once(self, endpoint: Endpoint) -> bool:
-        url = f"http://{endpoint.address}{self.path}"
+    async def scrape_once(self, endpoint: Endpoint, getter: KeepAliveGetter) -> bool:
         try:
-            resp = await self._client.get(url)
-            resp.raise_for_status()
-        except httpx.ConnectError:
-            # refused / unreachable: take it out of rotation now, not after several misses
+            status, body = await getter.get()
+            if status != 200:
+                raise ScrapeError(f"HTTP {status}")
+        except EndpointRefused:
+            # nothing listens any more: take it out of rotation now, not after several misses
             state = self.datastore.get(endpoint.address)
             if state is not None:
                 state.metrics.consecutive_failures = max(
                     state.metrics.consecutive_failures + 1, self.datastore.unreachable_after_failures
                 )
             return False
-        except httpx.HTTPError as exc:
-            log.debug("scrape %s failed: %s", url, exc)
+        except ScrapeError as exc:
+            log.debug("scrape %s failed: %s", endpoint.address, exc)
             self.datastore.scrape_failed(endpoint.address)
             return False
-        self.datastore.update_metrics(
-            endpoint.address, parse_metrics(resp.text, self.mapping, time.monotonic())
-        )
+        text = body.decode("utf-8", "replace")
+        self.datastore.update_metrics(endpoint.address, parse_metrics(text, self.mapping, time.monotonic()))
         return True
 
     async def _poll(self, endpoint: Endpoint) -> None:
+        host, _, port = endpoint.address.rpartition(":")
+        getter = KeepAliveGetter(host.strip("[]"), int(port), self.path, self.timeout)
         was_ok = True
-        while True:
-            ok = await self.scrape_once(endpoint)
-            if ok != was_ok:
-                log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
-                was_ok = ok
-            await asyncio.sleep(self.interval if ok else max(self.interval, 0.2))
+        try:
+            while True:
+                ok = await self.scrape_once(endpoint, getter)
+                if ok != was_ok:
+                    log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
+                    was_ok = ok
+                await asyncio.sleep(self.interval if ok else max(self.interval, 0.2))
+        finally:
+            getter.close()
 
     async def close(self) -> None:
         for task in self._tasks.values():
             task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         self._tasks.clear()
-        await self._client.aclose()

@@ -38,6 +38,7 @@ class ServerSettings:
     pool_namespace: str = "default"
     kv_events_port: int = 0  # in Kubernetes: pod ip + this port (0: no events)
     kv_replay_port: int = 0
+    kube_api_server: str | None = None  # explicit API server URL (kubectl proxy, tests); else in-cluster
     bind_host: str = "127.0.0.1"
     grpc_port: int = 9002
     grpc_health_port: int = 9003
@@ -117,7 +118,12 @@ class EppServer:
             from kvgate.epp.k8s import PoolWatcher
 
             watcher = PoolWatcher(
-                self.datastore, s.pool_name, s.pool_namespace, s.kv_events_port, s.kv_replay_port
+                self.datastore,
+                s.pool_name,
+                s.pool_namespace,
+                s.kv_events_port,
+                s.kv_replay_port,
+                api_server=s.kube_api_server,
             )
             self._tasks.append(loop.create_task(watcher.run(), name="pool watch"))
         else:

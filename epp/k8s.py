@@ -1,0 +1,230 @@
+"""Kubernetes discovery: the InferencePool's selector and target ports → its Ready pods.
+
+Plain REST list+watch against the API server (in-cluster service account, or an explicit
+server URL), so the EPP needs no Kubernetes client library on its hot process. Pods are
+filtered client-side as well as by label selector, so an API server that ignores the selector
+(test emulators) still yields the right endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvgate.epp.datastore import Datastore, Endpoint
+
+log = logging.getLogger("kvgate.epp.k8s")
+
+POOL_API = "/apis/inference.networking.k8s.io/v1"
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    match_labels: dict[str, str]
+    target_ports: tuple[int, ...]
+
+
+def pool_spec(pool: dict[str, Any]) -> PoolSpec:
+    spec = pool.get("spec") or {}
+    selector = spec.get("selector") or {}
+    labels = selector.get("matchLabels", selector) if isinstance(selector, dict) else {}
+    ports = tuple(
+        int(p["number"]) for p in spec.get("targetPorts") or [] if isinstance(p, dict) and "number" in p
+    )
+    if not ports and "targetPortNumber" in spec:  # v1alpha2 spelling
+        ports = (int(spec["targetPortNumber"]),)
+    return PoolSpec({str(k): str(v) for k, v in (labels or {}).items()}, ports)
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("deletionTimestamp") or not status.get("podIP") or status.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def matches(pod: dict[str, Any], labels: dict[str, str]) -> bool:
+    have = (pod.get("metadata") or {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
+
+
+def endpoints_for(
+    pods: dict[str, dict[str, Any]], spec: PoolSpec, kv_events_port: int, kv_replay_port: int
+) -> list[Endpoint]:
+    out: list[Endpoint] = []
+    for name, pod in sorted(pods.items()):
+        if not matches(pod, spec.match_labels) or not pod_ready(pod):
+            continue
+        ip = pod["status"]["podIP"]
+        host = f"[{ip}]" if ":" in ip else ip
+        for port in spec.target_ports:
+            out.append(
+                Endpoint(
+                    address=f"{host}:{port}",
+                    kv_events=f"tcp://{host}:{kv_events_port}" if kv_events_port else None,
+                    kv_replay=f"tcp://{host}:{kv_replay_port}" if kv_replay_port else None,
+                    name=name,
+                )
+            )
+    return out
+
+
+def _client(api_server: str | None) -> httpx.AsyncClient:
+    if api_server:
+        return httpx.AsyncClient(base_url=api_server, timeout=httpx.Timeout(10, read=None))
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise RuntimeError("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST unset) and no API server given")
+    token = (SA_DIR / "token").read_text().strip()
+    ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
+    host = f"[{host}]" if ":" in host else host
+    return httpx.AsyncClient(
+        base_url=f"https://{host}:{port}",
+        verify=ctx,
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=httpx.Timeout(10, read=None),
+    )
+
+
+class PoolWatcher:
+    def __init__(
+        self,
+        datastore: Datastore,
+        pool_name: str,
+        namespace: str,
+        kv_events_port: int = 0,
+        kv_replay_port: int = 0,
+        api_server: str | None = None,
+        retry_seconds: float = 2.0,
+    ) -> None:
+        self.datastore = datastore
+        self.pool_name, self.namespace = pool_name, namespace
+        self.kv_events_port, self.kv_replay_port = kv_events_port, kv_replay_port
+        self.api_server = api_server
+        self.retry_seconds = retry_seconds
+        self.spec: PoolSpec | None = None
+        self.pods: dict[str, dict[str, Any]] = {}
+        self._spec_changed = asyncio.Event()
+
+    async def run(self) -> None:
+        async with _client(self.api_server) as client:
+            await asyncio.gather(self._watch_pool(client), self._watch_pods(client))
+
+    def _publish(self) -> None:
+        if self.spec is not None:
+            self.datastore.set_endpoints(
+                endpoints_for(self.pods, self.spec, self.kv_events_port, self.kv_replay_port)
+            )
+
+    # -- the InferencePool ------------------------------------------------------------------
+    async def _watch_pool(self, client: httpx.AsyncClient) -> None:
+        path = f"{POOL_API}/namespaces/{self.namespace}/inferencepools"
+        while True:
+            try:
+                resp = await client.get(f"{path}/{self.pool_name}")
+                if resp.status_code == 404:
+                    log.warning("InferencePool %s/%s not found; retrying", self.namespace, self.pool_name)
+                    await asyncio.sleep(self.retry_seconds)
+                    continue
+                resp.raise_for_status()
+                pool = resp.json()
+                self._set_spec(pool)
+                version = (pool.get("metadata") or {}).get("resourceVersion", "")
+                params = {"watch": "true", "fieldSelector": f"metadata.name={self.pool_name}"}
+                if version:
+                    params["resourceVersion"] = version
+                async with client.stream("GET", path, params=params) as stream:
+                    async for line in stream.aiter_lines():
+                        if not line.strip():
+                            continue
+                        event = json.loads(line)
+                        obj = event.get("object") or {}
+                        if (obj.get("metadata") or {}).get("name") != self.pool_name:
+                            continue
+                        if event.get("type") == "DELETED":
+                            log.warning("InferencePool %s/%s deleted", self.namespace, self.pool_name)
+                            self.spec = None
+                            self.datastore.set_endpoints([])
+                        elif event.get("type") in ("ADDED", "MODIFIED"):
+                            self._set_spec(obj)
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("InferencePool watch failed: %s; retrying", exc)
+            await asyncio.sleep(self.retry_seconds)
+
+    def _set_spec(self, pool: dict[str, Any]) -> None:
+        spec = pool_spec(pool)
+        if spec != self.spec:
+            log.info(
+                "InferencePool %s/%s: selector %s ports %s",
+                self.namespace,
+                self.pool_name,
+                spec.match_labels,
+                spec.target_ports,
+            )
+            self.spec = spec
+            self._spec_changed.set()
+            self._publish()
+
+    # -- the pods ---------------------------------------------------------------------------
+    async def _watch_pods(self, client: httpx.AsyncClient) -> None:
+        path = f"/api/v1/namespaces/{self.namespace}/pods"
+        while True:
+            if self.spec is None:
+                self._spec_changed.clear()
+                await self._spec_changed.wait()
+                continue
+            spec = self.spec
+            self._spec_changed.clear()
+            selector = ",".join(f"{k}={v}" for k, v in sorted(spec.match_labels.items()))
+            try:
+                resp = await client.get(path, params={"labelSelector": selector} if selector else None)
+                resp.raise_for_status()
+                listing = resp.json()
+                self.pods = {p["metadata"]["name"]: p for p in listing.get("items") or []}
+                self._publish()
+                params = {"watch": "true"}
+                if selector:
+                    params["labelSelector"] = selector
+                version = (listing.get("metadata") or {}).get("resourceVersion")
+                if version:
+                    params["resourceVersion"] = version
+                watch = asyncio.ensure_future(self._consume_pods(client, path, params))
+                changed = asyncio.ensure_future(self._spec_changed.wait())
+                done, _ = await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+                for task in (watch, changed):
+                    task.cancel()
+                await asyncio.gather(watch, changed, return_exceptions=True)
+                if watch in done and not watch.cancelled() and watch.exception() is not None:
+                    raise watch.exception()  # type: ignore[misc]
+                continue  # the stream ended (API server timeout) or the selector changed: list again
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.warning("pod watch failed: %s; retrying", exc)
+            await asyncio.sleep(self.retry_seconds)
+
+    async def _consume_pods(self, client: httpx.AsyncClient, path: str, params: dict[str, str]) -> None:
+        async with client.stream("GET", path, params=params) as stream:
+            stream.raise_for_status()
+            async for line in stream.aiter_lines():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind, pod = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise ValueError(f"watch error: {pod.get('message', pod)}")
+                name = (pod.get("metadata") or {}).get("name")
+                if not name:
+                    continue
+                if kind == "DELETED":
+                    self.pods.pop(name, None)
+                elif kind in ("ADDED", "MODIFIED"):
+                    self.pods[name] = pod
+                self._publish()

@@ -1,0 +1,64 @@
+"""`kvgate epp serve`: flags, clear one-line errors (exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvgate.cli import build_parser
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-P", "-m", "kvgate", "epp", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_gie_flag_names_and_defaults() -> None:
+    args = build_parser().parse_args(["epp", "serve", "--endpoints", "127.0.0.1:8000"])
+    assert (args.grpc_port, args.grpc_health_port, args.metrics_port) == (9002, 9003, 9090)
+    assert args.secure_serving is True and args.refresh_metrics_interval == 0.05
+    args = build_parser().parse_args(
+        [
+            "epp",
+            "serve",
+            "--pool-name",
+            "p",
+            "--secure-serving=false",
+            "--refresh-metrics-interval",
+            "100ms",
+            "--objective",
+            "batch=-1",
+        ]
+    )
+    assert (
+        args.secure_serving is False
+        and args.refresh_metrics_interval == 0.1
+        and args.objective == [("batch", -1)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], "exactly one of --endpoints"),
+        (["--endpoints", "nohost"], "is not ip:port"),
+        (["--endpoints", "1.2.3.4:1", "--kv-events-endpoints", "tcp://a:1,tcp://b:2"], "one per endpoint"),
+        (["--endpoints", "1.2.3.4:1", "--profile", "fastest"], "built-in profiles"),
+        (["--endpoints", "1.2.3.4:1", "--config-file", "/nonexistent.yaml"], "cannot read --config-file"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args, message) -> None:
+    out = run_cli(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_flag_value() -> None:
+    out = run_cli("--endpoints", "1.2.3.4:1", "--secure-serving=maybe")
+    assert out.returncode == 2 and "expected true or false" in out.stderr

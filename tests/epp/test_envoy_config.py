@@ -1,0 +1,95 @@
+"""The Envoy bootstrap is built from typed protos and accepted by the real Envoy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvgate.epp.envoy_config import build_bootstrap, main
+
+ENVOY = str(Path(sys.executable).parent / "envoy")
+
+
+def validate(config: dict, tmp_path: Path) -> None:
+    path = tmp_path / "envoy.json"
+    path.write_text(json.dumps(config))
+    out = subprocess.run(
+        [ENVOY, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def _filter(config: dict) -> dict:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return hcm
+
+
+@pytest.mark.timeout(120)
+def test_every_variant_validates(tmp_path) -> None:
+    variants = [
+        build_bootstrap(10000, "127.0.0.1", 9002, "FailClose"),
+        build_bootstrap(
+            10000,
+            "127.0.0.1",
+            9002,
+            "FailOpen",
+            admin_port=9901,
+            direct_upstream="127.0.0.1:8000",
+            fallback_endpoints=["127.0.0.1:8000", "127.0.0.1:8001"],
+            epp_tls=True,
+        ),
+        build_bootstrap(
+            10000, "epp.models.svc", 9002, "FailOpen", epp_health_check=False, expose_upstream_header=False
+        ),
+    ]
+    for v in variants:
+        validate(v, tmp_path)
+
+
+def test_gie_settings() -> None:
+    cfg = build_bootstrap(10000, "127.0.0.1", 9002, "FailOpen", direct_upstream="127.0.0.1:8000")
+    hcm = _filter(cfg)
+    ext = hcm["http_filters"][0]["typed_config"]
+    assert ext["failure_mode_allow"] is True
+    assert ext["processing_mode"] == {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND",
+    }
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    od = clusters["original_destination"]
+    assert od["type"] == "ORIGINAL_DST" and od["lb_policy"] == "CLUSTER_PROVIDED"
+    assert od["original_dst_lb_config"] == {
+        "use_http_header": True,
+        "http_header_name": "x-gateway-destination-endpoint",
+    }
+    epp = clusters["epp"]
+    assert "http2_protocol_options" in json.dumps(epp["typed_extension_protocol_options"])
+    assert (
+        epp["health_checks"][0]["grpc_health_check"]["service_name"]
+        == "envoy.service.ext_proc.v3.ExternalProcessor"
+    )
+    direct = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    assert direct["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
+    closed = _filter(build_bootstrap(10000, "127.0.0.1", 9002, "FailClose"))
+    assert closed["http_filters"][0]["typed_config"].get("failure_mode_allow", False) is False
+
+
+def test_bad_failure_mode() -> None:
+    with pytest.raises(ValueError, match="FailOpen or FailClose"):
+        build_bootstrap(1, "127.0.0.1", 2, "Sometimes")
+
+
+def test_module_prints_yaml(capsys) -> None:
+    assert main(["--listen-port", "8081", "--epp", "127.0.0.1:9002", "--failure-mode", "FailOpen"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] == 8081
+    assert main(["--epp", "nonsense"]) == 2

@@ -1,0 +1,119 @@
+"""InferencePool discovery against kmock's in-memory Kubernetes API: endpoints come and go
+with Ready pods, without restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import kmock
+import pytest
+
+from kvgate.epp.datastore import Datastore
+from kvgate.epp.k8s import PoolWatcher, endpoints_for, pool_spec
+
+NS = "models"
+POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
+PODS = f"/api/v1/namespaces/{NS}/pods"
+
+
+def pod(name: str, ip: str, ready: bool = True, app: str = "llm", phase: str = "Running") -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": app}},
+        "status": {
+            "phase": phase,
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+POOL = {
+    "apiVersion": "inference.networking.k8s.io/v1",
+    "kind": "InferencePool",
+    "metadata": {"name": "pool", "namespace": NS},
+    "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}]},
+}
+
+
+def test_endpoints_for_pool_spec() -> None:
+    spec = pool_spec(
+        {
+            "spec": {
+                "selector": {"matchLabels": {"app": "llm"}},
+                "targetPorts": [{"number": 8000}, {"number": 8001}],
+            }
+        }
+    )
+    pods = {
+        "a": pod("a", "10.0.0.1"),
+        "b": pod("b", "10.0.0.2", ready=False),
+        "c": pod("c", "10.0.0.3", app="other"),
+        "d": pod("d", "10.0.0.4", phase="Pending"),
+        "e": pod("e", "fd00::5"),
+    }
+    eps = endpoints_for(pods, spec, kv_events_port=5557, kv_replay_port=0)
+    assert [e.address for e in eps] == ["10.0.0.1:8000", "10.0.0.1:8001", "[fd00::5]:8000", "[fd00::5]:8001"]
+    assert eps[0].kv_events == "tcp://10.0.0.1:5557" and eps[0].kv_replay is None and eps[0].name == "a"
+
+
+async def patch(api: httpx.AsyncClient, path: str, obj: dict) -> None:
+    resp = await api.patch(path, json=obj, headers={"content-type": "application/merge-patch+json"})
+    resp.raise_for_status()
+
+
+async def wait_for(check, seconds: float = 5.0) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.timeout(30)
+async def test_pool_watch_follows_pods_without_restart() -> None:
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        emulator.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+            kind="InferencePool",
+            namespaced=True,
+            verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+        )
+        emulator.resources["v1/pods"] = kmock.ResourceInfo(
+            kind="Pod", namespaced=True, verbs={"get", "list", "watch", "create", "update", "patch", "delete"}
+        )
+        async with httpx.AsyncClient(base_url=str(server.url)) as api:
+            (await api.post(PODS, json=pod("a", "10.0.0.1"))).raise_for_status()
+            (await api.post(PODS, json=pod("b", "10.0.0.2", ready=False))).raise_for_status()
+            ds = Datastore()
+            watcher = PoolWatcher(
+                ds, "pool", NS, kv_events_port=5557, api_server=str(server.url), retry_seconds=0.1
+            )
+            task = asyncio.create_task(watcher.run())
+            try:
+                await asyncio.sleep(0.3)
+                assert not ds.synced  # no pool yet: not ready
+                (await api.post(POOLS, json=POOL)).raise_for_status()
+                await wait_for(lambda: ds.synced and [s.address for s in ds.all()] == ["10.0.0.1:8000"])
+                assert ds.get("10.0.0.1:8000").endpoint.kv_events == "tcp://10.0.0.1:5557"
+                # a new Ready pod appears; the unready one becomes ready
+                (await api.post(PODS, json=pod("c", "10.0.0.3"))).raise_for_status()
+                await patch(api, f"{PODS}/b", pod("b", "10.0.0.2"))
+                await wait_for(
+                    lambda: (
+                        sorted(s.address for s in ds.all())
+                        == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+                    )
+                )
+                # one is deleted, one goes unready
+                (await api.delete(f"{PODS}/a")).raise_for_status()
+                await patch(api, f"{PODS}/c", pod("c", "10.0.0.3", ready=False))
+                await wait_for(lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000"])
+                # the pool's target port changes
+                changed = {**POOL, "spec": {**POOL["spec"], "targetPorts": [{"number": 9000}]}}
+                await patch(api, f"{POOLS}/pool", changed)
+                await wait_for(lambda: [s.address for s in ds.all()] == ["10.0.0.2:9000"])
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
