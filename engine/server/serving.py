@@ -9,6 +9,7 @@ are plain dicts serialized with `json.dumps`, which keeps per-token overhead sma
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -76,6 +77,13 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        # Unique ids without a getrandom syscall per request (a GIL hand-off while the engine
+        # thread is busy): a random per-process prefix plus a counter.
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._ids = itertools.count()
+
+    def _next_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids):08x}"
 
     # ---- validation shared by both endpoints ----------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -237,7 +245,7 @@ class OpenAIServing:
             max_tokens = self._check_prompt(ids, req.max_tokens, "prompt")
             items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs))
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
         meta = _Meta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
@@ -341,7 +349,7 @@ class OpenAIServing:
         max_tokens = self._check_prompt(ids, requested, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         items = [(ids, p) for p in self._params(req, max_tokens, logprobs)]
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
         meta = _Meta(rid, int(time.time()), model, req.n, [len(ids)])
         if req.stream:
