@@ -300,7 +300,12 @@ class EngineSpec(K8sModel):
     args: list[str] = Field(default_factory=list, description="Extra `kvgate engine serve` arguments.")
     env: list[EnvVar] = Field(default_factory=list)
     resources: ResourceRequirements | None = None
-    tensor_parallel_size: int = Field(default=1, ge=1, le=16, description="GPUs per replica.")
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description="GPUs per replica (nvidia.com/gpu); extra engine flags go in args.",
+    )
     accelerator: Literal["nvidia", "none"] = Field(
         default="nvidia",
         description="`nvidia` requests nvidia.com/gpu = tensorParallelSize; `none` runs on CPU.",

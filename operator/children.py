@@ -162,8 +162,8 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
         "--shutdown-timeout",
         str(eng.shutdown_timeout_seconds),
     ]
-    if eng.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(eng.tensor_parallel_size)]
+    # tensorParallelSize sizes the GPU request only: `kvgate engine serve` has no tensor
+    # parallelism flag yet, and an unknown flag would crash-loop the pod.
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     return args + list(eng.args)

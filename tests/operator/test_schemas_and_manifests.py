@@ -276,7 +276,8 @@ def test_engine_pod_is_hardened_and_sized(validator: Any) -> None:
         assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"]
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     cmd = ch.command_line(dep)
-    assert "--tensor-parallel-size 4" in cmd and "--kv-events-endpoint 'tcp://*:5557'" in cmd
+    assert "--tensor-parallel-size" not in cmd  # the engine has no such flag (yet)
+    assert "--kv-events-endpoint 'tcp://*:5557'" in cmd
     assert "--host 0.0.0.0 --port 8000" in cmd and "--max-model-len 8192" in cmd
 
 
@@ -504,3 +505,25 @@ def test_operator_image_source_set_builds_a_package_with_the_cli(tmp_path: Path)
         "kvgate/api/crds.py",
     } <= names
     assert not any(n.startswith(("kvgate/engine/", "kvgate/epp/")) for n in names)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_container_command_lines_parse_with_the_real_kvgate_cli(name: str) -> None:
+    """The engine and EPP flags the operator writes are ones `kvgate engine serve` and
+    `kvgate epp serve` accept (their parsers, not a copy of their flag lists)."""
+    from kvgate.cli import build_parser
+
+    parser = build_parser()
+    spec = ModelDeploymentSpec.model_validate(SPECS[name])
+    owner = ch.model_deployment_owner(name, "models", "uid-1")
+    for kid in ch.model_deployment_children(name, owner, spec, OperatorConfig(), ch.Capabilities()):
+        if kid["kind"] != "Deployment":
+            continue
+        container = kid["spec"]["template"]["spec"]["containers"][0]
+        assert container["command"][0] == "kvgate"
+        args = parser.parse_args([*container["command"][1:], *container["args"]])
+        if container["name"] == "engine":
+            assert args.served_model_name == spec.model.effective_served_name()
+            assert args.port == spec.engine.port and args.host == "0.0.0.0"
+        else:
+            assert args.pool_name == name and args.grpc_port == 9002 and args.metrics_port == 9090
