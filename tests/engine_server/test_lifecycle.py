@@ -64,7 +64,7 @@ def test_disconnect_mid_stream_frees_blocks(sim_engine: EngineProcess) -> None:
     assert after[ABORTED] == aborted + 1
 
 
-def test_disconnect_while_waiting_non_streaming_frees_blocks(sim_engine: EngineProcess) -> None:
+def test_disconnect_non_streaming_frees_blocks(sim_engine: EngineProcess) -> None:
     _wait_for(lambda: _idle(sim_engine))
     body = {"prompt": "a long answer please " * 10, "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
