@@ -66,7 +66,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="HF model folder, a .gguf file, or 'default' (SmolLM2-135M-Instruct)",
     )
     m.add_argument(
-        "--served-model-name", default=None, help="name clients send as 'model'; unset: the --model value"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients may send as 'model'; the first is reported in responses and metrics; unset: --model",
     )
     m.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's own")
     m.add_argument(
@@ -211,7 +214,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
     config = EngineConfig(
         model=args.model,
         tokenizer=args.tokenizer,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
@@ -244,6 +247,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         kv_events_topic_endpoint=args.kv_events_topic_endpoint,
         kv_events_buffer=args.kv_events_buffer,
         kv_events_connect=args.kv_events_connect,
+        model_aliases=list(args.served_model_name[1:]) if args.served_model_name else [],
         enable_failure_injection=args.enable_failure_injection,
         http_parser=args.http_parser,
         event_loop=args.event_loop,

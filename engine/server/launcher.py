@@ -17,7 +17,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -42,6 +42,7 @@ class ServerOptions:
     kv_events_topic_endpoint: str | None = None
     kv_events_buffer: int = 10_000
     kv_events_connect: bool = False
+    model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
     enable_failure_injection: bool = False
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
@@ -143,7 +144,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     port = sock.getsockname()[1]
     stats = engine.get_stats()  # type: ignore[attr-defined]
     model_name = config.model_name()
-    served = [model_name]
+    served = [model_name, *(a for a in options.model_aliases if a != model_name)]
     cache = CacheConfigInfo(
         block_size=stats.block_size,
         num_gpu_blocks=stats.num_kv_blocks,

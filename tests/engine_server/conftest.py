@@ -120,7 +120,7 @@ SIM_ARGS = (
     "--sim-prefill-time-per-token", "0.00001",
     "--sim-kv-blocks", "256",
     "--api-key", API_KEY,
-    "--served-model-name", "sim-model",
+    "--served-model-name", "sim-model", "sim-alias",
     "--max-model-len", "1024",
     "--kv-events-endpoint", "tcp://127.0.0.1:*",
     "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",

@@ -27,8 +27,15 @@ def _chat(client: OpenAI, **kw):
 
 def test_models_carry_max_model_len(client: OpenAI) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, "sim-alias"]
     assert models.data[0].model_extra["max_model_len"] == 1024
+
+
+def test_alias_is_served_under_the_primary_name(client: OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="sim-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert r.model == MODEL
 
 
 def test_chat_completion(client: OpenAI) -> None:
