@@ -5,7 +5,7 @@ Python overhead that a real step pays on top of the model. Reports, in the same 
 
 - CPU microseconds per generated token at several batch sizes, with the byte-level
   detokenizer fast path and with the generic window decoder (the baseline);
-- prompt tokens computed for a shared-prefix chat workload with prefix caching on vs off.
+- prompt tokens computed for a burst of chats sharing a system prompt, prefix caching on vs off.
 
 Usage: python bench/engine_logic_overhead.py [--batches 32,128,256] [--out-len 128]
 """

@@ -1,8 +1,10 @@
 """Maps requests to paged KV blocks: allocation, prefix-cache lookups, freeing.
 
-Full blocks are cached only after their KV has been computed (`cache_computed_blocks`, called
-once a step has run), so a prefix hit never points at KV a runner has yet to write, and
-BlockStored events describe KV that really exists.
+Full blocks become findable as soon as a step that computes them is scheduled
+(`cache_full_blocks`), as in vLLM: a request admitted later in the same step may hit blocks
+that an earlier request of the step is computing. That is sound because a runner stores the KV
+of every token of a batch before any attention read in each layer (see runner_api), and it
+means n > 1 samples or a burst of requests sharing a prompt compute it once, not n times.
 """
 
 from __future__ import annotations
@@ -108,15 +110,16 @@ class KVCacheManager:
             self.prefix_cache_hits += num_computed_hit_tokens
         return request.block_ids
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is now computed; emits BlockStored."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Make the request's full blocks among its first `num_tokens` tokens findable (their
+        KV is computed by the end of the step being scheduled); emits BlockStored."""
         if not self.enable_caching:
             return
-        blocks = self._blocks.get(request.request_id)
-        if blocks is None:
-            return
-        done = self._num_registered[request.request_id]
-        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        done = self._num_registered.get(request.request_id)
+        if done is None or num_tokens < (done + 1) * self.block_size:
+            return  # the common decode step: no block filled up
+        blocks = self._blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(blocks))
         if num_full <= done:
             return
         self._extend_hashes(request, num_full * self.block_size)

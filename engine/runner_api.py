@@ -4,6 +4,11 @@ The scheduler hands a `ScheduledBatch` to `ModelRunner.execute`; the runner comp
 tokens' KV into the listed blocks, runs the model, and samples one token for each sequence
 that reached its sampling point. The real runner (torch/Triton) and the simulated runner
 (`--simulate`) both implement it, so everything above it is shared.
+
+Ordering contract: within each layer, a runner stores the KV of every token in the batch
+before any sequence's attention reads the cache. The prefix cache relies on it: a sequence
+admitted with a prefix hit may read blocks that another sequence of the same batch is
+computing in this very step (as in vLLM).
 """
 
 from __future__ import annotations

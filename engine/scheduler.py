@@ -141,6 +141,7 @@ class Scheduler:
             else:
                 seqs.append(self._seq(request, num_new))
                 request.num_computed_tokens += num_new
+                self.kv.cache_full_blocks(request, request.num_computed_tokens)
                 budget -= num_new
                 i += 1
 
@@ -166,6 +167,8 @@ class Scheduler:
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             seqs.append(self._seq(request, num_new))
             request.num_computed_tokens += num_new
+            # Findable at once: a request admitted next in this very step may reuse them.
+            self.kv.cache_full_blocks(request, request.num_computed_tokens)
             budget -= num_new
 
         # An empty batch never reaches the runner, so finished ids wait for the next real one.
@@ -176,7 +179,7 @@ class Scheduler:
 
     # -- after the step ------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[Request]:
-        """Record the step's results: cache computed blocks, append tokens, stop finished ones.
+        """Record the step's results: append sampled tokens, stop finished requests.
 
         Returns the requests that received a token this step (finished ones included; check
         `is_finished`). Stop strings are the engine's job (they need text).
@@ -188,7 +191,6 @@ class Scheduler:
             request = self.requests.get(seq.request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            self.kv.cache_computed_blocks(request)
             if not seq.sample:
                 continue
             token = by_id.get(seq.request_id)

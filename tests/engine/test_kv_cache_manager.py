@@ -22,7 +22,7 @@ def _prefill(kv: KVCacheManager, req: Request) -> int:
     hits, num_hit = kv.get_computed_blocks(req)
     assert kv.allocate(req, req.num_tokens - num_hit, hits, num_hit) is not None
     req.num_computed_tokens = req.num_tokens
-    kv.cache_computed_blocks(req)
+    kv.cache_full_blocks(req, req.num_tokens)
     return num_hit
 
 
@@ -103,13 +103,13 @@ def test_events_carry_each_blocks_tokens_and_parent_links() -> None:
     r = _req("a", list(range(6)), lora_id=3)
     kv.allocate(r, 6)
     r.num_computed_tokens = 6
-    kv.cache_computed_blocks(r)  # one full block
-    r.append_output_token(50)
-    r.append_output_token(51)
-    kv.allocate(r, 1)
-    r.num_computed_tokens = 8
-    kv.cache_computed_blocks(r)  # the second block filled during decode
-    kv.cache_computed_blocks(r)  # idempotent
+    kv.cache_full_blocks(r, 6)  # one full block
+    for token in (50, 51):  # decode steps: the second block fills up on the second
+        r.append_output_token(token)
+        kv.allocate(r, 1)
+        r.num_computed_tokens += 1
+        kv.cache_full_blocks(r, r.num_computed_tokens)
+    kv.cache_full_blocks(r, r.num_computed_tokens)  # idempotent
     ev = kv.drain_events()
     assert ev == [
         BlockStored([r.block_hashes[0]], None, [0, 1, 2, 3], BS, lora_id=3),
@@ -180,11 +180,11 @@ def test_two_requests_computing_the_same_block_store_it_once() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=BS)
     a = _req("a", list(range(9)))
     b = _req("b", list(range(9)))
-    for r in (a, b):  # both admitted before either computed: both miss
+    for r in (a, b):  # both allocated without a lookup: both compute the same blocks
         assert kv.allocate(r, 9) is not None
     for r in (a, b):
         r.num_computed_tokens = 9
-        kv.cache_computed_blocks(r)
+        kv.cache_full_blocks(r, 9)
     stored = [e for e in kv.drain_events() if isinstance(e, BlockStored)]
     assert len(stored) == 1 and stored[0].block_hashes == a.block_hashes[:2]
     kv.free(a)
@@ -198,3 +198,13 @@ def test_pool_refuses_to_take_more_than_free() -> None:
         pool.take(3)
     with pytest.raises(ValueError):
         BlockPool(0, BS)
+
+
+def test_blocks_being_computed_this_step_are_findable_at_once() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=BS)
+    a = _req("a", list(range(9)))
+    assert kv.allocate(a, 9) is not None
+    kv.cache_full_blocks(a, 9)  # as the scheduler does when it schedules a's prefill
+    b = _req("b", [*range(8), 77])
+    hits, n = kv.get_computed_blocks(b)  # admitted later in the same step
+    assert n == 8 and [h.block_id for h in hits] == a.block_ids[:2]

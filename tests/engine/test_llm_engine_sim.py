@@ -269,3 +269,13 @@ def test_without_chunked_prefill_every_sequence_fits_one_step(tok: Any) -> None:
         "r2": (24, "length"),
     }
     _assert_no_leak(engine)
+
+
+def test_n_samples_of_one_prompt_compute_it_once(tok: Any) -> None:
+    llm = LLM(simulate=True, tokenizer=tok, block_size=BS, simulation=SimulationConfig(time_scale=0))
+    prompt = _prompt(9, 5 * BS + 3)
+    out = llm.generate([prompt], SamplingParams(n=4, max_tokens=3, seed=7))[0]
+    assert len(out.outputs) == 4 and out.num_cached_tokens == 5 * BS
+    stats = llm.engine.get_stats()
+    assert stats.prefix_cache_hits_total == 3 * 5 * BS  # samples 2..4 reuse sample 1's blocks
+    _assert_no_leak(llm.engine)
