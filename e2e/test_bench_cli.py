@@ -33,6 +33,7 @@ SMALL = [
     "--suffix-tokens", "16",
     "--output-tokens", "8",
     "--num-requests", "36",
+    "--warmup-requests", "6",
     "--request-rate", "12",
     "--sim-time-scale", "0.5",
     "--no-progress",

@@ -17,6 +17,8 @@ EXIT_USAGE = 2
 # also keeps the Python overhead of ten processes on a small CPU well below the modelled times.
 # 512 blocks × 16 tokens per engine holds 4 of the default workload's 16 prefixes of 2k tokens
 # (working set 16 × 128 = 2048 blocks: more than one engine, half of all eight).
+# 8 s at the default rate: every group's prefix computed once and the queues in steady state.
+DEFAULT_COMPARE_WARMUP = 64
 SIM_DEFAULTS = {
     "sim_prefill_time_per_token": 0.0004,
     "sim_itl": 0.025,
@@ -118,7 +120,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--concurrency", type=int, default=None, help="max requests in flight (closed loop with 'inf' rate)"
     )
     ld.add_argument(
-        "--num-requests", type=int, default=400, help="requests per run (0: run for --duration only)"
+        "--num-requests", type=int, default=320, help="requests per run (0: run for --duration only)"
+    )
+    ld.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="requests sent first and left out of the statistics (default: 64 with --compare, else 0)",
     )
     ld.add_argument("--duration", type=float, default=None, help="seconds per run (stop sending after this)")
     ld.add_argument("--slo-ttft-ms", type=float, default=500.0, help="goodput SLO: time to first token")
@@ -198,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
                 num_requests=args.num_requests or None,
                 duration_s=args.duration,
                 seed=args.seed,
+                warmup_requests=args.warmup_requests
+                if args.warmup_requests is not None
+                else (DEFAULT_COMPARE_WARMUP if args.compare else 0),
             )
             for rate in _rates(args.request_rate)
         ]

@@ -103,6 +103,8 @@ def fill_ideal_hit_rates(
     for o in outcomes:
         # Per run: in a --duration run each may have sent a different number of requests.
         load = o.load
-        requests = sent_requests(workload, load, o.results)
-        o.summary.ideal_prefix_hit_rate, note = ideal_hit_rate(requests, tokenizer_model, o.block_size)
+        warmup, requests = sent_requests(workload, load, o.results)
+        o.summary.ideal_prefix_hit_rate, note = ideal_hit_rate(
+            requests, tokenizer_model, o.block_size, warmup
+        )
     return note

@@ -38,6 +38,9 @@ class LoadSpec:
     num_requests: int | None = None
     duration_s: float | None = None
     seed: int = 0
+    # Sent first, at the same pacing, and left out of every statistic: caches and queues reach
+    # their steady state before measuring (the same warm-up requests for every strategy).
+    warmup_requests: int = 0
 
     def validate(self) -> None:
         if self.request_rate is None and self.concurrency is None:
@@ -52,6 +55,8 @@ class LoadSpec:
             raise ValueError("--num-requests must be at least 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError("--duration must be > 0")
+        if self.warmup_requests < 0:
+            raise ValueError("--warmup-requests must be >= 0")
 
 
 ProgressHook = Callable[[RequestResult], None]

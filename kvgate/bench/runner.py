@@ -8,7 +8,7 @@ import itertools
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import httpx
@@ -36,15 +36,16 @@ class RunOutcome:
     model: str | None = None
 
 
-def planned_requests(workload: WorkloadSpec, load: LoadSpec) -> list[BenchRequest]:
-    """The requests a run may send (all of them for a count; enough for a duration)."""
+def planned_requests(workload: WorkloadSpec, load: LoadSpec) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(warm-up requests, the requests the measured run may send: all for a count, enough for a duration)."""
     if load.num_requests is not None:
         n = load.num_requests
     else:
         assert load.duration_s is not None
         rate = load.request_rate or 50.0 * (load.concurrency or 1)
         n = int(load.duration_s * rate * 3) + 100
-    return list(itertools.islice(generate(workload), n))
+    stream = list(itertools.islice(generate(workload), load.warmup_requests + n))
+    return stream[: load.warmup_requests], stream[load.warmup_requests :]
 
 
 def engine_block_size(metrics_urls: Sequence[str]) -> int:
@@ -61,7 +62,7 @@ def engine_block_size(metrics_urls: Sequence[str]) -> int:
 
 
 def ideal_hit_rate(
-    requests: Sequence[BenchRequest], model: str | None, block_size: int
+    requests: Sequence[BenchRequest], model: str | None, block_size: int, history: Sequence[BenchRequest] = ()
 ) -> tuple[float | None, str]:
     """Best achievable hit rate for the requests actually sent, and how it was tokenized.
 
@@ -72,13 +73,18 @@ def ideal_hit_rate(
         try:
             tok = _tokenizer(model)
             prompts = [tok.encode(tok.apply_chat_template(r.payload_messages())) for r in requests]
-            return ideal_prefix_hit_rate(prompts, block_size), f"{model} tokenizer, block size {block_size}"
+            before = [tok.encode(tok.apply_chat_template(r.payload_messages())) for r in history]
+            rate = ideal_prefix_hit_rate(prompts, block_size, before)
+            return rate, f"{model} tokenizer, block size {block_size}"
         except Exception as exc:  # any tokenizer trouble falls back to the estimate
             print(
                 f"kvgate bench: tokenizer for {model!r} unavailable ({exc}); estimating from words",
                 file=sys.stderr,
             )
-    return ideal_prefix_hit_rate([r.nominal_words for r in requests], block_size), "word estimate"
+    rate = ideal_prefix_hit_rate(
+        [r.nominal_words for r in requests], block_size, [r.nominal_words for r in history]
+    )
+    return rate, "word estimate"
 
 
 @functools.cache
@@ -119,7 +125,14 @@ def measure(
     progress: bool | None = None,
 ) -> RunOutcome:
     """Run the load once against `target`; prefix hits come from the engines' counter deltas."""
-    requests = planned_requests(workload, load)
+    warmup, requests = planned_requests(workload, load)
+    if warmup:
+        warm_load = replace(load, num_requests=len(warmup), duration_s=None, warmup_requests=0)
+        bar = _Progress(len(warmup), f"{label} warm-up", progress)
+        try:
+            asyncio.run(run_load(target, iter(warmup), warm_load, on_result=bar))
+        finally:
+            bar.close()
     before = asyncio.run(engine_metrics.snapshot(metrics_urls)) if metrics_urls else None
     bar = _Progress(load.num_requests, label, progress)
     try:
@@ -141,6 +154,8 @@ def measure(
 
 def sent_requests(
     workload: WorkloadSpec, load: LoadSpec, results: Sequence[RequestResult]
-) -> list[BenchRequest]:
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(warm-up requests, measured requests actually sent)."""
     sent = {r.index for r in results}
-    return [r for r in planned_requests(workload, load) if r.index in sent]
+    warmup, planned = planned_requests(workload, load)
+    return warmup, [r for r in planned if r.index in sent]

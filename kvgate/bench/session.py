@@ -47,13 +47,16 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def _settings(args: argparse.Namespace, workload: WorkloadSpec, slo: Slo) -> dict[str, object]:
+def _settings(
+    args: argparse.Namespace, workload: WorkloadSpec, slo: Slo, loads: Sequence[LoadSpec]
+) -> dict[str, object]:
     keys = (
         "workload seed groups prefix_tokens suffix_tokens output_tokens conversations turns "
         "first_turn_tokens user_turn_tokens request_rate concurrency num_requests duration simulate engines "
         "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks sim_time_scale max_num_seqs engine_model url"
     ).split()
     out = {k: getattr(args, k, None) for k in keys}
+    out["warmup_requests"] = loads[0].warmup_requests if loads else 0
     out["slo_ttft_s"] = slo.ttft_s
     out["slo_itl_s"] = slo.itl_s
     return out
@@ -95,7 +98,7 @@ def against_endpoint(
         outcome.block_size = block
         outcomes.append(outcome)
     note = fill_ideal_hit_rates(outcomes, workload, args.engine_model)
-    return BenchResult(outcomes, note, _settings(args, workload, slo))
+    return BenchResult(outcomes, note, _settings(args, workload, slo, loads))
 
 
 def _first_model(base_url: str, api_key: str | None) -> str:
@@ -171,7 +174,7 @@ def on_local_stacks(
         raise BenchError(str(exc), exc.details) from None
     note = fill_ideal_hit_rates(outcomes, workload, args.engine_model)
     out_dir = Path("bench") / "results" / f"compare-{stamp}" if args.compare else None
-    settings = {**_settings(args, workload, slo), "engines": engines}
+    settings = {**_settings(args, workload, slo, loads), "engines": engines}
     return BenchResult(outcomes, note, settings, compare=args.compare, default_out_dir=out_dir)
 
 
@@ -260,6 +263,7 @@ def _chart_title(result: BenchResult) -> str:
         return (
             f"{s.get('engines') or ''} {'simulated ' if s.get('simulate') else ''}engines, shared-prefix: "
             f"{s.get('groups')} groups × {s.get('prefix_tokens')}-token prefix + {s.get('suffix_tokens')}-token "
-            f"question, {s.get('request_rate')} req/s, {s.get('num_requests')} requests, seed {s.get('seed')}"
+            f"question, {s.get('request_rate')} req/s, {s.get('num_requests')} requests "
+            f"(after {s.get('warmup_requests')} warm-up), seed {s.get('seed')}"
         )
     return f"workload {s.get('workload')}, seed {s.get('seed')}"

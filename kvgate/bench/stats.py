@@ -157,7 +157,9 @@ def summarize(
     )
 
 
-def ideal_prefix_hit_rate(prompts: Iterable[Sequence[Hashable]], block_size: int) -> float | None:
+def ideal_prefix_hit_rate(
+    prompts: Iterable[Sequence[Hashable]], block_size: int, history: Iterable[Sequence[Hashable]] = ()
+) -> float | None:
     """The best prefix-cache hit rate any router can reach on these prompts, in tokens.
 
     A prompt's full blocks are cached as a hash chain; a block can only hit if a previous prompt
@@ -168,10 +170,17 @@ def ideal_prefix_hit_rate(prompts: Iterable[Sequence[Hashable]], block_size: int
     this is 1 − (unique prefix tokens + all suffix tokens) / total prompt tokens, to block
     granularity. Like vLLM, at least the prompt's last token is always computed, so a prompt
     never hits in its final block when its length is an exact multiple of the block size.
+    `history`: prompts sent before the measured ones (a warm-up); they fill the cache, uncounted.
     """
     if block_size < 1:
         raise ValueError("block size must be at least 1")
     seen: set[int] = set()
+    for prompt in history:
+        chain = 0
+        tokens = list(prompt)
+        for b in range(len(tokens) // block_size):
+            chain = hash((chain, tuple(tokens[b * block_size : (b + 1) * block_size])))
+            seen.add(chain)
     total = 0
     hits = 0
     for prompt in prompts:

@@ -100,3 +100,10 @@ def test_ideal_hit_rate_never_exceeds_what_a_random_router_would_get_on_one_engi
     prompts = [[rng.randrange(3) for _ in range(rng.randrange(1, 60))] for _ in range(50)]
     rate = ideal_prefix_hit_rate(prompts, block_size=4)
     assert rate is not None and 0.0 <= rate < 1.0
+
+
+def test_ideal_hit_rate_counts_warmup_history_as_already_cached() -> None:
+    warm = [[1, 2, 3, 4, 9]]
+    measured = [[1, 2, 3, 4, 5]]
+    assert ideal_prefix_hit_rate(measured, block_size=2) == 0.0
+    assert ideal_prefix_hit_rate(measured, block_size=2, history=warm) == pytest.approx(4 / 5)

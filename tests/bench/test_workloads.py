@@ -105,3 +105,14 @@ def test_random_lengths_stay_in_bounds_and_share_nothing() -> None:
 def test_bad_sizes_are_clear_errors(spec: WorkloadSpec, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         next(generate(spec))
+
+
+def test_warmup_requests_come_first_and_measured_ones_follow_in_the_same_stream() -> None:
+    from kvgate.bench.loadgen import LoadSpec
+    from kvgate.bench.runner import planned_requests
+
+    spec = WorkloadSpec(kind="shared-prefix", shared_prefix=SharedPrefixSpec(groups=2, prefix_tokens=8))
+    warm, measured = planned_requests(spec, LoadSpec(request_rate=1.0, num_requests=5, warmup_requests=3))
+    assert [r.index for r in warm] == [0, 1, 2]
+    assert [r.index for r in measured] == [3, 4, 5, 6, 7]
+    assert [r.messages for r in warm + measured] == [r.messages for r in take(spec, 8)]
