@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from pathlib import Path
 from urllib.parse import urlparse
 
 from kvgate.operator.config import (
@@ -97,9 +99,26 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
     )
 
 
+SA_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+
+
+def _credentials_problem() -> str | None:
+    """Why kopf could not log in, found before it starts retrying forever; None when it can."""
+    if SA_TOKEN.exists() and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    paths = os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
+    existing = [p for p in paths.split(os.pathsep) if p and Path(p).is_file()]
+    if existing:
+        return None
+    return f"no Kubernetes credentials: not in a pod, and no kubeconfig at {paths} (set KUBECONFIG)"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = _config(args)
+        problem = _credentials_problem()
+        if problem:
+            raise ValueError(problem)
     except ValueError as exc:
         print(f"kvgate operator run: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ import copy
 import os
 import signal
 import socket
+import subprocess
 import sys
 import urllib.request
 from pathlib import Path
@@ -437,3 +438,19 @@ async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: A
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0, log.read_text()[-2000:]
+
+
+def test_cli_without_credentials_is_a_clear_error(tmp_path: Any) -> None:
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "missing"), "KUBERNETES_SERVICE_HOST": ""}
+    kvgate = str(Path(sys.executable).parent / "kvgate")
+    out = subprocess.run([kvgate, "operator", "run"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "no Kubernetes credentials" in out.stderr and "Traceback" not in out.stderr
+    bad = subprocess.run(
+        [kvgate, "operator", "run", "--prometheus-url", "nope"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--prometheus-url must be an http(s) URL" in bad.stderr
