@@ -300,49 +300,113 @@ def _metrics_stub(ports: list[int]) -> None:
     asyncio.run(main())
 
 
+_COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "default",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "4"}, "finish_reason": "length"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+
+def _upstream_stub(port: int) -> None:
+    """A zero-latency OpenAI-shaped upstream with vLLM metrics: isolates what Envoy and the EPP
+    add (the simulated engine's own request handling costs milliseconds on a busy 2-core host)."""
+    metrics = (
+        b'vllm:num_requests_waiting{model_name="default"} 0\n'
+        b'vllm:num_requests_running{model_name="default"} 0\n'
+        b'vllm:kv_cache_usage_perc{model_name="default"} 0.0\n'
+    )
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                if length:
+                    await reader.readexactly(length)
+                if head.startswith(b"GET /metrics"):
+                    body, ctype = metrics, b"text/plain"
+                elif head.startswith(b"GET"):
+                    body, ctype = b"{}", b"application/json"
+                else:
+                    body, ctype = _COMPLETION, b"application/json"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                    % (ctype, len(body), body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
 # -- through Envoy ---------------------------------------------------------------------------------
 async def _open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, list[float]]:
     """Offered load ``rate`` req/s in total: every 2/rate s a pair of identical requests, one
-    straight to the engine and one through the EPP, sent at the same instant (random order)."""
-    import httpx
+    straight to the engine and one through the EPP, sent at the same instant (random order).
+    A lean keep-alive client (httpx alone cost ~2 ms of CPU per request on this host)."""
+    from kvgate.epp.http_get import KeepAliveGetter, ScrapeError
 
+    host, port = url.removeprefix("http://").rsplit(":", 1)
     lat: dict[str, list[float]] = {"direct": [], "epp": []}
     errors: dict[str, int] = {"direct": 0, "epp": 0}
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+    idle: list[KeepAliveGetter] = []
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    raw = {
+        "epp": (head + "\r\n").encode() + body,
+        "direct": (head + "x-kvgate-route: direct\r\n\r\n").encode() + body,
+    }
 
-        async def one(route: str) -> None:
-            headers = {"content-type": "application/json"}
-            if route == "direct":
-                headers["x-kvgate-route"] = "direct"
-            t0 = time.perf_counter()
-            try:
-                resp = await client.post("/v1/chat/completions", content=body, headers=headers)
-                await resp.aread()
-            except httpx.HTTPError:
-                errors[route] += 1
-                return
-            if resp.status_code != 200:
-                errors[route] += 1
-                return
-            lat[route].append(time.perf_counter() - t0)
+    async def one(route: str) -> None:
+        conn = idle.pop() if idle else KeepAliveGetter(host, int(port), timeout=30)
+        t0 = time.perf_counter()
+        try:
+            status, _ = await conn.request(raw[route])
+        except ScrapeError:
+            errors[route] += 1
+            return
+        elapsed = time.perf_counter() - t0
+        idle.append(conn)
+        if status != 200:
+            errors[route] += 1
+            return
+        lat[route].append(elapsed)
 
-        tasks = []
-        pairs = int(rate * seconds / 2)
-        start = time.perf_counter()
-        for i in range(pairs):
-            delay = start + i * 2 / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            order = ["direct", "epp"] if random.random() < 0.5 else ["epp", "direct"]
-            tasks += [asyncio.create_task(one(r)) for r in order]
-        await asyncio.gather(*tasks)
+    tasks = []
+    pairs = int(rate * seconds / 2)
+    start = time.perf_counter()
+    for i in range(pairs):
+        delay = start + i * 2 / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        order = ["direct", "epp"] if random.random() < 0.5 else ["epp", "direct"]
+        tasks += [asyncio.create_task(one(r)) for r in order]
+    await asyncio.gather(*tasks)
+    for conn in idle:
+        conn.close()
     lat["errors"] = [float(errors["direct"]), float(errors["epp"])]
     return lat
 
 
 def bench_latency(
-    rates: tuple[float, ...] = (50, 200), seconds: float = 10.0, profile_dir: Path | None = None
+    rates: tuple[float, ...] = (50, 200),
+    seconds: float = 10.0,
+    profile_dir: Path | None = None,
+    upstream: str = "stub",
 ) -> dict:
     import subprocess
 
@@ -350,14 +414,21 @@ def bench_latency(
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
     logs.mkdir(parents=True, exist_ok=True)
-    engine = harness.start_engine(
-        logs, "--sim-itl", "0", "--sim-prefill-time-per-token", "0", "--sim-itl-per-seq", "0"
-    )
+    if upstream == "sim":
+        engine = harness.start_engine(
+            logs, "--sim-itl", "0", "--sim-prefill-time-per-token", "0", "--sim-itl-per-seq", "0"
+        )
+    else:
+        port = harness.free_port()
+        stub = harness.Process(
+            "upstream-stub", [sys.executable, __file__, "_upstream_stub", str(port)], logs / "up.log"
+        )
+        engine = harness.Engine(stub.start(), port, "", "")
     procs = [engine.proc]
     results = {}
     try:
         engine.wait_ready()
-        epp = harness.start_epp(logs, [engine])
+        epp = harness.start_epp(logs, [engine], kv_events=upstream == "sim")
         procs.append(epp.proc)
         envoy = harness.start_envoy(logs, epp.grpc_port, direct_upstream=engine.address)
         procs.append(envoy.proc)
@@ -415,11 +486,20 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "_metrics_stub":
         _metrics_stub([int(p) for p in sys.argv[2:]])
         return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "_upstream_stub":
+        _upstream_stub(int(sys.argv[2]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "what", nargs="*", default=["picks", "grpc", "latency"], choices=["picks", "grpc", "latency"]
     )
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each latency phase")
+    p.add_argument(
+        "--upstream",
+        choices=["stub", "sim"],
+        default="stub",
+        help="latency upstream: a zero-latency stub, or `kvgate engine serve --simulate` (itl 0)",
+    )
     p.add_argument("--profile", type=Path, default=None, help="write py-spy flame graphs of the EPP here")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = p.parse_args()
@@ -431,7 +511,7 @@ def main() -> int:
     if "grpc" in args.what:
         out["grpc"] = bench_grpc(profile_dir=args.profile)
     if "latency" in args.what:
-        out["latency"] = bench_latency(seconds=args.seconds, profile_dir=args.profile)
+        out["latency"] = bench_latency(seconds=args.seconds, profile_dir=args.profile, upstream=args.upstream)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0

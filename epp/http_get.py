@@ -28,9 +28,13 @@ class KeepAliveGetter:
         self._writer: asyncio.StreamWriter | None = None
 
     async def get(self) -> tuple[int, bytes]:
+        return await self.request(self._request)
+
+    async def request(self, raw_request: bytes) -> tuple[int, bytes]:
+        """Send one complete HTTP/1.1 request (bytes) on the kept-alive connection."""
         try:
             async with asyncio.timeout(self.timeout):
-                return await self._get()
+                return await self._exchange(raw_request)
         except ConnectionRefusedError as exc:
             self.close()
             raise EndpointRefused(f"{self.host}:{self.port} refused the connection") from exc
@@ -44,12 +48,12 @@ class KeepAliveGetter:
             self.close()
             raise ScrapeError(f"{self.host}:{self.port}: {exc!r}") from exc
 
-    async def _get(self) -> tuple[int, bytes]:
+    async def _exchange(self, raw_request: bytes) -> tuple[int, bytes]:
         if self._writer is None or self._writer.is_closing():
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port, limit=1 << 22)
         reader, writer = self._reader, self._writer
         assert reader is not None
-        writer.write(self._request)
+        writer.write(raw_request)
         head = await reader.readuntil(b"\r\n\r\n")
         status_line, _, rest = head.partition(b"\r\n")
         parts = status_line.split(b" ", 2)
