@@ -82,7 +82,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         *,
         skip_special_tokens: bool = True,
-        stop: list[str] | None = None,
+        stop: list[str] | str | None = None,
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
         byte_table: ByteLevelTable | None = None,
@@ -94,6 +94,8 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        if isinstance(stop, str):  # vLLM accepts one stop string as well as a list
+            stop = [stop]
         self._stops = [s for s in (stop or []) if s]
         self._max_stop = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output

@@ -152,3 +152,8 @@ def test_byte_table_is_only_for_byte_level_tokenizers() -> None:
     wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
     wordpiece.decoder = decoders.WordPiece()
     assert ByteLevelTable.build(wordpiece) is None
+
+
+def test_a_single_stop_string_is_not_taken_for_a_list_of_characters(tok: Any) -> None:
+    deltas, d = _stream(tok, "abc STOP def", stop="STOP")
+    assert "".join(deltas) == "abc " and d.stop_string == "STOP"
