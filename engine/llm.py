@@ -44,6 +44,7 @@ class CompletionRequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: None = None  # vLLM's field; prompt logprobs are not computed here
 
     @property
     def finished(self) -> bool:

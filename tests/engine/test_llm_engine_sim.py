@@ -279,3 +279,17 @@ def test_n_samples_of_one_prompt_compute_it_once(tok: Any) -> None:
     stats = llm.engine.get_stats()
     assert stats.prefix_cache_hits_total == 3 * 5 * BS  # samples 2..4 reuse sample 1's blocks
     _assert_no_leak(llm.engine)
+
+
+def test_timing_fields_and_progress_bar(tok: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    engine = _engine(tok)
+    engine.add_request("t", _prompt(3, 20), SamplingParams(max_tokens=3), arrival_time=100.0)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs.extend(engine.step())
+    first, last = outs[0], outs[-1]
+    assert first.arrival_time == 100.0 and first.first_token_time is not None and first.finished_time is None
+    assert last.finished and last.finished_time is not None and last.finished_time >= last.first_token_time
+    llm = LLM(simulate=True, tokenizer=tok, simulation=SimulationConfig(time_scale=0))
+    llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=True)
+    assert "Processed prompts" in capsys.readouterr().err
