@@ -248,7 +248,7 @@ def build_app(state: ServerState) -> Starlette:
     async def detokenize(request: Request) -> Response:
         req = parse_body(DetokenizeRequest, await read_body(request))
         serving.check_model(req.model)
-        serving._check_token_ids(req.tokens, "tokens")
+        serving.check_token_ids(req.tokens, "tokens")
         return _json({"prompt": serving.tokenizer.decode(req.tokens)})
 
     async def openapi(request: Request) -> Response:

@@ -10,18 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvgate.engine.outputs import PositionLogprobs, RequestOutput
+from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
 from kvgate.engine.server.errors import APIError, bad_request
 from kvgate.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from kvgate.engine.server.responses import (
+    SSE_DONE,
+    ResponseMeta,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    stream_error,
+)
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -38,15 +45,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected; stop work for it."""
 
 
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def sse(obj: Any) -> bytes:
-    return f"data: {_dumps(obj)}\n\n".encode()
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 MAX_SEQUENCES_PER_REQUEST = 1024  # prompts x n: one request must not flood the engine
 
 
@@ -131,7 +129,7 @@ class OpenAIServing:
             )
         return max_tokens
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
+    def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.model.vocab_size
         if ids and max(ids) >= vocab:
             raise bad_request(
@@ -185,7 +183,7 @@ class OpenAIServing:
             raise bad_request("The prompt is empty; send at least one token.", "prompt")
         prompts: list[list[int]] = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore[misc,arg-type]
         for ids in prompts:
-            self._check_token_ids(ids, "prompt")
+            self.check_token_ids(ids, "prompt")
         return prompts
 
     def chat_prompt(
@@ -247,7 +245,7 @@ class OpenAIServing:
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         rid = f"cmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
-        meta = _Meta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
+        meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamResult(
@@ -263,7 +261,7 @@ class OpenAIServing:
                 {
                     "index": index,
                     "text": text,
-                    "logprobs": _completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None,
+                    "logprobs": completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None,
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
                 }
@@ -280,7 +278,7 @@ class OpenAIServing:
     async def _stream_completion(
         self,
         handle: RequestHandle,
-        meta: _Meta,
+        meta: ResponseMeta,
         include_usage: bool,
         want_logprobs: bool,
         echo: list[str] | None,
@@ -300,7 +298,7 @@ class OpenAIServing:
                     chunk_lp = None
                     if want_logprobs:
                         new_lp = out.new_logprobs or []
-                        chunk_lp = _completion_logprobs(new_lp, offsets.get(index, 0))
+                        chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp)
                     else:
                         offsets.setdefault(index, 0)
@@ -325,7 +323,7 @@ class OpenAIServing:
                 yield sse({**base, "choices": [], "usage": meta.usage(finals)})
             yield SSE_DONE
         except EngineDeadError as exc:
-            yield sse(_stream_error(exc.status, f"{exc} Retry on another replica."))
+            yield sse(stream_error(exc.status, f"{exc} Retry on another replica."))
         except ClientGone:
             pass
         finally:
@@ -351,7 +349,7 @@ class OpenAIServing:
         items = [(ids, p) for p in self._params(req, max_tokens, logprobs)]
         rid = f"chatcmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
-        meta = _Meta(rid, int(time.time()), model, req.n, [len(ids)])
+        meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamResult(
@@ -365,7 +363,7 @@ class OpenAIServing:
                 {
                     "index": index,
                     "message": {"role": "assistant", "content": out.text},
-                    "logprobs": {"content": _chat_logprobs(out.logprobs or [])} if req.logprobs else None,
+                    "logprobs": {"content": chat_logprobs(out.logprobs or [])} if req.logprobs else None,
                     "finish_reason": out.finish_reason,
                     "stop_reason": out.stop_reason,
                 }
@@ -380,7 +378,12 @@ class OpenAIServing:
         }
 
     async def _stream_chat(
-        self, handle: RequestHandle, meta: _Meta, include_usage: bool, want_logprobs: bool, receive: Receive
+        self,
+        handle: RequestHandle,
+        meta: ResponseMeta,
+        include_usage: bool,
+        want_logprobs: bool,
+        receive: Receive,
     ) -> AsyncIterator[bytes]:
         base = {
             "id": meta.rid,
@@ -417,7 +420,7 @@ class OpenAIServing:
                     started.add(index)
                     lp = None
                     if want_logprobs and out.new_logprobs:
-                        lp = {"content": _chat_logprobs(out.new_logprobs)}
+                        lp = {"content": chat_logprobs(out.new_logprobs)}
                     if not out.delta_text and not out.finished and lp is None:
                         continue
                     choice: dict[str, Any] = {
@@ -436,35 +439,12 @@ class OpenAIServing:
                 yield sse({**base, "choices": [], "usage": meta.usage(finals)})
             yield SSE_DONE
         except EngineDeadError as exc:
-            yield sse(_stream_error(exc.status, f"{exc} Retry on another replica."))
+            yield sse(stream_error(exc.status, f"{exc} Retry on another replica."))
         except ClientGone:
             pass
         finally:
             watcher.cancel()
             handle.close()
-
-
-@dataclass
-class _Meta:
-    rid: str
-    created: int
-    model: str
-    n: int
-    prompt_lens: list[int]
-
-    def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
-        completion = sum(len(o.token_ids) for o in finals.values())
-        prompt = sum(self.prompt_lens)
-        # Cached tokens of each prompt's first choice: what the prefix cache saved that prompt.
-        cached = sum(
-            finals[i * self.n].num_cached_tokens for i in range(len(self.prompt_lens)) if i * self.n in finals
-        )
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
 
 
 async def _next_batch(handle: RequestHandle) -> list[tuple[int, RequestOutput]]:
@@ -491,40 +471,3 @@ async def _collect(handle: RequestHandle, receive: Receive) -> dict[int, Request
         watcher.cancel()
         handle.close()
     return finals
-
-
-def _stream_error(status: int, message: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "server_error", "param": None, "code": status}}
-
-
-def _token_bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def _chat_logprobs(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
-    return [
-        {
-            "token": p.sampled.decoded,
-            "logprob": p.sampled.logprob,
-            "bytes": _token_bytes(p.sampled.decoded),
-            "top_logprobs": [
-                {"token": t.decoded, "logprob": t.logprob, "bytes": _token_bytes(t.decoded)} for t in p.top
-            ],
-        }
-        for p in positions
-    ]
-
-
-def _completion_logprobs(positions: list[PositionLogprobs] | None, start_offset: int) -> dict[str, Any]:
-    positions = positions or []
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    offset = start_offset
-    for p in positions:
-        tokens.append(p.sampled.decoded)
-        token_logprobs.append(p.sampled.logprob)
-        entry = {t.decoded: t.logprob for t in p.top}
-        entry.setdefault(p.sampled.decoded, p.sampled.logprob)
-        top.append(entry)
-        offsets.append(offset)
-        offset += len(p.sampled.decoded)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

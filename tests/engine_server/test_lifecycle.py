@@ -90,7 +90,17 @@ def test_sigterm_drains_in_flight_and_refuses_new(engine_factory) -> None:
     eng = engine_factory("--simulate", "--sim-itl", "0.01", "--shutdown-timeout", "20")
     results: list = []
     threads = [_stream_in_thread(eng.base_url, 150, results) for _ in range(4)]
-    _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 4)
+    plain: list = []
+
+    def non_streaming() -> None:
+        body = {"prompt": "drain test", "max_tokens": 150, "ignore_eos": True}
+        r = httpx.post(f"{eng.base_url}/v1/completions", json=body, timeout=30)
+        plain.append((r.status_code, r.json()))
+
+    threads += [threading.Thread(target=non_streaming) for _ in range(2)]
+    for t in threads[4:]:
+        t.start()
+    _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 6)
     eng.proc.send_signal(signal.SIGTERM)
     _wait_for(lambda: httpx.get(f"{eng.base_url}/health").status_code == 503, timeout=2)
     refused = httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "late"})
@@ -98,6 +108,7 @@ def test_sigterm_drains_in_flight_and_refuses_new(engine_factory) -> None:
     for t in threads:
         t.join(10)
     assert eng.proc.wait(10) == 0
+    assert [(status, body["usage"]["completion_tokens"]) for status, body in plain] == [(200, 150)] * 2
     assert len(results) == 4
     for status, lines in results:
         assert status == 200
