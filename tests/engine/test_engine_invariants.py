@@ -78,7 +78,8 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the same 60 workloads every run, so CI never flakes on a new random draw.
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(request_st, min_size=1, max_size=10),
     num_blocks=st.integers(8, 24),
