@@ -67,6 +67,7 @@ class SSEResponse:
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         self.body = body
         self.on_close = on_close
+        self.extra_headers: list[tuple[bytes, bytes]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -78,6 +79,7 @@ class SSEResponse:
                         (b"content-type", b"text/event-stream; charset=utf-8"),
                         (b"cache-control", b"no-cache"),
                         (b"x-accel-buffering", b"no"),
+                        *self.extra_headers,
                     ],
                 }
             )
@@ -168,13 +170,21 @@ def build_app(state: ServerState) -> Starlette:
                     if state.failure_injection and FAILURE_HEADER in request.headers:
                         injected = await _inject_failure(request.headers[FAILURE_HEADER])
                         if injected is not None:
-                            return injected
-                return await fn(request)
+                            return injected  # a broken response carries no extra headers
+                response = await fn(request)
             except APIError as exc:
-                return exc.response()
+                response = exc.response()
             except Exception:  # never a stack trace to the client; the log has it
                 log.exception("unhandled error in %s %s", request.method, request.url.path)
-                return error_response(500, "Internal server error.", code="internal_error")
+                response = error_response(500, "Internal server error.", code="internal_error")
+            # Echo the gateway's request id so Envoy/EPP logs and ours line up.
+            request_id = request.headers.get("x-request-id")
+            if request_id:
+                if isinstance(response, SSEResponse):
+                    response.extra_headers.append((b"x-request-id", request_id.encode("latin-1")))
+                elif isinstance(response, Response):
+                    response.headers["x-request-id"] = request_id
+            return response
 
         return handle
 

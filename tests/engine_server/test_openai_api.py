@@ -294,6 +294,19 @@ def test_tokenize_detokenize_roundtrip(sim_engine: EngineProcess) -> None:
     assert bad.status_code == 400
 
 
+def test_request_id_is_echoed(sim_engine: EngineProcess) -> None:
+    headers = {"authorization": f"Bearer {API_KEY}", "x-request-id": "abc-123"}
+    body = {"prompt": "x", "max_tokens": 1}
+    r = httpx.post(f"{sim_engine.base_url}/v1/completions", json=body, headers=headers)
+    assert r.headers["x-request-id"] == "abc-123"
+    with httpx.stream(
+        "POST", f"{sim_engine.base_url}/v1/completions", json={**body, "stream": True}, headers=headers
+    ) as s:
+        assert s.headers["x-request-id"] == "abc-123"
+    bad = httpx.post(f"{sim_engine.base_url}/v1/completions", json={}, headers=headers)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "abc-123"
+
+
 def test_health_ping_version_openapi(sim_engine: EngineProcess) -> None:
     base = sim_engine.base_url
     assert httpx.get(f"{base}/health").status_code == 200
