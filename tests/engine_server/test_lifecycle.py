@@ -172,7 +172,8 @@ def test_failure_injection_delay_and_disconnect(sim_engine: EngineProcess) -> No
         headers={**AUTH, "x-kvgate-inject-failure": "delay=0.3"},
     )
     assert r.status_code == 200 and time.monotonic() - started >= 0.3
-    with pytest.raises(httpx.RemoteProtocolError):
+    # The connection drops mid-body: a short read (FIN) or a reset, depending on timing.
+    with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
         httpx.post(
             f"{sim_engine.base_url}/v1/completions",
             json={"prompt": "x", "max_tokens": 1},
