@@ -1,5 +1,6 @@
-"""The engine's logic over the REAL default model (greedy, few tokens): prefix caching on/off and
-preemption under a tiny KV pool change nothing in the output, and nothing leaks.
+"""The engine's logic over the REAL default model (few tokens; greedy plus one seeded sampled
+request): prefix caching on/off and preemption under a tiny KV pool change nothing in the
+output, and nothing leaks.
 
 One model load for the module; every engine here shares that runner (the sampler keeps no
 per-request state, and a fresh engine starts with an empty block pool, so it never reads KV
@@ -63,9 +64,17 @@ def _greedy() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+def _params(i: int) -> SamplingParams:
+    """Greedy, except the last prompt: seeded sampling, which must also survive recompute
+    (the runner seeds by (seed, output position), and a recomputed request keeps positions)."""
+    if i == len(QUESTIONS) - 1:
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return _greedy()
+
+
 def _run_all(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
     for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, _greedy())
+        engine.add_request(f"q{i}", p, _params(i))
     out: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
@@ -102,7 +111,7 @@ def test_prefix_caching_computes_only_new_blocks_and_changes_no_token(
     # All in one step: q1 and q2 hit the blocks q0 is computing in that same step, so this
     # also checks the runner's store-before-attention ordering on real KV.
     for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, _greedy())
+        engine.add_request(f"q{i}", p, _params(i))
     computed: dict[str, int] = {}
     out: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
@@ -125,7 +134,7 @@ def _tiny_pool_workload(engine: LLMEngine, prompts: list[list[int]]) -> dict[str
     """All prompts at once plus one request aborted mid-prefill; returns finished outputs."""
     engine.add_request("doomed", prompts[0][:-3], _greedy())
     for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, _greedy())
+        engine.add_request(f"q{i}", p, _params(i))
     out: dict[str, list[int]] = {}
     steps = 0
     while engine.has_unfinished_requests():
