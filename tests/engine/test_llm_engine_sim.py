@@ -293,3 +293,12 @@ def test_timing_fields_and_progress_bar(tok: Any, capsys: pytest.CaptureFixture[
     llm = LLM(simulate=True, tokenizer=tok, simulation=SimulationConfig(time_scale=0))
     llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=True)
     assert "Processed prompts" in capsys.readouterr().err
+
+
+def test_a_rejected_prompt_leaves_no_request_behind(tok: Any) -> None:
+    llm = LLM(simulate=True, tokenizer=tok, max_model_len=64, simulation=SimulationConfig(time_scale=0))
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        llm.generate([[1, 2, 3], list(range(100, 200))], SamplingParams(max_tokens=2))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
+    _assert_no_leak(llm.engine)
