@@ -13,11 +13,11 @@ from typing import Any
 
 import kopf
 
-from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED
+from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED, LABEL_MD, MANAGED_BY
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import Credentials, KubeClient
 from kvgate.operator.reconcile import Event, Reconciler
-from kvgate.operator.resources import INFERENCE_POOLS, MODEL_DEPLOYMENTS
+from kvgate.operator.resources import DEPLOYMENTS, INFERENCE_POOLS, MODEL_DEPLOYMENTS
 from kvgate.operator.signals import SignalReader
 
 LoginFn = Callable[..., Any]
@@ -125,6 +125,34 @@ class Operator:
         @kopf.on.update(registry=reg, **md)
         async def md_changed(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
             await reconcile_md(body, patch, logger)
+
+        async def child_changed(event: dict[str, Any], **_: Any) -> None:
+            # A child's status moved (pods became ready, the gateway accepted the pool) or someone
+            # edited or deleted it: refresh the owner now instead of at the next resync.
+            obj = event.get("object") or {}
+            meta = obj.get("metadata") or {}
+            owner = (meta.get("labels") or {}).get(LABEL_MD)
+            if not owner or self._reconciler is None:
+                return
+            namespace = meta["namespace"]
+            client = self.reconciler.client
+            body = await client.get(MODEL_DEPLOYMENTS, namespace, owner)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            async with self._lock("md", namespace, owner):
+                outcome = await self.reconciler.reconcile_model_deployment(body)
+                await client.patch(MODEL_DEPLOYMENTS, namespace, owner, {"status": outcome.status}, "status")
+            self._post(body, outcome.events)
+
+        for child in (DEPLOYMENTS, INFERENCE_POOLS):
+            kopf.on.event(
+                registry=reg,
+                group=child.group,
+                version=child.version,
+                plural=child.plural,
+                labels={LABEL_MD: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY},
+                id=f"child-{child.plural}",
+            )(child_changed)
 
         @kopf.timer(
             registry=reg, interval=self.config.resync_seconds, initial_delay=self.config.resync_seconds, **md

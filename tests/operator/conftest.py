@@ -97,6 +97,17 @@ class Cluster:
     url: str
     ns: str = NS
 
+    async def watched(self, *plurals: str) -> None:
+        """Waits until kopf watches these resources. kmock replays a watch from the current
+        state, not from the listed resourceVersion: an object changed between kopf's list and
+        its watch would be seen stale, so tests start writing only once the watches stand."""
+
+        def watching() -> bool:
+            seen = {r.resource.plural for r in self.emulator if r.action == kmock.action.WATCH and r.resource}
+            return set(plurals) <= seen
+
+        await eventually(watching, 10, f"watch-streams on {plurals}")
+
     @staticmethod
     async def eventually(check: Callable[[], Any], within: float = 10.0, what: str = "condition") -> Any:
         return await eventually(check, within, what)
@@ -202,6 +213,7 @@ async def operator(cluster: Cluster, operator_config: OperatorConfig) -> AsyncIt
     )
     thread.start()
     await asyncio.to_thread(ready.wait, 10)
+    await cluster.watched("modeldeployments", "inferencepools", "deployments")
     try:
         yield op
     finally:

@@ -9,10 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 import yaml
 
@@ -387,6 +389,52 @@ async def test_an_existing_object_of_the_same_name_is_never_taken_over(cluster: 
     assert "ownerReferences" not in cluster.objects(CONFIG_MAPS)["smol-epp"]["metadata"]
 
 
+@pytest.mark.parametrize("resync", [30.0])
+async def test_child_events_refresh_without_waiting_for_resync(
+    cluster: Any, resync: float, operator_config: Any
+) -> None:
+    """With a 30 s resync, a deleted child and a child's new status still land at once: the
+    operator watches its Deployments and pools."""
+    import dataclasses
+
+    from kvgate.operator.handlers import Operator
+
+    config = dataclasses.replace(operator_config, resync_seconds=resync)
+    op = Operator(config, login=lambda **_: kopf.ConnectionInfo(server=cluster.url))
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=lambda: asyncio.run(op.run(stop_flag=stop, ready_flag=ready)), daemon=True
+    )
+    thread.start()
+    await asyncio.to_thread(ready.wait, 10)
+    await cluster.watched("modeldeployments", "inferencepools", "deployments")
+    try:
+        await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+        await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN, what="children")
+        await cluster.client.delete(DEPLOYMENTS, NS, "smol")
+        await cluster.eventually(
+            lambda: "smol" in cluster.objects(DEPLOYMENTS), within=5, what="engine recreated"
+        )
+        await cluster.client.patch(
+            DEPLOYMENTS,
+            NS,
+            "smol",
+            {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}},
+            "status",
+        )
+        await cluster.client.patch(
+            DEPLOYMENTS, NS, "smol-epp", {"status": {"replicas": 1, "readyReplicas": 1}}, "status"
+        )
+        await cluster.eventually(
+            lambda: (condition(cluster, "Ready") or {}).get("status") == "True",
+            within=5,
+            what="Ready from events",
+        )
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+
+
 async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: Any) -> None:
     """`kvgate operator run` as its own process: kubeconfig login, liveness, reconcile, SIGTERM."""
     kubeconfig = tmp_path / "kubeconfig"
@@ -426,6 +474,7 @@ async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: A
                 return False
 
         await cluster.eventually(lambda: asyncio.to_thread(healthy), within=30, what="liveness endpoint")
+        await cluster.watched("modeldeployments", "inferencepools", "deployments")
         await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
         await cluster.eventually(
             lambda: set(cluster.children(UID)) == BASE_CHILDREN, within=20, what="children"

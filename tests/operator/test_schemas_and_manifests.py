@@ -523,7 +523,8 @@ def test_container_command_lines_parse_with_the_real_kvgate_cli(name: str) -> No
         assert container["command"][0] == "kvgate"
         args = parser.parse_args([*container["command"][1:], *container["args"]])
         if container["name"] == "engine":
-            assert args.served_model_name == spec.model.effective_served_name()
+            served = args.served_model_name  # a list in vLLM's CLI shape (several names allowed)
+            assert (served if isinstance(served, list) else [served]) == [spec.model.effective_served_name()]
             assert args.port == spec.engine.port and args.host == "0.0.0.0"
         else:
             assert args.pool_name == name and args.grpc_port == 9002 and args.metrics_port == 9090
