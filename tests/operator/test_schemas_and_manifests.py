@@ -528,3 +528,20 @@ def test_container_command_lines_parse_with_the_real_kvgate_cli(name: str) -> No
             assert args.port == spec.engine.port and args.host == "0.0.0.0"
         else:
             assert args.pool_name == name and args.grpc_port == 9002 and args.metrics_port == 9090
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["envoyGateway.failureMode=Maybe"], "value must be one of 'FailOpen', 'FailClose'"),
+        (["envoyGateway.enabled=true"], "envoyGateway.pool (the InferencePool to serve) is required"),
+        (["operator.prometheusUrl=prometheus:9090"], "/operator/prometheusUrl"),
+        (["models[0].name=Bad_Name", "models[0].spec.model.source=hf://a/b"], "/models/0/name"),
+    ],
+)
+def test_bad_values_are_clear_errors(overrides: list[str], message: str) -> None:
+    args = [str(HELM), "template", "kvgate", str(CHART)]
+    for item in overrides:
+        args += ["--set", item]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
