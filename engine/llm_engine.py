@@ -125,6 +125,9 @@ class LLMEngine:
             limit = cfg.max_num_batched_tokens
         return limit
 
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     # -- requests ------------------------------------------------------------------------
     def add_request(
         self,

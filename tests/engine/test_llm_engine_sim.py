@@ -95,6 +95,7 @@ def test_outputs_are_identical_with_prefix_caching_on_and_off(tok: Any) -> None:
         results.append({k: (v.token_ids, v.text) for k, v in _run(engine).items()})
         stats = engine.get_stats()
         assert (stats.prefix_cache_hits_total > 0) == caching
+        assert bool(engine.drain_kv_events()) == caching  # no cache, nothing to announce
         _assert_no_leak(engine)
     assert results[0] == results[1]
 
