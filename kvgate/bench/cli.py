@@ -15,15 +15,16 @@ EXIT_USAGE = 2
 # a decode step ~25 ms), where computing a 2k-token prefix costs ~0.8 s, 30× a decode step, so
 # where a long prefix is already cached decides TTFT — as on real GPUs. This slower-than-8B scale
 # also keeps the Python overhead of ten processes on a small CPU well below the modelled times.
-# 512 blocks × 16 tokens per engine holds 4 of the default workload's 16 prefixes of 2k tokens
-# (working set 16 × 128 = 2048 blocks: more than one engine, half of all eight).
+# 320 blocks × 16 tokens per engine hold 2.5 of the default workload's 16 prefixes of 2k tokens:
+# the working set (16 × 128 = 2048 blocks) is 6.4 engines' pools and 80% of all eight, so every
+# engine must evict and a router has to know what is really still cached.
 # 8 s at the default rate: every group's prefix computed once and the queues in steady state.
 DEFAULT_COMPARE_WARMUP = 64
 SIM_DEFAULTS = {
     "sim_prefill_time_per_token": 0.0004,
     "sim_itl": 0.025,
     "sim_itl_per_seq": 0.0005,
-    "sim_kv_blocks": 512,
+    "sim_kv_blocks": 320,
 }
 
 

@@ -214,6 +214,8 @@ def print_report(args: argparse.Namespace, result: BenchResult, started: str) ->
             "ideal hit: best achievable prefix-cache hit rate for the prompts sent (every repeat of a "
             f"full-block prefix chain hits, first occurrences miss; {result.ideal_note})"
         )
+    if (sizing := _working_set_line(result.settings)) is not None:
+        print(sizing)
     for line in verdict_lines(summaries):
         print(line)
     if args.markdown:
@@ -267,3 +269,22 @@ def _chart_title(result: BenchResult) -> str:
             f"(after {s.get('warmup_requests')} warm-up), seed {s.get('seed')}"
         )
     return f"workload {s.get('workload')}, seed {s.get('seed')}"
+
+
+def _working_set_line(s: dict[str, object]) -> str | None:
+    """For simulated shared-prefix runs: how the prefixes compare with the engines' KV pools."""
+    if s.get("workload") != "shared-prefix" or not s.get("simulate") or not s.get("sim_kv_blocks"):
+        return None
+    block = 16  # the engines' default block size; the prefix is nominal words ≈ tokens
+    groups, prefix, pool, engines = (
+        int(s["groups"]),  # type: ignore[call-overload]
+        int(s["prefix_tokens"]),  # type: ignore[call-overload]
+        int(s["sim_kv_blocks"]),  # type: ignore[call-overload]
+        int(s["engines"] or 0),  # type: ignore[call-overload]
+    )
+    working = groups * -(-prefix // block)
+    return (
+        f"working set: {groups} prefixes × {-(-prefix // block)} blocks = {working} KV blocks; "
+        f"one engine holds {pool} ({working / pool:.1f} pools' worth), all {engines} hold {pool * engines} "
+        f"({working / max(pool * engines, 1) * 100:.0f}% full with every prefix cached once)"
+    )
