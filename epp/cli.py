@@ -223,6 +223,6 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve_forever(settings))
     except ValueError as exc:
         return _fail(str(exc))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # grpc reports a port in use as RuntimeError
         return _fail(f"cannot serve: {exc}")
     return 0

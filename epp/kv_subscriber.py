@@ -145,8 +145,6 @@ class KVEventSubscribers:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint.kv_events)
         state = self.datastore.get(endpoint.address)
-        if state is not None:
-            state.kv_events_live = True
         log.info("endpoint %s: subscribed to KV events at %s", endpoint.address, endpoint.kv_events)
         try:
             while True:
@@ -164,6 +162,11 @@ class KVEventSubscribers:
                     log.warning("endpoint %s: %s", endpoint.address, exc)
                     continue
                 await sub.on_message(seq, frames[2])
+                if state is not None and not state.kv_events_live:
+                    # only an engine that actually publishes is trusted as the prefix source;
+                    # until then its prefixes come from our own routing (approximate index)
+                    state.kv_events_live = True
+                    log.info("endpoint %s: KV events flowing", endpoint.address)
         finally:
             if state is not None:
                 state.kv_events_live = False

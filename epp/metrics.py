@@ -91,7 +91,17 @@ class _PoolCollector(Collector):
         )
         for s in states:
             per_pod.add_metric([self.pool_name, s.endpoint.name or s.address], s.metrics.waiting)
-        yield from (ready, kv, queue, per_pod)
+        blocks = GaugeMetricFamily(
+            "kvgate_epp_prefix_index_blocks",
+            "KV blocks the precise prefix index holds per endpoint (from KV events)",
+            labels=["name", "endpoint", "kv_events_live"],
+        )
+        for s in self.datastore.all():
+            blocks.add_metric(
+                [self.pool_name, s.address, str(s.kv_events_live).lower()],
+                self.datastore.index.block_count(s.address),
+            )
+        yield from (ready, kv, queue, per_pod, blocks)
 
 
 class EppMetrics:

@@ -62,3 +62,15 @@ def test_bad_input_is_a_clear_error(args, message) -> None:
 def test_bad_flag_value() -> None:
     out = run_cli("--endpoints", "1.2.3.4:1", "--secure-serving=maybe")
     assert out.returncode == 2 and "expected true or false" in out.stderr
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = run_cli("--endpoints", "127.0.0.1:1", "--profile", "random", "--grpc-port", str(port))
+    assert out.returncode == 2
+    assert "cannot serve" in out.stderr and "Traceback" not in out.stderr

@@ -129,7 +129,7 @@ async def test_against_the_engine_publisher_over_zmq() -> None:
         subs = KVEventSubscribers(ds)
         ds.set_endpoints([Endpoint(EP.address, kv_events=pub.endpoint, kv_replay=pub.replay_endpoint)])
         await asyncio.sleep(0.3)  # SUB connects
-        assert ds.get(EP.address).kv_events_live
+        assert not ds.get(EP.address).kv_events_live  # nothing received yet: not trusted
         for i in range(3, 5):
             tokens = list(range(i * BS, (i + 1) * BS))
             pub.publish([BlockStored([i + 1], i, tokens, BS)])
@@ -138,6 +138,7 @@ async def test_against_the_engine_publisher_over_zmq() -> None:
                 break
             await asyncio.sleep(0.02)
         assert held(ds) == 5
+        assert ds.get(EP.address).kv_events_live
         assert subs.subscribers[EP.address].replayed == 3
         pub.publish([AllBlocksCleared()])
         for _ in range(100):
