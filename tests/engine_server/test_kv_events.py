@@ -159,3 +159,38 @@ def test_unbindable_endpoint_is_a_clear_cli_error() -> None:
     )  # fmt: skip
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "--kv-events-connect" in out.stderr
+
+
+def test_eviction_publishes_block_removed_for_stored_hashes(engine_factory) -> None:
+    eng = engine_factory(
+        "--simulate", "--sim-time-scale", "0", "--sim-kv-blocks", "24", "--max-model-len", "256",
+        "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    for i in range(12):  # 12 distinct 5-block prompts through a 24-block pool: old blocks get evicted
+        prompt = [1000 + i * 100 + j for j in range(80)]
+        r = httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=30)
+        assert r.status_code == 200
+    # The whole history, from seq 0, through the replay socket (no slow-joiner race).
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(eng.replay_endpoint)
+    dealer.send_multipart([b"", struct.pack(">Q", 0)])
+    stored: set[int] = set()
+    removed: list[int] = []
+    seqs = []
+    while True:
+        assert dealer.poll(5000), "replay did not answer"
+        _, seq, payload = dealer.recv_multipart()
+        if seq == b"\xff" * 8:
+            break
+        seqs.append(struct.unpack(">Q", seq)[0])
+        for e in msgpack.unpackb(payload)[1]:
+            if e[0] == "BlockStored":
+                stored.update(e[1])
+            elif e[0] == "BlockRemoved":
+                assert e[2] == "GPU"
+                removed.extend(e[1])
+    assert seqs == list(range(len(seqs)))
+    assert removed, "a full pool must evict and announce it"
+    assert set(removed) <= stored, "only announced blocks are ever removed"
+    dealer.close()
