@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -366,6 +367,21 @@ class RoutingSpec(K8sModel):
         default=None, description="Tokenizer for prefix keys; the model's by default."
     )
     secure_serving: bool = Field(default=True, description="Serve ext_proc over TLS (self-signed).")
+
+    @field_validator("config")
+    @classmethod
+    def _config_is_an_endpoint_picker_config(cls, text: str | None) -> str | None:
+        if text is None:
+            return None
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"not YAML: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("kind") != "EndpointPickerConfig":
+            raise ValueError("must be a YAML EndpointPickerConfig (kind: EndpointPickerConfig)")
+        if not doc.get("schedulingProfiles"):
+            raise ValueError("an EndpointPickerConfig needs at least one schedulingProfile")
+        return text
 
 
 class AutoscalingSpec(K8sModel):

@@ -195,6 +195,11 @@ def test_model_deployment_crd_rejects_what_the_operator_rejects(validator: Any) 
         assert validator.errors({**base, "spec": spec}), spec
         with pytest.raises(ValueError):
             ModelDeploymentSpec.model_validate(spec)
+    for config in ("kind: Deployment", "{unclosed", "kind: EndpointPickerConfig\nplugins: []"):
+        with pytest.raises(ValueError):
+            ModelDeploymentSpec.model_validate(
+                {"model": {"source": "hf://a/b"}, "routing": {"config": config}}
+            )
     long_name = {**good, "metadata": {"name": "m" * 60}}
     assert validator.errors(long_name) == [
         "<root>: metadata.name must be at most 59 characters (the EPP Service adds '-epp')"
@@ -233,7 +238,10 @@ SPECS: dict[str, dict[str, Any]] = {
         "routing": {
             "failureMode": "FailOpen",
             "secureServing": False,
-            "scorers": [{"type": "queue-scorer", "weight": 1, "parameters": {"x": 1}}],
+            "scorers": [
+                {"type": "queue-scorer", "weight": 1},
+                {"type": "precise-prefix-cache-scorer", "weight": 3, "parameters": {"blockSize": 16}},
+            ],
         },
     },
     "gguf-cpu": {
@@ -296,8 +304,15 @@ def test_epp_matches_the_gie_flags_and_config() -> None:
     )
     config = yaml.safe_load(objs["ConfigMap"]["data"]["epp-config.yaml"])
     assert config["kind"] == "EndpointPickerConfig"
-    assert config["schedulingProfiles"][0]["plugins"][0] == {"pluginRef": "queue-scorer", "weight": 1}
-    assert {p["type"] for p in config["plugins"]} == {"queue-scorer", "max-score-picker"}
+    assert config["schedulingProfiles"][0]["plugins"][:2] == [
+        {"pluginRef": "queue-scorer", "weight": 1},
+        {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
+    ]
+    assert {p["type"] for p in config["plugins"]} == {
+        "queue-scorer",
+        "precise-prefix-cache-scorer",
+        "max-score-picker",
+    }
     rules = objs["Role"]["rules"]
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in rules)  # read-only
 
@@ -545,3 +560,14 @@ def test_bad_values_are_clear_errors(overrides: list[str], message: str) -> None
         args += ["--set", item]
     out = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_epp_config_loads_in_the_real_epp(name: str) -> None:
+    """The EndpointPickerConfig the operator writes is one `kvgate epp serve` accepts."""
+    from kvgate.epp.scheduling.config import build_profiles, parse_config
+
+    spec = ModelDeploymentSpec.model_validate(SPECS[name])
+    cfg = parse_config(yaml.safe_load(ch.epp_config_yaml(spec.routing)), source=name)
+    (profile,) = build_profiles(cfg, source=name)
+    assert len(profile.scorers) == len(spec.routing.scorers)
