@@ -355,24 +355,32 @@ def _upstream_stub(port: int) -> None:
 
 
 # -- through Envoy ---------------------------------------------------------------------------------
-async def _open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict[str, list[float]]:
-    """Offered load ``rate`` req/s in total: every 2/rate s a pair of identical requests, one
-    straight to the engine and one through the EPP, sent at the same instant (random order).
-    A lean keep-alive client (httpx alone cost ~2 ms of CPU per request on this host)."""
+async def _open_loop(
+    routes: dict[str, tuple[str, str]], rate: float, seconds: float, body: bytes
+) -> dict[str, list[float]]:
+    """Offered load ``rate`` req/s in total, split evenly over ``routes`` (name → (Envoy URL,
+    extra header line)): each tick sends the same request down every route at the same
+    instant, in random order, so all routes see the same machine load. A lean keep-alive client
+    (httpx alone cost ~2 ms of CPU per request on this host)."""
     from kvgate.epp.http_get import KeepAliveGetter, ScrapeError
 
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    lat: dict[str, list[float]] = {"direct": [], "epp": []}
-    errors: dict[str, int] = {"direct": 0, "epp": 0}
-    idle: list[KeepAliveGetter] = []
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-    raw = {
-        "epp": (head + "\r\n").encode() + body,
-        "direct": (head + "x-kvgate-route: direct\r\n\r\n").encode() + body,
-    }
+    lat: dict[str, list[float]] = {name: [] for name in routes}
+    errors: dict[str, int] = dict.fromkeys(routes, 0)
+    idle: dict[str, list[KeepAliveGetter]] = {name: [] for name in routes}
+    raw: dict[str, bytes] = {}
+    where: dict[str, tuple[str, int]] = {}
+    for name, (url, header) in routes.items():
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        where[name] = (host, int(port))
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n{header}\r\n"
+        )
+        raw[name] = head.encode() + body
 
     async def one(route: str) -> None:
-        conn = idle.pop() if idle else KeepAliveGetter(host, int(port), timeout=30)
+        pool = idle[route]
+        conn = pool.pop() if pool else KeepAliveGetter(*where[route], timeout=30)
         t0 = time.perf_counter()
         try:
             status, _ = await conn.request(raw[route])
@@ -380,25 +388,27 @@ async def _open_loop(url: str, rate: float, seconds: float, body: bytes) -> dict
             errors[route] += 1
             return
         elapsed = time.perf_counter() - t0
-        idle.append(conn)
+        pool.append(conn)
         if status != 200:
             errors[route] += 1
             return
         lat[route].append(elapsed)
 
     tasks = []
-    pairs = int(rate * seconds / 2)
+    names = list(routes)
+    period = len(names) / rate
     start = time.perf_counter()
-    for i in range(pairs):
-        delay = start + i * 2 / rate - time.perf_counter()
+    for i in range(int(seconds / period)):
+        delay = start + i * period - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        order = ["direct", "epp"] if random.random() < 0.5 else ["epp", "direct"]
-        tasks += [asyncio.create_task(one(r)) for r in order]
+        random.shuffle(names)
+        tasks += [asyncio.create_task(one(r)) for r in names]
     await asyncio.gather(*tasks)
-    for conn in idle:
-        conn.close()
-    lat["errors"] = [float(errors["direct"]), float(errors["epp"])]
+    for pool in idle.values():
+        for conn in pool:
+            conn.close()
+    lat["errors"] = [float(errors[name]) for name in routes]
     return lat
 
 
@@ -429,14 +439,24 @@ def bench_latency(
     try:
         engine.wait_ready()
         epp = harness.start_epp(logs, [engine], kv_events=upstream == "sim")
-        procs.append(epp.proc)
+        # the protocol floor, measured in the same run: an EPP that scores nothing
+        floor = harness.start_epp(logs, [engine], "--profile", "round-robin", kv_events=False)
+        procs += [epp.proc, floor.proc]
         envoy = harness.start_envoy(logs, epp.grpc_port, direct_upstream=engine.address)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+        floor_envoy = harness.start_envoy(logs, floor.grpc_port)
+        procs += [envoy.proc, floor_envoy.proc]
+        for e in (epp, floor):
+            e.wait_ready()
+        for v in (envoy, floor_envoy):
+            v.wait_ready()
+            v.wait_epp_healthy()
+        routes = {
+            "direct": (envoy.url, "x-kvgate-route: direct\r\n"),
+            "epp": (envoy.url, ""),
+            "floor": (floor_envoy.url, ""),
+        }
         body = json.dumps(chat_body(0)).encode()
-        asyncio.run(_open_loop(envoy.url, 50, 2, body))  # warm-up: connections, caches
+        asyncio.run(_open_loop(routes, 50, 2, body))  # warm-up: connections, caches
         for rate in rates:
             spy = None
             if profile_dir is not None:
@@ -457,25 +477,22 @@ def bench_latency(
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT,
                 )
-            lat = asyncio.run(_open_loop(envoy.url, rate, seconds, body))
+            lat = asyncio.run(_open_loop(routes, rate, seconds, body))
             if spy is not None:
                 spy.wait(30)
-            d, e = lat["direct"], lat["epp"]
-            row = {
-                "direct_p50_ms": pct(d, 0.5) * 1e3,
-                "direct_p99_ms": pct(d, 0.99) * 1e3,
-                "epp_p50_ms": pct(e, 0.5) * 1e3,
-                "epp_p99_ms": pct(e, 0.99) * 1e3,
-                "errors": lat["errors"],
-            }
-            row["added_p50_ms"] = row["epp_p50_ms"] - row["direct_p50_ms"]
-            row["added_p99_ms"] = row["epp_p99_ms"] - row["direct_p99_ms"]
+            row: dict = {"errors": dict(zip(routes, lat["errors"], strict=True))}
+            for name in routes:
+                row[f"{name}_p50_ms"] = pct(lat[name], 0.5) * 1e3
+                row[f"{name}_p99_ms"] = pct(lat[name], 0.99) * 1e3
+            for name in ("epp", "floor"):
+                row[f"{name}_added_p50_ms"] = row[f"{name}_p50_ms"] - row["direct_p50_ms"]
+                row[f"{name}_added_p99_ms"] = row[f"{name}_p99_ms"] - row["direct_p99_ms"]
             results[rate] = row
             print(
-                f"{rate:5.0f} req/s: direct p50 {row['direct_p50_ms']:.2f} p99 {row['direct_p99_ms']:.2f} ms | "
-                f"via EPP p50 {row['epp_p50_ms']:.2f} p99 {row['epp_p99_ms']:.2f} ms | "
-                f"added p50 {row['added_p50_ms']:+.2f} ms (target ≤ 1) p99 {row['added_p99_ms']:+.2f} ms (target ≤ 5)"
-                f"  errors {lat['errors']}"
+                f"{rate:5.0f} req/s total: direct p50 {row['direct_p50_ms']:.2f} p99 {row['direct_p99_ms']:.2f} ms | "
+                f"EPP (precise-prefix) added p50 {row['epp_added_p50_ms']:+.2f} p99 {row['epp_added_p99_ms']:+.2f} ms "
+                f"(targets ≤ 1 / ≤ 5) | no-scoring EPP (protocol floor) added p50 {row['floor_added_p50_ms']:+.2f} "
+                f"p99 {row['floor_added_p99_ms']:+.2f} ms | errors {row['errors']}"
             )
     finally:
         harness.stop_all(*procs)
@@ -490,9 +507,7 @@ def main() -> int:
         _upstream_stub(int(sys.argv[2]))
         return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "what", nargs="*", default=["picks", "grpc", "latency"], choices=["picks", "grpc", "latency"]
-    )
+    p.add_argument("what", nargs="*", help="parts to run: picks, grpc, latency (default: all)")
     p.add_argument("--seconds", type=float, default=10.0, help="duration of each latency phase")
     p.add_argument(
         "--upstream",
@@ -503,6 +518,10 @@ def main() -> int:
     p.add_argument("--profile", type=Path, default=None, help="write py-spy flame graphs of the EPP here")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
     args = p.parse_args()
+    args.what = args.what or ["picks", "grpc", "latency"]
+    unknown = set(args.what) - {"picks", "grpc", "latency"}
+    if unknown:
+        p.error(f"unknown part(s): {', '.join(sorted(unknown))}")
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     out: dict = {}
