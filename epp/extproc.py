@@ -373,19 +373,26 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ep.ProcessingResponse]:
+    ) -> None:
+        # context.read()/write() rather than an async generator: no generator wrapper per message
         handler = self.handler
         x = _Exchange()
+        eof = grpc.aio.EOF
         try:
-            async for msg in request_iterator:
+            while True:
+                msg = await context.read()
+                if msg is eof:
+                    return
                 try:
                     responses = handler.handle(x, msg)
                 except Exception:
                     log.exception("request %s: ext_proc handler failed", x.request_id)
-                    yield immediate(500, "internal error in the endpoint picker", request_id=x.request_id)
+                    await context.write(
+                        immediate(500, "internal error in the endpoint picker", request_id=x.request_id)
+                    )
                     return
                 for resp in responses:
-                    yield resp
+                    await context.write(resp)
                 if responses and responses[0].HasField("immediate_response"):
                     return
         finally:
