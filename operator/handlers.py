@@ -15,8 +15,8 @@ import kopf
 
 from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED, LABEL_MD, MANAGED_BY
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.kube import Credentials, KubeClient
-from kvgate.operator.reconcile import Event, Reconciler
+from kvgate.operator.kube import ApiError, Credentials, KubeClient
+from kvgate.operator.reconcile import Event, OwnerGone, Reconciler
 from kvgate.operator.resources import DEPLOYMENTS, INFERENCE_POOLS, MODEL_DEPLOYMENTS
 from kvgate.operator.signals import SignalReader
 
@@ -115,7 +115,10 @@ class Operator:
             if meta.get("deletionTimestamp"):
                 return  # children go with the owner (garbage collection); do not recreate them
             async with self._lock("md", meta["namespace"], meta["name"]):
-                outcome = await self.reconciler.reconcile_model_deployment(dict(body))
+                try:
+                    outcome = await self.reconciler.reconcile_model_deployment(dict(body))
+                except OwnerGone:
+                    return
             for key, value in outcome.status.items():
                 patch.status[key] = value
             self._post(body, outcome.events)
@@ -140,8 +143,17 @@ class Operator:
             if body is None or body["metadata"].get("deletionTimestamp"):
                 return
             async with self._lock("md", namespace, owner):
-                outcome = await self.reconciler.reconcile_model_deployment(body)
-                await client.patch(MODEL_DEPLOYMENTS, namespace, owner, {"status": outcome.status}, "status")
+                try:
+                    outcome = await self.reconciler.reconcile_model_deployment(body)
+                    await client.patch(
+                        MODEL_DEPLOYMENTS, namespace, owner, {"status": outcome.status}, "status"
+                    )
+                except OwnerGone:
+                    return
+                except ApiError as exc:
+                    if exc.status == 404:  # deleted meanwhile
+                        return
+                    raise
             self._post(body, outcome.events)
 
         for child in (DEPLOYMENTS, INFERENCE_POOLS):
@@ -165,7 +177,10 @@ class Operator:
             if meta.get("deletionTimestamp"):
                 return
             async with self._lock("pool", meta["namespace"], meta["name"]):
-                events = await self.reconciler.reconcile_managed_pool(dict(body))
+                try:
+                    events = await self.reconciler.reconcile_managed_pool(dict(body))
+                except OwnerGone:
+                    return
             self._post(body, events)
 
         @kopf.on.resume(registry=reg, annotations=managed, **pool)

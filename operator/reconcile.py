@@ -146,6 +146,10 @@ class SpecError(Exception):
     pass
 
 
+class OwnerGone(Exception):
+    """The owner was deleted (or replaced) while it was being reconciled."""
+
+
 def parse_spec(name: str, raw_spec: dict[str, Any] | None) -> ModelDeploymentSpec:
     if len(name) > ch.MAX_MD_NAME:
         raise SpecError(f"metadata.name: at most {ch.MAX_MD_NAME} characters (the EPP Service adds '-epp')")
@@ -210,6 +214,10 @@ class Reconciler:
         ]
         if foreign:
             raise ApiError(409, "Conflict", f"{', '.join(foreign)} exist(s) and is not managed by kvgate")
+        if any(live is None for live in lives) and not await self._owner_alive(manifests[0], owner_uid):
+            # The owner went away while we worked (or this pass began from a stale event): a
+            # child created now would only wait for the garbage collector.
+            raise OwnerGone(owner_uid)
         out: dict[str, dict[str, Any]] = {}
         for manifest, live in zip(manifests, lives, strict=True):
             obj, action = await self.apply(manifest, live)
@@ -218,6 +226,12 @@ class Reconciler:
                 log.info("%s %s/%s %s", manifest["kind"], meta["namespace"], meta["name"], action)
             out[f"{manifest['kind']}/{meta['name']}"] = obj
         return out
+
+    async def _owner_alive(self, child: dict[str, Any], owner_uid: str) -> bool:
+        ref = child["metadata"]["ownerReferences"][0]
+        owner = await self.client.get(resource_of(ref), child["metadata"]["namespace"], ref["name"])
+        meta = (owner or {}).get("metadata") or {}
+        return meta.get("uid") == owner_uid and not meta.get("deletionTimestamp")
 
     async def prune(
         self, namespace: str, name: str, keep_kinds: set[str], owner_uid: str, caps: ch.Capabilities
