@@ -77,7 +77,10 @@ def test_compare_writes_table_json_and_charts(tmp_path: Path) -> None:
     assert pp["prefix_hit_rate"] >= 0.9 * pp["ideal_prefix_hit_rate"]
     for name in ("latency_cdf.png", "comparison.png"):
         assert (tmp_path / "charts" / name).read_bytes()[:4] == b"\x89PNG"
-    assert len(list(tmp_path.glob("requests-*.jsonl"))) == 2
+    per_request = sorted(tmp_path.glob("requests-*.jsonl"))
+    assert len(per_request) == 2
+    served_by = {json.loads(line)["upstream"] for line in per_request[1].read_text().splitlines()}
+    assert served_by and all(u and u.startswith("127.0.0.1:") for u in served_by)  # which engine answered
     assert (tmp_path / "logs" / "precise-prefix" / "epp.log").exists()
 
 

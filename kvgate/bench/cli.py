@@ -55,6 +55,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--strategies", default=",".join(STRATEGIES), help="strategies to compare")
     s.add_argument("--profile", default=None, help="EPP profile for a single (non --compare) run")
+    s.add_argument(
+        "--epp-config", default=None, help="EndpointPickerConfig YAML for a single (non --compare) run"
+    )
     s.add_argument("--simulate", action="store_true", help="simulated engines (fast; see the --sim-* flags)")
     s.add_argument(
         "--engines", type=int, default=None, help="engines per stack (default: 8 with --simulate, else 2)"

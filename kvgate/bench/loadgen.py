@@ -59,6 +59,9 @@ class LoadSpec:
             raise ValueError("--warmup-requests must be >= 0")
 
 
+# Set by kvgate's Envoy config on every routed response: which engine served it.
+UPSTREAM_HEADER = "x-kvgate-upstream"
+
 ProgressHook = Callable[[RequestResult], None]
 
 
@@ -99,6 +102,7 @@ async def send_one(
     try:
         async with client.stream("POST", url, json=chat_payload(req, target), headers=headers) as resp:
             result.status = resp.status_code
+            result.upstream = resp.headers.get(UPSTREAM_HEADER)
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
                 return result

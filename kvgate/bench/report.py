@@ -91,6 +91,7 @@ def write_requests_jsonl(path: Path, label: str, results: Sequence[RequestResult
                 "strategy": label,
                 "index": r.index,
                 "group": r.group,
+                "upstream": r.upstream,
                 "sent_at": r.sent_at,
                 "status": r.status,
                 "ttft": r.ttft,

@@ -167,6 +167,9 @@ def on_local_stacks(
             from kvgate.bench.compare import run_on_fresh_stack
 
             cfg = replace(template.for_strategy("precise-prefix", log_root / name), profile=profile)
+            if args.epp_config:
+                name = Path(args.epp_config).stem
+                cfg = replace(cfg, profile=None, epp_config_file=str(Path(args.epp_config).resolve()))
             outcomes = run_on_fresh_stack(name, cfg, workload, loads, slo, _say, progress)
     except PortBusyError as exc:
         raise BenchError(str(exc)) from None

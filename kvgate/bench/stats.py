@@ -24,6 +24,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str | None = None
     started_streaming: bool = False
+    upstream: str | None = None  # the engine that answered, when the gateway says (x-kvgate-upstream)
 
     @property
     def ok(self) -> bool:
