@@ -117,3 +117,73 @@ async def test_pool_watch_follows_pods_without_restart() -> None:
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.timeout(60)
+async def test_epp_process_discovers_pool_and_turns_ready(tmp_path) -> None:
+    """The real `kvgate epp serve --pool-name` process against kmock: not ready until the pool
+    exists, then its endpoints follow the pods."""
+    import sys
+    from pathlib import Path
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
+    import harness
+
+    async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+        for key, kind in (("inference.networking.k8s.io/v1/inferencepools", "InferencePool"), ("v1/pods", "Pod")):
+            emulator.resources[key] = kmock.ResourceInfo(
+                kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "update", "patch", "delete"}
+            )
+        grpc_port, health_port, metrics_port = harness.free_ports(3)
+        argv = [
+            *harness.KVGATE, "epp", "serve", "--pool-name", "pool", "--pool-namespace", NS,
+            "--kube-api-server", str(server.url), "--profile", "random", "--secure-serving=false",
+            "--grpc-port", str(grpc_port), "--grpc-health-port", str(health_port), "--metrics-port", str(metrics_port),
+        ]  # fmt: skip
+        proc = harness.Process("epp", argv, tmp_path / "epp.log").start()
+
+        async def readiness() -> int:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{health_port}") as ch:
+                stub = health_pb2_grpc.HealthStub(ch)
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+                return resp.status
+
+        async def endpoints() -> list[str]:
+            async with httpx.AsyncClient() as c:
+                text = (await c.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            return sorted(
+                line.split('endpoint="')[1].split('"')[0]
+                for line in text.splitlines()
+                if line.startswith("kvgate_epp_prefix_index_blocks{")
+            )
+
+        try:
+            for _ in range(200):
+                try:
+                    status = await readiness()
+                    break
+                except grpc.aio.AioRpcError:
+                    assert proc.alive(), proc.log_tail()
+                    await asyncio.sleep(0.1)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # no pool yet
+            async with httpx.AsyncClient(base_url=str(server.url)) as api:
+                (await api.post(PODS, json=pod("a", "10.0.0.1"))).raise_for_status()
+                (await api.post(POOLS, json=POOL)).raise_for_status()
+                for _ in range(100):
+                    if await readiness() == health_pb2.HealthCheckResponse.SERVING and await endpoints():
+                        break
+                    await asyncio.sleep(0.1)
+                assert await endpoints() == ["10.0.0.1:8000"]
+                (await api.post(PODS, json=pod("b", "10.0.0.2"))).raise_for_status()
+                await patch(api, f"{PODS}/a", pod("a", "10.0.0.1", ready=False))
+                for _ in range(100):
+                    if await endpoints() == ["10.0.0.2:8000"]:
+                        break
+                    await asyncio.sleep(0.1)
+                assert await endpoints() == ["10.0.0.2:8000"]
+                assert proc.alive()  # no restart needed
+        finally:
+            proc.stop()
