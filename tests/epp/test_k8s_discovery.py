@@ -4,6 +4,8 @@ with Ready pods, without restarts."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import httpx
 import kmock
@@ -12,6 +14,7 @@ import pytest
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s import PoolWatcher, endpoints_for, pool_spec
 
+E2E_DIR = str(Path(__file__).resolve().parents[2] / "e2e")  # the shared process harness
 NS = "models"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -123,19 +126,21 @@ async def test_pool_watch_follows_pods_without_restart() -> None:
 async def test_epp_process_discovers_pool_and_turns_ready(tmp_path) -> None:
     """The real `kvgate epp serve --pool-name` process against kmock: not ready until the pool
     exists, then its endpoints follow the pods."""
-    import sys
-    from pathlib import Path
-
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
+    sys.path.insert(0, E2E_DIR)
     import harness
 
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-        for key, kind in (("inference.networking.k8s.io/v1/inferencepools", "InferencePool"), ("v1/pods", "Pod")):
+        for key, kind in (
+            ("inference.networking.k8s.io/v1/inferencepools", "InferencePool"),
+            ("v1/pods", "Pod"),
+        ):
             emulator.resources[key] = kmock.ResourceInfo(
-                kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "update", "patch", "delete"}
+                kind=kind,
+                namespaced=True,
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )
         grpc_port, health_port, metrics_port = harness.free_ports(3)
         argv = [
