@@ -30,6 +30,7 @@ LABEL_MD = "kvgate.dev/model-deployment"
 LABEL_POOL = "kvgate.dev/inference-pool"
 LABEL_ROLE = "kvgate.dev/role"
 ANNOTATION_EPP = "kvgate.dev/epp"
+ANNOTATION_TOKENIZER = "kvgate.dev/tokenizer"  # on a managed pool: the EPP's --tokenizer
 EPP_MANAGED = "managed"
 
 EPP_GRPC_PORT = 9002

@@ -422,6 +422,8 @@ class Reconciler:
             image=self.config.epp_image,
             routing=routing,
             grpc_port=int(port),
+            # The pool's model servers are not ours: their tokenizer has to be named.
+            tokenizer=(meta.get("annotations") or {}).get(ch.ANNOTATION_TOKENIZER),
         )
         events: list[Event] = []
         await self.apply_all(ch.epp_objects(target, self.config), uid)

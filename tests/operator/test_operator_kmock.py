@@ -297,7 +297,7 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
             "name": "vllm-llama3",
             "namespace": NS,
             "uid": pool_uid,
-            "annotations": {"kvgate.dev/epp": "managed"},
+            "annotations": {"kvgate.dev/epp": "managed", "kvgate.dev/tokenizer": "meta-llama/Llama-3.1-8B"},
         },
         "spec": {"selector": {"matchLabels": {"app": "vllm-llama3"}}, "targetPorts": [{"number": 8000}]},
     }
@@ -316,6 +316,7 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
     assert {name for _, name in kids} == {"vllm-llama3-epp"}
     args = kids[("Deployment", "vllm-llama3-epp")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["--pool-name", "vllm-llama3", "--pool-namespace", NS]
+    assert args[-2:] == ["--tokenizer", "meta-llama/Llama-3.1-8B"]
     ref = await cluster.eventually(
         lambda: cluster.objects(INFERENCE_POOLS)["vllm-llama3"]["spec"].get("endpointPickerRef")
     )
