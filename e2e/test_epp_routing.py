@@ -231,6 +231,10 @@ def test_epp_exports_gie_metrics(stack) -> None:
     ):
         assert name in text, name
     assert 'error_code="400"' in text and 'error_code="429"' in text
+    assert (
+        'extension_point="Scorer",plugin_name="precise-prefix-cache-scorer",plugin_type="precise-prefix-cache-scorer"'
+        in text
+    )
 
 
 def _gauge(text: str, name: str) -> float:

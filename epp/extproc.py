@@ -229,7 +229,7 @@ class EndpointPickerHandler:
         if self.metrics is not None:
             self.metrics.scheduler.observe(decision.scheduler_seconds)
             for name, secs in decision.plugin_seconds.items():
-                self.metrics.plugin.labels(name).observe(secs)
+                self.metrics.observe_plugin(name, secs)
             self.metrics.running.labels(model).inc()
         log.debug(
             "request %s model=%s -> %s (%s)",

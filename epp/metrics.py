@@ -139,7 +139,7 @@ class EppMetrics:
         self.plugin = Histogram(
             "inference_extension_plugin_duration_seconds",
             "Time spent in each scheduling plugin",
-            ["plugin_name"],
+            ["extension_point", "plugin_type", "plugin_name"],
             buckets=_SCHEDULER_BUCKETS,
             registry=r,
         )
@@ -151,3 +151,16 @@ class EppMetrics:
         )
         self.pool_name = pool_name
         r.register(_PoolCollector(datastore, pool_name))
+        self._plugin_children: dict[str, Histogram] = {}
+
+    def describe_plugins(self, plugins: dict[str, tuple[str, str]]) -> None:
+        """plugin name -> (extension point, type): resolved once, not per request."""
+        self._plugin_children = {
+            name: self.plugin.labels(point, type_name, name) for name, (point, type_name) in plugins.items()
+        }
+
+    def observe_plugin(self, name: str, seconds: float) -> None:
+        child = self._plugin_children.get(name)
+        if child is None:
+            child = self._plugin_children[name] = self.plugin.labels("", "", name)
+        child.observe(seconds)

@@ -71,6 +71,11 @@ class EppServer:
         self.profile = profile
         self.director = Director(self.datastore, profile, saturation_detector(settings.config))
         self.metrics = EppMetrics(self.datastore, settings.pool_name or "local")
+        self.metrics.describe_plugins(
+            {f.name: ("Filter", f.type_name) for f in profile.filters}
+            | {sc.name: ("Scorer", sc.type_name) for sc, _ in profile.scorers}
+            | {profile.picker.name: ("Picker", profile.picker.type_name)}
+        )
         objectives = {**settings.config.objectives, **settings.objectives}
         self.handler = EndpointPickerHandler(self.director, self.metrics, settings.tokenizer, objectives)
         self.health = EppHealth(self.datastore)
