@@ -89,9 +89,11 @@ def comparison_bars(path: Path, summaries: Sequence[Summary], title: str = "") -
     p50 = [(s.ttft_p50_s or 0) * 1000 for s in summaries]
     p90 = [(s.ttft_p90_s or 0) * 1000 for s in summaries]
     ax_ttft.bar([x - width / 2 for x in xs], p50, width, label="p50")
-    ax_ttft.bar([x + width / 2 for x in xs], p90, width, label="p90")
+    bars = ax_ttft.bar([x + width / 2 for x in xs], p90, width, label="p90")
+    ax_ttft.bar_label(bars, labels=[f"{v:.0f}" for v in p90], fontsize=7)
     ax_ttft.set_title("time to first token (lower is better)")
-    ax_ttft.set_ylabel("ms")
+    ax_ttft.set_ylabel("ms (log scale)")
+    ax_ttft.set_yscale("log")  # strategies differ by orders of magnitude
     ax_ttft.legend(fontsize=8)
 
     hits = [(s.prefix_hit_rate or 0) * 100 for s in summaries]
