@@ -41,6 +41,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: a default budget
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
     enforce_eager: bool = False  # no CUDA graphs
+    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores)
     simulate: bool = False
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
 

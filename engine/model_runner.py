@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +23,7 @@ from kvgate.engine.layers.attention import (
     build_attention_metadata,
 )
 from kvgate.engine.layers.sampler import Sampler, SampleRequest
-from kvgate.engine.loader import load_model, open_checkpoint
+from kvgate.engine.loader import Checkpoint, load_model, open_checkpoint
 from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
 from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
 
@@ -71,15 +72,23 @@ def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
 class TorchModelRunner:
     """Implements `ModelRunner` for the Llama family on CPU or one GPU."""
 
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, checkpoint: Checkpoint | None = None):
+        """Load config.model, or build the model from `checkpoint` (e.g. random weights for a benchmark)."""
         self.config = config
+        if config.cpu_threads is not None:
+            if config.cpu_threads < 1:
+                raise RunnerConfigError("cpu_threads must be at least 1")
+            torch.set_num_threads(config.cpu_threads)
         self.device = pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         if self.block_size < 1:
             raise RunnerConfigError("block_size must be positive")
-        self.model_path = resolve_model(config.model)
-        checkpoint = open_checkpoint(self.model_path)
+        if checkpoint is None:
+            self.model_path = resolve_model(config.model)
+            checkpoint = open_checkpoint(self.model_path)
+        else:
+            self.model_path = Path(config.model)
         self.model_config = checkpoint.config
         model_len = checkpoint.config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_len:

@@ -35,8 +35,8 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     # torch backend only: decodes gather their whole context at once
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_decode_len] int64
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_len]: 0 or -inf
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * max_decode_blocks] int64, row-major
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_blocks * block_size]: 0 or -inf
     prefills: list[PrefillPlan] = field(default_factory=list)
     # Triton backend only: KV splits of the decode kernel (fixed per CUDA graph)
     decode_num_splits: int = 1
@@ -108,10 +108,13 @@ def _plan_torch(
 ) -> None:
     nd = meta.num_decodes
     if nd:
-        max_len = max(seq_lens[:nd])
-        meta.decode_slots = _context_slots(table[:nd], max_len, block_size).to(device)
+        # Whole blocks are gathered (index_select of 16-token rows is far cheaper than per-token
+        # indexing); positions past each sequence's length are masked out.
+        num_blocks = -(-max(seq_lens[:nd]) // block_size)
+        meta.decode_blocks = table[:nd, :num_blocks].reshape(-1).to(device)
+        span = num_blocks * block_size
         lens = torch.tensor(seq_lens[:nd])
-        valid = torch.arange(max_len)[None, :] < lens[:, None]
+        valid = torch.arange(span)[None, :] < lens[:, None]
         bias = torch.zeros(valid.shape, dtype=torch.float32)
         bias.masked_fill_(~valid, float("-inf"))
         meta.decode_bias = bias[:, None, None, :].to(device)
@@ -188,24 +191,31 @@ class TorchAttentionBackend:
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
         if nd:
-            assert meta.decode_slots is not None and meta.decode_bias is not None
-            keys = k_flat[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, L, D]
-            values = v_flat[meta.decode_slots].transpose(1, 2)
+            assert meta.decode_blocks is not None and meta.decode_bias is not None
+            span = meta.decode_bias.shape[-1]
+            keys = (
+                k_cache.index_select(0, meta.decode_blocks).view(nd, span, kv_heads, head_dim).transpose(1, 2)
+            )
+            values = (
+                v_cache.index_select(0, meta.decode_blocks).view(nd, span, kv_heads, head_dim).transpose(1, 2)
+            )
+            # The GQA group's query heads ride in the query-length slot: [nd, kv_heads, group, D]
+            # attends like MHA with no K/V head expansion (a decode query sees its whole context).
+            group = q.shape[1] // kv_heads
             out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),  # [nd, H, 1, D]
+                q[:nd].reshape(nd, kv_heads, group, head_dim),
                 keys,
                 values,
                 attn_mask=meta.decode_bias,
                 scale=scale,
-                enable_gqa=True,
-            ).squeeze(2)
+            ).reshape(nd, kv_heads * group, head_dim)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.kv_slots is None:
                 keys = k[p.q_start : p.q_start + p.q_len]
                 values = v[p.q_start : p.q_start + p.q_len]
             else:
-                keys, values = k_flat[p.kv_slots], v_flat[p.kv_slots]
+                keys, values = k_flat.index_select(0, p.kv_slots), v_flat.index_select(0, p.kv_slots)
             o = F.scaled_dot_product_attention(
                 qs,
                 keys.transpose(0, 1).unsqueeze(0),

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvgate.engine.loader.checkpoint import Checkpoint
+from kvgate.engine.loader.gguf_reader import GGUFFile
 from kvgate.engine.models.config import ModelConfig, RopeScaling, UnsupportedModelError
 
 _ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -59,24 +60,16 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def _config_from_metadata(
-    reader: Any, tensor_names: set[str], tensor_shapes: dict[str, tuple[int, ...]]
-) -> ModelConfig:
-    arch = str(_field(reader, "general.architecture", ""))
+def _config_from_metadata(gguf: GGUFFile) -> ModelConfig:
+    tensor_names = set(gguf.tensors)
+    arch = str(gguf.metadata.get("general.architecture", ""))
     if arch not in _ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHITECTURES)})"
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return gguf.metadata.get(f"{arch}.{key}", default)
 
     heads = int(meta("attention.head_count"))
     hidden = int(meta("embedding_length"))
@@ -85,7 +78,7 @@ def _config_from_metadata(
         kv_heads = kv_heads[0]
     vocab = meta("vocab_size")
     if vocab is None:
-        vocab = tensor_shapes["token_embd.weight"][0]
+        vocab = gguf.tensors["token_embd.weight"].shape[0]
     scaling = RopeScaling()
     scaling_type = meta("rope.scaling.type", "none")
     factor = float(meta("rope.scaling.factor", 1.0) or 1.0)
@@ -118,34 +111,22 @@ def _config_from_metadata(
 
 
 def open_gguf(path: Path) -> Checkpoint:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on corrupt files
-        raise UnsupportedModelError(f"{path} is not a readable GGUF file: {e}") from e
-    by_name = {t.name: t for t in reader.tensors}
-    # GGUF lists dims fastest-first; torch wants them the other way round.
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    config = _config_from_metadata(reader, set(by_name), shapes)
-    arch = str(_field(reader, "general.architecture"))
-    permuted = arch in _PERMUTED_QK
+    gguf = GGUFFile(path)
+    config = _config_from_metadata(gguf)
+    permuted = config.architecture in _PERMUTED_QK
 
     def load(name: str) -> np.ndarray:
-        t = by_name[name]
         try:
-            array = dequantize(t.data, t.tensor_type)
+            array = gguf.dequantize(name)
         except NotImplementedError as e:
             raise UnsupportedModelError(f"{path}: tensor {name} uses an unsupported type: {e}") from e
-        array = np.asarray(array, dtype=np.float32).reshape(shapes[name])
         # F32 tensors come back as read-only views of the memory-mapped file.
         return array if array.flags.writeable else array.copy()
 
     freq_factors = None
-    if "rope_freqs.weight" in by_name:
+    if "rope_freqs.weight" in gguf.tensors:
         freq_factors = [float(x) for x in load("rope_freqs.weight")]
-    mapped = [(n, hf) for n in by_name if (hf := hf_name(n)) is not None]
+    mapped = [(n, hf) for n in gguf.tensors if (hf := hf_name(n)) is not None]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, hf in mapped:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvgate.engine.layers.activation import silu_and_mul
@@ -79,7 +80,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        if x.is_cuda:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        # CPU: two GEMMs over the fused weight's halves (contiguous views) beat one over the
+        # whole, whose weight overflows the cache, and need no split of the output.
+        proj = self.gate_up_proj
+        size = proj.output_sizes[0]
+        gate = F.linear(x, proj.weight[:size], None if proj.bias is None else proj.bias[:size])
+        up = F.linear(x, proj.weight[size:], None if proj.bias is None else proj.bias[size:])
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).parent))
 
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
@@ -182,3 +184,44 @@ def test_split_kv_decode_padding_rows_are_zero() -> None:
     got = paged.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.25, 2, block_n=16)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     assert got[0].abs().sum() > 0
+
+
+def test_model_with_triton_attention_matches_torch_backend(tmp_path: Path) -> None:
+    """The runner's Triton path end to end (metadata without the torch plan, KV store, the mixed
+    kernel for prefill+decode steps, the split-KV kernel for all-decode steps), interpreted on CPU."""
+    transformers = pytest.importorskip("transformers")
+    from runner_driver import drive
+
+    from kvgate.engine.config import EngineConfig
+    from kvgate.engine.layers.attention import Attention, TritonAttentionBackend
+    from kvgate.engine.model_runner import TorchModelRunner
+    from kvgate.engine.sampling_params import SamplingParams
+
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    runner = TorchModelRunner(
+        EngineConfig(model=str(tmp_path), block_size=4, num_kv_blocks=40, cpu_threads=1), progress=False
+    )
+    prompts = [[5, 9, 2, 77, 31, 8, 100], [3], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    expected = drive(runner, prompts, 5, params=params, chunk=4)
+    triton_backend = TritonAttentionBackend()
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+            module.backend = triton_backend
+    runner._torch_backend = False
+    got = drive(runner, prompts, 5, params=params, chunk=4)
+    for want_seq, got_seq in zip(expected, got, strict=True):
+        assert [t.token_id for t in got_seq] == [t.token_id for t in want_seq]
+        for w, g in zip(want_seq, got_seq, strict=True):
+            assert g.logprob == pytest.approx(w.logprob, abs=1e-4)
