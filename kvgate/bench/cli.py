@@ -29,7 +29,7 @@ SIM_DEFAULTS = {
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    from kvgate.bench.compare import STRATEGIES
+    from kvgate.bench.strategies import STRATEGIES
     from kvgate.bench.workloads import WORKLOAD_KINDS
 
     t = p.add_argument_group("target (default: start a local stack, like `kvgate up`)")

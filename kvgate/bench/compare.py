@@ -10,17 +10,10 @@ from pathlib import Path
 from kvgate.bench.loadgen import LoadSpec, Target
 from kvgate.bench.runner import RunOutcome, engine_block_size, ideal_hit_rate, measure, sent_requests
 from kvgate.bench.stats import Slo
+from kvgate.bench.strategies import STRATEGIES
 from kvgate.bench.workloads import WorkloadSpec
 from kvgate.local.ports import plan_ports
 from kvgate.local.stack import LocalStack, StackConfig
-
-# strategy name → the EPP's built-in profile implementing it
-STRATEGIES: dict[str, str] = {
-    "round-robin": "round-robin",  # what a plain Kubernetes Service gives
-    "random": "random",
-    "gie-default": "default",  # GIE's default: queue 2, kv-cache 2, approximate prefix 3
-    "precise-prefix": "precise-prefix",  # kvgate: KV-event-exact prefix + load
-}
 
 
 def parse_strategies(text: str) -> list[str]:

@@ -7,16 +7,23 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
 from kvgate.bench import plots, report
-from kvgate.bench.compare import STRATEGIES, StackTemplate, compare, fill_ideal_hit_rates, parse_strategies
+from kvgate.bench.compare import (
+    StackTemplate,
+    compare,
+    fill_ideal_hit_rates,
+    parse_strategies,
+    run_on_fresh_stack,
+)
 from kvgate.bench.loadgen import LoadSpec, Target
 from kvgate.bench.runner import RunOutcome, engine_block_size, measure
 from kvgate.bench.stats import Slo, Summary
+from kvgate.bench.strategies import STRATEGIES
 from kvgate.bench.workloads import WorkloadSpec
 
 
@@ -162,10 +169,6 @@ def on_local_stacks(
             # A single run may use any EPP profile name, not only the compared strategies.
             name = strategies[0]
             profile = STRATEGIES.get(name, name)
-            from dataclasses import replace
-
-            from kvgate.bench.compare import run_on_fresh_stack
-
             cfg = replace(template.for_strategy("precise-prefix", log_root / name), profile=profile)
             if args.epp_config:
                 name = Path(args.epp_config).stem
