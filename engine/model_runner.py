@@ -245,8 +245,14 @@ class TorchModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         if not batch.seqs:
             return []
-        # Decodes (one new token) first: the attention backends batch them together.
-        order = sorted(range(len(batch.seqs)), key=lambda i: len(batch.seqs[i].token_ids) != 1)
+
+        # Decodes (one new token) first, shortest context first: the attention backends batch
+        # them together, and the torch backend groups similar lengths to limit padding.
+        def key(i: int) -> tuple[bool, int]:
+            s = batch.seqs[i]
+            return len(s.token_ids) != 1, s.start_pos if len(s.token_ids) == 1 else 0
+
+        order = sorted(range(len(batch.seqs)), key=key)
         seqs = [batch.seqs[i] for i in order]
         self._validate(seqs)
         with torch.inference_mode():

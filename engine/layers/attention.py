@@ -26,6 +26,17 @@ class PrefillPlan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar context length, for the torch backend: gathered and attended together,
+    padded only to the group's longest context."""
+
+    start: int  # first sequence (= first token) of the group in the flat batch
+    count: int
+    blocks: torch.Tensor  # [count * group_blocks] int64, row-major block ids to gather
+    bias: torch.Tensor  # [count, 1, 1, group_blocks * block_size]: 0 for real positions, -inf past the end
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -34,9 +45,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_decodes: int  # the first num_decodes sequences have exactly one query token
-    # torch backend only: decodes gather their whole context at once
-    decode_blocks: torch.Tensor | None = None  # [num_decodes * max_decode_blocks] int64, row-major
-    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_decode_blocks * block_size]: 0 or -inf
+    # torch backend only
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillPlan] = field(default_factory=list)
     # Triton backend only: KV splits of the decode kernel (fixed per CUDA graph)
     decode_num_splits: int = 1
@@ -90,6 +100,21 @@ def build_attention_metadata(
     return meta, positions.to(device)
 
 
+def _group_by_length(lens: list[int], max_groups: int = 8) -> list[tuple[int, int]]:
+    """Split consecutive sequences into (start, count) runs of similar length, so a short context
+    is not padded to a long one. Effective when the caller sorted them by length (the runner does);
+    correct in any order."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(lens)):
+        if len(groups) < max_groups - 1 and lens[i] > 1.25 * lens[start] + 32:
+            groups.append((start, i - start))
+            start = i
+    if lens:
+        groups.append((start, len(lens) - start))
+    return groups
+
+
 def _context_slots(table_rows: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions [0, length) for each row of block ids: [rows, length]."""
     pos = torch.arange(length)
@@ -107,17 +132,17 @@ def _plan_torch(
     device: torch.device,
 ) -> None:
     nd = meta.num_decodes
-    if nd:
+    for start, count in _group_by_length(seq_lens[:nd]):
+        lens = seq_lens[start : start + count]
         # Whole blocks are gathered (index_select of 16-token rows is far cheaper than per-token
         # indexing); positions past each sequence's length are masked out.
-        num_blocks = -(-max(seq_lens[:nd]) // block_size)
-        meta.decode_blocks = table[:nd, :num_blocks].reshape(-1).to(device)
-        span = num_blocks * block_size
-        lens = torch.tensor(seq_lens[:nd])
-        valid = torch.arange(span)[None, :] < lens[:, None]
-        bias = torch.zeros(valid.shape, dtype=torch.float32)
-        bias.masked_fill_(~valid, float("-inf"))
-        meta.decode_bias = bias[:, None, None, :].to(device)
+        num_blocks = -(-max(lens) // block_size)
+        blocks = table[start : start + count, :num_blocks].reshape(-1)
+        valid = torch.arange(num_blocks * block_size)[None, :] < torch.tensor(lens)[:, None]
+        bias = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+        meta.decode_groups.append(
+            DecodeGroup(start, count, blocks.to(device), bias[:, None, None, :].to(device))
+        )
     for i in range(nd, len(query_lens)):
         q_len, ctx_len = query_lens[i], ctx_lens[i]
         slots = mask = None
@@ -187,28 +212,23 @@ class TorchAttentionBackend:
         store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
         kv_heads, head_dim = k.shape[1], k.shape[2]
         out = torch.empty_like(q)
-        nd = meta.num_decodes
         k_flat = k_cache.view(-1, kv_heads, head_dim)
         v_flat = v_cache.view(-1, kv_heads, head_dim)
-        if nd:
-            assert meta.decode_blocks is not None and meta.decode_bias is not None
-            span = meta.decode_bias.shape[-1]
-            keys = (
-                k_cache.index_select(0, meta.decode_blocks).view(nd, span, kv_heads, head_dim).transpose(1, 2)
-            )
-            values = (
-                v_cache.index_select(0, meta.decode_blocks).view(nd, span, kv_heads, head_dim).transpose(1, 2)
-            )
-            # The GQA group's query heads ride in the query-length slot: [nd, kv_heads, group, D]
+        for g in meta.decode_groups:
+            span = g.bias.shape[-1]
+            keys = k_cache.index_select(0, g.blocks).view(g.count, span, kv_heads, head_dim).transpose(1, 2)
+            values = v_cache.index_select(0, g.blocks).view(g.count, span, kv_heads, head_dim).transpose(1, 2)
+            # The GQA group's query heads ride in the query-length slot: [n, kv_heads, group, D]
             # attends like MHA with no K/V head expansion (a decode query sees its whole context).
             group = q.shape[1] // kv_heads
-            out[:nd] = F.scaled_dot_product_attention(
-                q[:nd].reshape(nd, kv_heads, group, head_dim),
+            rows = slice(g.start, g.start + g.count)
+            out[rows] = F.scaled_dot_product_attention(
+                q[rows].reshape(g.count, kv_heads, group, head_dim),
                 keys,
                 values,
-                attn_mask=meta.decode_bias,
+                attn_mask=g.bias,
                 scale=scale,
-            ).reshape(nd, kv_heads * group, head_dim)
+            ).reshape(g.count, kv_heads * group, head_dim)
         for p in meta.prefills:
             qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.kv_slots is None:
