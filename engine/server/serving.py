@@ -102,8 +102,12 @@ class OpenAIServing:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported by this engine.", "logit_bias")
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int:
-        """Validate a tokenized prompt; return the max_tokens to use."""
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
+        """Validate a tokenized prompt; return the max_tokens to use.
+
+        An unset max_tokens stays unset: the engine stops the request at the context limit, and
+        a simulated model may end it earlier with EOS the way a real one would.
+        """
         limit = self.model.max_model_len
         if not ids:
             raise bad_request("The prompt is empty; send at least one token.", param)
@@ -117,7 +121,7 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
         if max_tokens is None:
-            return limit - len(ids)
+            return None
         if len(ids) + max_tokens > limit:
             raise APIError(
                 400,
@@ -137,7 +141,7 @@ class OpenAIServing:
             )
 
     def _params(
-        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
     ) -> list[SamplingParams]:
         base = SamplingParams(
             n=1,
@@ -159,7 +163,7 @@ class OpenAIServing:
             base.validate()
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        if base.min_tokens > max_tokens:
+        if max_tokens is not None and base.min_tokens > max_tokens:
             raise bad_request("min_tokens must not exceed max_tokens.", "min_tokens")
         if req.n == 1:
             return [base]

@@ -49,6 +49,16 @@ def test_chat_completion(client: OpenAI) -> None:
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
 
 
+def test_chat_without_max_tokens_ends_on_its_own(client: OpenAI) -> None:
+    # Unset max_tokens means "up to the context", but the (simulated) model stops with EOS first,
+    # as a real one would; it must not be turned into a fixed length of the whole context.
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me about Paris."}], seed=3
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert 1 <= r.usage.completion_tokens < 1024 - r.usage.prompt_tokens
+
+
 def test_chat_stream_with_usage_matches_non_stream(client: OpenAI) -> None:
     full = _chat(client, seed=11).choices[0].message.content
     chunks = list(_chat(client, seed=11, stream=True, stream_options={"include_usage": True}))
