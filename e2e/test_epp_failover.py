@@ -76,6 +76,18 @@ def test_epp_down_fail_open_serves_fail_close_fails_fast(stack) -> None:
         resp = post(fail_open, f"fail open {i}")
         assert resp.status_code == 200, resp.text
         assert resp.headers[UPSTREAM] in live
+    # A client-set destination header is stripped by Envoy: nobody picks their own engine,
+    # not even while the EPP is down and requests bypass it.
+    forged = f"127.0.0.1:{harness.free_ports(1)[0]}"
+    for i in range(3):
+        resp = httpx.post(
+            f"{fail_open.url}/v1/completions",
+            json={"model": "default", "prompt": f"forged {i}", "max_tokens": 2},
+            headers={"x-gateway-destination-endpoint": forged},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.headers[UPSTREAM] in live
     t0 = time.monotonic()
     resp = post(fail_close, "fail close")
     elapsed = time.monotonic() - t0

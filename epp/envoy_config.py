@@ -40,7 +40,7 @@ import envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2 as previ
 import envoy.extensions.transport_sockets.tls.v3.tls_pb2 as tls_pb2
 import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_protocol_options_pb2
 import envoy.type.matcher.v3.string_pb2 as string_pb2
-from google.protobuf import any_pb2, duration_pb2, json_format
+from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
@@ -223,8 +223,14 @@ def build_bootstrap(
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="kvgate",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
+        # A client must never choose its own engine: the destination header is the EPP's alone.
+        # Envoy strips internal-only headers from external requests before any filter runs
+        # (so before routing), which also covers FailOpen, when the EPP never sees the request.
+        use_remote_address=wrappers_pb2.BoolValue(value=True),
+        preserve_external_request_id=True,  # the client's x-request-id follows the request (GIE)
         route_config=route_pb2.RouteConfiguration(
             name="kvgate",
+            internal_only_headers=[DESTINATION_HEADER],
             virtual_hosts=[route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=routes)],
         ),
         http_filters=[
