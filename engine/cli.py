@@ -7,37 +7,11 @@ import logging
 import os
 import sys
 
+from kvgate.api.cli_args import non_negative_float as _non_negative_float
+from kvgate.api.cli_args import port as _port
+from kvgate.api.cli_args import positive_int as _positive_int
+
 HELP = "serve a model over an OpenAI-compatible HTTP API, with vLLM metrics and KV events"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
 
 
 def _bytes(text: str) -> int:

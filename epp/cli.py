@@ -6,26 +6,10 @@ import argparse
 import logging
 import sys
 
+from kvgate.api.cli_args import boolean as _bool
+from kvgate.api.cli_args import port as _port
+
 HELP = "run the endpoint picker: an Envoy ext_proc server that routes each request to the best engine"
-
-
-def _bool(text: str) -> bool:
-    v = text.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
 
 
 def _duration(text: str) -> float:

@@ -12,6 +12,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from kvgate.api.cli_args import port, positive_int
+
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
 
@@ -21,8 +23,8 @@ EXIT_USAGE = 2
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=8080, help="gateway (Envoy) port; 0 picks a free one")
-    p.add_argument("--engines", type=int, default=2, help="number of engines")
+    p.add_argument("--port", type=port, default=8080, help="gateway (Envoy) port; 0 picks a free one")
+    p.add_argument("--engines", type=positive_int, default=2, help="number of engines")
     p.add_argument(
         "--model",
         default="default",
@@ -42,7 +44,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--base-port",
-        type=int,
+        type=port,
         default=8100,
         help="first of the internal ports (engines, KV events, EPP, Envoy admin), laid out consecutively; "
         "0 picks free ports",
@@ -111,10 +113,6 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.local.ports import PortBusyError, plan_ports
     from kvgate.local.stack import LocalStack, SimTiming, StackConfig, StackError
 
-    if args.engines < 1:
-        return _fail("--engines must be at least 1")
-    if not 0 <= args.port < 65536 or not 0 <= args.base_port < 65536:
-        return _fail("ports must be between 0 and 65535")
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
