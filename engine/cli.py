@@ -55,6 +55,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     m.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     m.add_argument(
+        "--cpu-threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads for the model on CPU; unset: torch's default (all cores)",
+    )
+    m.add_argument(
         "--max-model-len", type=_positive_int, default=None, help="context length; unset: the model's"
     )
 
@@ -192,6 +198,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         dtype=args.dtype,
         device=args.device,
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
