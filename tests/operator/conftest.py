@@ -7,8 +7,8 @@ import asyncio
 import copy
 import functools
 import itertools
-import json
 import re
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +38,9 @@ from kvgate.operator.resources import (
     SCALED_OBJECTS,
     Resource,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+import foreign_schemas  # a sibling module (tests are imported in importlib mode)
 
 NS = "models"
 RESYNC_S = 0.4
@@ -228,7 +231,6 @@ async def operator(cluster: Cluster, operator_config: OperatorConfig) -> AsyncIt
 
 K8S_VERSION = "1.37"
 ROOT = Path(__file__).resolve().parents[2]
-SCHEMAS = Path(__file__).parent / "schemas"
 
 
 def _strict_jsonschema(node: Any) -> Any:
@@ -316,7 +318,7 @@ def _k8s_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validat
 class Validator:
     """Validates any object kvgate emits: built-in kinds with kubernetes-validate (strict, a
     current Kubernetes), our kinds with our CRDs' schemas and CEL rules, KEDA's and Gateway
-    API's kinds with their published schemas."""
+    API's kinds with the schemas in foreign_schemas.py."""
 
     def __init__(self) -> None:
         from kvgate.api.crds import crd_manifests
@@ -326,11 +328,8 @@ class Validator:
             version = crd["spec"]["versions"][0]
             key = (f"{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["kind"])
             self.openapi[key] = version["schema"]["openAPIV3Schema"]
-        for name, key in (
-            ("keda.sh_v1alpha1_scaledobject.json", ("keda.sh/v1alpha1", "ScaledObject")),
-            ("gateway.networking.k8s.io_v1_httproute.json", ("gateway.networking.k8s.io/v1", "HTTPRoute")),
-        ):
-            self.openapi[key] = json.loads((SCHEMAS / name).read_text())
+        self.openapi[("keda.sh/v1alpha1", "ScaledObject")] = foreign_schemas.SCALED_OBJECT
+        self.openapi[("gateway.networking.k8s.io/v1", "HTTPRoute")] = foreign_schemas.HTTP_ROUTE
 
     @functools.cache  # noqa: B019  (one session-wide instance)
     def _crd_validator(self, key: tuple[str, str]) -> jsonschema.Draft202012Validator:

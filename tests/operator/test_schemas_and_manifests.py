@@ -152,6 +152,48 @@ def test_the_validator_rejects_bad_built_in_objects(validator: Any) -> None:
     assert validator.errors(wrong_type)
 
 
+def test_the_validator_rejects_bad_keda_and_gateway_objects(validator: Any) -> None:
+    good_so = {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": "m"},
+        "spec": {
+            "scaleTargetRef": {"name": "m"},
+            "triggers": [{"type": "prometheus", "metricType": "Value", "metadata": {"threshold": "5"}}],
+        },
+    }
+    validator.check(good_so)
+    numeric = copy.deepcopy(good_so)
+    numeric["spec"]["triggers"][0]["metadata"]["threshold"] = 5
+    assert validator.errors(numeric), "KEDA trigger metadata values are strings"
+    no_target = copy.deepcopy(good_so)
+    del no_target["spec"]["scaleTargetRef"]
+    assert validator.errors(no_target)
+    good_route = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": {"name": "m"},
+        "spec": {
+            "parentRefs": [{"name": "gw"}],
+            "rules": [
+                {
+                    "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                    "backendRefs": [
+                        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "m"}
+                    ],
+                }
+            ],
+        },
+    }
+    validator.check(good_route)
+    typo = copy.deepcopy(good_route)
+    typo["spec"]["rules"][0]["backendRef"] = typo["spec"]["rules"][0].pop("backendRefs")
+    assert validator.errors(typo), "unknown fields must fail (strict)"
+    bad_match = copy.deepcopy(good_route)
+    bad_match["spec"]["rules"][0]["matches"][0]["path"]["type"] = "Prefix"
+    assert validator.errors(bad_match)
+
+
 def test_gie_style_inference_pools_validate_and_parse(validator: Any) -> None:
     examples = _docs((DATA / "gie_inferencepools.yaml").read_text())
     assert len(examples) == 5
