@@ -171,24 +171,11 @@ class ApproximateIndex:
         if since is None:
             return _longest_prefix(keys, endpoints, self._lru.get)
         lru = self._lru
-        alive = set(endpoints)
-        result = dict.fromkeys(alive, 0)
-        depth = 0
-        for key in keys:
-            holders = lru.get(key)
-            if not holders:
-                break
-            still = {ep for ep in alive if holders.get(ep, -1.0) >= since}
-            if len(still) != len(alive):
-                for ep in alive - still:
-                    result[ep] = depth
-                alive = still
-                if not alive:
-                    return result
-            depth += 1
-        for ep in alive:
-            result[ep] = depth
-        return result
+
+        def recent_holders(key: int) -> set[str]:
+            return {ep for ep, at in (lru.get(key) or {}).items() if at >= since}
+
+        return _longest_prefix(keys, endpoints, recent_holders)
 
 
 def _longest_prefix(

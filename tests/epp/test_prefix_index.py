@@ -97,5 +97,12 @@ def test_approximate_index_is_lru_bounded_and_time_aware() -> None:
     assert idx.prefix_blocks([1, 2], ["a"]) == {"a": 0}
     assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 2}
     assert idx.prefix_blocks([2, 3], ["a"], since=15.0) == {"a": 0}
+    mixed = ApproximateIndex(capacity=10)
+    mixed.record([5, 6], "c", when=30.0)
+    mixed.record([5], "d", when=12.0)
+    mixed.record([5, 6, 7], "e", when=14.0)
+    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=5.0) == {"c": 2, "d": 1, "e": 3}
+    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=13.0) == {"c": 2, "d": 0, "e": 3}
+    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=25.0) == {"c": 2, "d": 0, "e": 0}
     idx.forget_endpoint("a")
     assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 0}
