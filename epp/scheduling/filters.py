@@ -46,12 +46,7 @@ class LeastQueueFilter:
     name: str = type_name
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        if not endpoints:
-            return endpoints
-        queues = [e.metrics.waiting for e in endpoints]
-        lo, hi = min(queues), max(queues)
-        band = (hi - lo) / len(endpoints)
-        return [e for e, q in zip(endpoints, queues, strict=True) if q <= lo + band]
+        return _lowest_band(endpoints, [e.metrics.waiting for e in endpoints])
 
 
 @dataclass
@@ -62,12 +57,7 @@ class LeastKVCacheFilter:
     name: str = type_name
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        if not endpoints:
-            return endpoints
-        use = [e.metrics.kv_usage for e in endpoints]
-        lo, hi = min(use), max(use)
-        band = (hi - lo) / len(endpoints)
-        return [e for e, u in zip(endpoints, use, strict=True) if u <= lo + band]
+        return _lowest_band(endpoints, [e.metrics.kv_usage for e in endpoints])
 
 
 @dataclass
@@ -86,3 +76,12 @@ class LoraAffinityFilter:
             return loaded
         free = [e for e in endpoints if len(e.metrics.running_loras) < e.metrics.max_lora]
         return free or endpoints
+
+
+def _lowest_band(endpoints: list[EndpointState], values: list[float]) -> list[EndpointState]:
+    """The endpoints whose value lies within (max - min) / n of the minimum (GIE's band)."""
+    if not endpoints:
+        return endpoints
+    lo, hi = min(values), max(values)
+    band = (hi - lo) / len(endpoints)
+    return [e for e, v in zip(endpoints, values, strict=True) if v <= lo + band]
