@@ -12,6 +12,7 @@ only for a first-time conversion.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -184,6 +185,33 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @functools.cached_property
+    def max_token_chars(self) -> int | None:
+        """An upper bound on how many input characters one token can stand for; None if unknown.
+
+        Byte-level and SentencePiece-style vocabularies spell each token with at most one
+        character per input character, so the longest vocabulary string bounds it. Normalizers
+        that can delete characters (strip, clean-up, arbitrary replace) void the bound; Unicode
+        normalization can compose a few characters into one, so it costs a safety factor.
+        """
+        cfg = json.loads(self.backend.to_str())
+        model = cfg.get("model") or {}
+        if model.get("type") != "BPE" or (model.get("unk_token") and not model.get("byte_fallback")):
+            return None  # an unknown-word token may swallow a whole word of any length
+        shrink = _normalizer_shrink(cfg.get("normalizer"))
+        if shrink is None:
+            return None
+        longest = max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * shrink
+
+    def min_token_count(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs nothing: refuse a 10 MB prompt for an
+        8k-token context without tokenizing it. 0 when the tokenizer offers no bound."""
+        per_token = self.max_token_chars
+        if not per_token:
+            return 0
+        return -(-len(text) // per_token)
+
     def __repr__(self) -> str:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size})"
 
@@ -235,6 +263,38 @@ class Tokenizer:
             special_tokens=self.special_tokens,
             **template_kwargs,
         )
+
+
+# Unicode normalization composes at most a few code points into one (Hangul L+V+T, a letter with
+# stacked marks); 4 is a safe margin for real text.
+_UNICODE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
+_NO_SHRINK_NORMALIZERS = {"Lowercase", "Prepend"}
+
+
+def _normalizer_shrink(cfg: dict[str, Any] | None) -> int | None:
+    """How many input characters can become one after normalization (None: unbounded)."""
+    if cfg is None:
+        return 1
+    kind = cfg.get("type")
+    if kind in _NO_SHRINK_NORMALIZERS:
+        return 1
+    if kind in _UNICODE_NORMALIZERS:
+        return 4
+    if kind == "Replace":
+        pattern = cfg.get("pattern") or {}
+        needle = pattern.get("String")
+        if needle is None or not cfg.get("content"):
+            return None  # a regex or a deletion
+        return max(1, -(-len(needle) // len(cfg["content"])))
+    if kind == "Sequence":
+        factor = 1
+        for sub in cfg.get("normalizers") or []:
+            f = _normalizer_shrink(sub)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    return None
 
 
 def load_tokenizer(model_or_path: str) -> Tokenizer:

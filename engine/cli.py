@@ -116,6 +116,39 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="seconds to drain requests after SIGTERM",
     )
     h.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
+        "off: such requests get a 400. Even when on, each renders in a child process limited to 2 s "
+        "and 256 MiB",
+    )
+    h.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=32 * 1024 * 1024,
+        help="largest request body, counted as it streams in (chunked too); larger: 413",
+    )
+    h.add_argument(
+        "--header-read-timeout",
+        type=_non_negative_float,
+        default=10.0,
+        help="seconds a client may take to send a request's headers before the connection is closed "
+        "(slow-client protection; 0: no limit)",
+    )
+    h.add_argument(
+        "--body-read-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds a client may leave a request body unfinished between two chunks before the "
+        "request is answered 408 (0: no limit)",
+    )
+    h.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="require the --api-key on /metrics too (Prometheus sends it as a bearer token: "
+        "authorization.credentials_file); off by default, as in vLLM",
+    )
+    h.add_argument(
         "--enable-failure-injection",
         action="store_true",
         help="honour the x-kvgate-inject-failure header (always on with --simulate)",
@@ -230,6 +263,11 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         kv_events_connect=args.kv_events_connect,
         model_aliases=list(args.served_model_name[1:]) if args.served_model_name else [],
         enable_failure_injection=args.enable_failure_injection,
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_body_bytes=args.max_request_body_bytes,
+        header_read_timeout=args.header_read_timeout,
+        body_read_timeout=args.body_read_timeout,
+        metrics_require_api_key=args.metrics_require_api_key,
         http_parser=args.http_parser,
         event_loop=args.event_loop,
     )

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 FAILURE_HEADER = "x-kvgate-inject-failure"
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# x-request-id is echoed for log correlation only when it looks like an id: never reflect a
+# forged 8,000-character header (or one with odd bytes) back to a client.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
 @dataclass
@@ -50,6 +54,9 @@ class ServerState:
     api_key: str | None = None
     failure_injection: bool = False
     draining: bool = False
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_read_timeout: float | None = 30.0  # seconds between body chunks; None: no limit
+    metrics_auth: bool = False  # /metrics requires the API key too
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -146,20 +153,24 @@ def build_app(state: ServerState) -> Starlette:
     engine = state.engine
     model = serving.model
 
+    def check_api_key(request: Request) -> None:
+        assert state.api_key is not None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), state.api_key.encode()
+        ):
+            raise APIError(
+                401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            )
+
     def endpoint(
         fn: Callable[[Request], Awaitable[Any]], *, auth: bool = False, generation: bool = False
     ) -> Callable[[Request], Awaitable[Any]]:
         async def handle(request: Request) -> Any:
             try:
                 if auth and state.api_key is not None:
-                    header = request.headers.get("authorization", "")
-                    scheme, _, token = header.partition(" ")
-                    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), state.api_key):
-                        raise APIError(
-                            401,
-                            "Missing or invalid API key: send 'Authorization: Bearer <key>'.",
-                            code="invalid_api_key",
-                        )
+                    check_api_key(request)
                 if generation:
                     if state.draining:
                         raise APIError(
@@ -179,7 +190,7 @@ def build_app(state: ServerState) -> Starlette:
                 response = error_response(500, "Internal server error.", code="internal_error")
             # Echo the gateway's request id so Envoy/EPP logs and ours line up.
             request_id = request.headers.get("x-request-id")
-            if request_id:
+            if request_id and _REQUEST_ID.fullmatch(request_id):
                 if isinstance(response, SSEResponse):
                     response.extra_headers.append((b"x-request-id", request_id.encode("latin-1")))
                 elif isinstance(response, Response):
@@ -189,10 +200,36 @@ def build_app(state: ServerState) -> Starlette:
         return handle
 
     async def read_body(request: Request) -> bytes:
+        """The body, counted as it streams in (Content-Length can be absent or lie) and bounded
+        in time between chunks, so neither a huge chunked upload nor a trickle holds memory."""
+        limit = state.max_body_bytes
+        too_large = APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
         length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(413, f"Request body larger than {MAX_BODY_BYTES} bytes.", code="body_too_large")
-        return await request.body()
+        if length and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        receive = request.receive
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), state.body_read_timeout)
+            except TimeoutError:
+                raise APIError(
+                    408,
+                    f"The request body was not received within {state.body_read_timeout:g} s.",
+                    code="request_timeout",
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise APIError(
+                    400, "The client disconnected while sending the body.", code="client_disconnected"
+                )
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def completions(request: Request) -> Any:
         req = parse_body(CompletionRequest, await read_body(request))
@@ -235,6 +272,8 @@ def build_app(state: ServerState) -> Starlette:
         return _json({"version": state.version})
 
     async def metrics(request: Request) -> Response:
+        if state.metrics_auth and state.api_key is not None:
+            check_api_key(request)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     async def tokenize(request: Request) -> Response:

@@ -44,6 +44,11 @@ class ServerOptions:
     kv_events_connect: bool = False
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
     enable_failure_injection: bool = False
+    trust_request_chat_template: bool = False
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    header_read_timeout: float = 10.0  # 0: none
+    body_read_timeout: float = 30.0  # 0: none
+    metrics_require_api_key: bool = False
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
 
@@ -140,6 +145,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     from kvgate.engine.server.kv_publisher import KVEventPublisher
     from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics
     from kvgate.engine.server.serving import ModelInfo, OpenAIServing
+    from kvgate.engine.server.slow_clients import protocol_class
 
     port = sock.getsockname()[1]
     stats = engine.get_stats()  # type: ignore[attr-defined]
@@ -186,17 +192,22 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     version = _version()
 
     state = ServerState(
-        serving=OpenAIServing(async_engine, tokenizer, info),
+        serving=OpenAIServing(
+            async_engine, tokenizer, info, trust_request_chat_template=options.trust_request_chat_template
+        ),
         engine=async_engine,
         metrics=metrics,
         version=version,
         api_key=options.api_key,
         failure_injection=options.enable_failure_injection or config.simulate,
+        max_body_bytes=options.max_request_body_bytes,
+        body_read_timeout=options.body_read_timeout or None,
+        metrics_auth=options.metrics_require_api_key,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(
         app,
-        http=_http_protocol(options.http_parser),  # type: ignore[arg-type]
+        http=protocol_class(_http_protocol(options.http_parser), options.header_read_timeout),
         log_config=None,
         log_level=logging.WARNING,
         access_log=False,

@@ -70,11 +70,19 @@ async def watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
             return
 
 
+# Prompts longer than this (characters) are templated and tokenized in a worker thread, so one
+# large request never stalls the event loop that streams everyone else's tokens.
+INLINE_PROMPT_CHARS = 32_768
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model: ModelInfo) -> None:
+    def __init__(
+        self, engine: AsyncEngine, tokenizer: Any, model: ModelInfo, trust_request_chat_template: bool = False
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.trust_request_chat_template = trust_request_chat_template
         # Unique ids without a getrandom syscall per request (a GIL hand-off while the engine
         # thread is busy): a random per-process prefix plus a counter.
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -133,6 +141,20 @@ class OpenAIServing:
             )
         return max_tokens
 
+    def check_text_fits(self, text: str, param: str) -> None:
+        """Refuse text that cannot fit the context from its length alone, before tokenizing it
+        (tokenizing 10 MB costs seconds and a gigabyte)."""
+        bound = getattr(self.tokenizer, "min_token_count", None)
+        limit = self.model.max_model_len
+        if bound is not None and (n := bound(text)) >= limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"at least {n} tokens ({len(text)} characters). Please reduce the length of the prompt.",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.model.vocab_size
         if ids and max(ids) >= vocab:
@@ -182,6 +204,8 @@ class OpenAIServing:
         if texts is not None:
             if not texts:
                 raise bad_request("The prompt list is empty.", "prompt")
+            for t in texts:
+                self.check_text_fits(t, "prompt")
             return [self.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
         if not p:
             raise bad_request("The prompt is empty; send at least one token.", "prompt")
@@ -196,8 +220,9 @@ class OpenAIServing:
         add_generation_prompt: bool,
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
+        request_template: str | None = None,
     ) -> list[int]:
-        from kvgate.api.tokenizer import ChatTemplateError
+        from kvgate.api.prompt import ChatTemplateError, RequestTemplateNotAllowed, chat_prompt_text
 
         if continue_final_message and add_generation_prompt:
             raise bad_request(
@@ -212,20 +237,22 @@ class OpenAIServing:
             if m.name:
                 entry["name"] = m.name
             convo.append(entry)
+        self.check_text_fits("".join(m["content"] for m in convo), "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
-                convo, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+            text = chat_prompt_text(
+                self.tokenizer,
+                convo,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+                request_template=request_template,
+                trust_request_template=self.trust_request_chat_template,
             )
+        except RequestTemplateNotAllowed as exc:
+            raise APIError(400, str(exc), param="chat_template", code="chat_template_not_allowed") from None
         except ChatTemplateError as exc:
             raise bad_request(f"Cannot apply the chat template: {exc}", "messages") from None
-        except TypeError as exc:
-            raise bad_request(f"Bad chat_template_kwargs: {exc}", "chat_template_kwargs") from None
-        if continue_final_message:
-            # Cut the end-of-turn markup after the last message, so the model continues it.
-            final = convo[-1]["content"]
-            cut = text.rfind(final) if final else -1
-            if cut >= 0:
-                text = text[: cut + len(final)]
+        self.check_text_fits(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # ---- completions -----------------------------------------------------------------------
@@ -236,7 +263,12 @@ class OpenAIServing:
             raise bad_request("suffix is not supported.", "suffix")
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported.", "echo")
-        prompts = self.completion_prompts(req)
+        p = req.prompt
+        chars = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str)) if p else 0
+        if chars > INLINE_PROMPT_CHARS:
+            prompts = await asyncio.to_thread(self.completion_prompts, req)
+        else:
+            prompts = self.completion_prompts(req)
         if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
             raise bad_request(
                 f"{len(prompts)} prompts x n={req.n} is more than {MAX_SEQUENCES_PER_REQUEST} sequences in one request.",
@@ -344,9 +376,27 @@ class OpenAIServing:
             raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
-        ids = self.chat_prompt(
-            req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+        from kvgate.api.chat_template import ChatTemplateError, request_chat_template
+
+        try:
+            template = request_chat_template(
+                {"chat_template": req.chat_template, "chat_template_kwargs": req.chat_template_kwargs}
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "chat_template") from None
+        args = (
+            req.messages,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.chat_template_kwargs,
+            template,
         )
+        if template is not None and self.trust_request_chat_template:
+            ids = await asyncio.to_thread(self.chat_prompt, *args)  # waits on a child process
+        elif sum(len(m.text()) for m in req.messages) > INLINE_PROMPT_CHARS:
+            ids = await asyncio.to_thread(self.chat_prompt, *args)
+        else:
+            ids = self.chat_prompt(*args)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
