@@ -8,6 +8,7 @@ import sys
 
 from kvgate.api.cli_args import boolean as _bool
 from kvgate.api.cli_args import port as _port
+from kvgate.api.cli_args import positive_int as _positive_int
 
 HELP = "run the endpoint picker: an Envoy ext_proc server that routes each request to the best engine"
 
@@ -99,6 +100,28 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         const=True,
         default=True,
         help="serve ext_proc over TLS with a self-signed certificate; --secure-serving=false for plaintext",
+    )
+
+    g = p.add_argument_group("request limits (hostile input)")
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent in requests (as the engines' flag of the same name); "
+        "off: such requests get a 400. Even when on, each renders in a child process limited to 2 s "
+        "and 256 MiB",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=lambda t: 0 if t == "0" else _positive_int(t),
+        default=0,
+        help="the pool's context in tokens: longer prompts get a 400 before they are fully tokenized "
+        "(0: learnt from the engines' GET /v1/models)",
+    )
+    g.add_argument(
+        "--max-request-body-bytes",
+        type=_positive_int,
+        default=8 * 1024 * 1024,
+        help="largest request body the EPP buffers; larger: 413 (the gateway's own limit comes first)",
     )
 
     m = p.add_argument_group("engine metrics")
@@ -202,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
         metric_mapping=mapping,
         tokenizer=tokenizer,
         objectives=dict(args.objective),
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_model_len=args.max_model_len,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
     try:
         asyncio.run(serve_forever(settings))

@@ -7,6 +7,7 @@ consistent enough view without locks because everything runs on one asyncio loop
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,8 +38,19 @@ class EndpointMetrics:
 class EndpointState:
     endpoint: Endpoint
     metrics: EndpointMetrics = field(default_factory=EndpointMetrics)
-    inflight: int = 0  # requests this EPP routed here whose responses have not finished
+    # Requests this EPP routed here whose responses have not finished. Exact only when Envoy
+    # sends the response phase to the EPP (opt-in); the datastore trusts it only once a
+    # response message has been seen (Datastore.inflight_tracked).
+    inflight: int = 0
+    # Monotonic times of this replica's picks that no scrape can show yet: the load signal that
+    # needs no response phase and stays right with several EPP replicas (each adds only its own
+    # picks to the engine-reported counts every replica sees).
+    pending_picks: deque[float] = field(default_factory=deque)
+    health_unavailable: bool = False  # the last /health probe answered 503
     kv_events_live: bool = False  # the subscriber is connected and in sequence
+    kv_synced: bool = False  # the KV-event subscription finished (or gave up) its initial replay
+    served_models: frozenset[str] = frozenset()  # names its GET /v1/models lists
+    max_model_len: int = 0  # its context in tokens, from GET /v1/models; 0: not known
     address: str = ""  # = endpoint.address; a plain field because scorers read it per endpoint
 
     def __post_init__(self) -> None:
@@ -64,6 +76,18 @@ class Datastore:
         self.synced = False  # discovery has delivered its first full endpoint list
         self.unreachable_after_failures = unreachable_after_failures
         self._listeners: list[Listener] = []
+
+    # -- what the pool serves (GET /v1/models on each endpoint) ---------------------------------
+    def known_models(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for state in self._states.values():
+            out |= state.served_models
+        return out
+
+    def context_limit(self) -> int:
+        """The longest context any endpoint serves (0: none reported): a prompt longer than
+        this fits nowhere in the pool."""
+        return max((s.max_model_len for s in self._states.values()), default=0)
 
     # -- discovery ---------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:

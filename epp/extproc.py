@@ -9,8 +9,10 @@ body re-streamed in ≤ 62,000-byte chunks. Response chunks pass straight back.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,7 +28,7 @@ from google.protobuf import struct_pb2
 
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.metrics import EppMetrics
-from kvgate.epp.request import BadRequest, InferenceRequest, Tokenizer, parse_body
+from kvgate.epp.request import BadRequest, InferenceRequest, PromptPolicy, Tokenizer, parse_body
 
 log = logging.getLogger("kvgate.epp.extproc")
 
@@ -39,9 +41,17 @@ FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CHUNK = 62_000  # Envoy's ext_proc keeps streamed body messages under its 64 KiB gRPC frame
+# A client's x-request-id is kept only when it looks like an id; anything else (8,000 forged
+# characters, odd bytes) is replaced, so logs and echoes never carry it.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# Bodies larger than this are parsed and tokenized in a worker thread: the event loop that
+# serves every other request never waits for one large prompt.
+INLINE_BODY_BYTES = 32_768
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_exceeded",
     503: "service_unavailable",
     500: "internal_error",
@@ -56,15 +66,20 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def immediate(
-    status: int, message: str, error_type: str | None = None, request_id: str = ""
+    status: int,
+    message: str,
+    error_type: str | None = None,
+    request_id: str = "",
+    param: str | None = None,
+    code: str | int | None = None,
 ) -> ep.ProcessingResponse:
     body = json.dumps(
         {
             "error": {
                 "message": message,
                 "type": error_type or _ERROR_TYPES.get(status, "error"),
-                "param": None,
-                "code": status,
+                "param": param,
+                "code": status if code is None else code,
             }
         }
     ).encode()
@@ -127,6 +142,8 @@ class _Exchange:
     decision: Decision | None = None
     rewriter: ModelRewriter | None = None
     finished: bool = False
+    parsed: dict[str, Any] | None = None  # the body as JSON, once prepared
+    running_label: str = ""  # the model label its running-requests gauge was raised under
 
 
 class EndpointPickerHandler:
@@ -138,11 +155,15 @@ class EndpointPickerHandler:
         metrics: EppMetrics | None = None,
         tokenizer: Tokenizer | None = None,
         objectives: dict[str, int] | None = None,
+        policy: PromptPolicy | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.director = director
         self.metrics = metrics
         self.tokenizer = tokenizer
         self.objectives = objectives or {}
+        self.policy = policy or PromptPolicy()
+        self.max_body_bytes = max_body_bytes
 
     # -- request phase ----------------------------------------------------------------------
     def on_request_headers(
@@ -152,7 +173,7 @@ class EndpointPickerHandler:
         for h in msg.headers.headers:
             headers[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
         rid = headers.get(REQUEST_ID_HEADER)
-        if not rid:
+        if not rid or not _REQUEST_ID.fullmatch(rid):
             rid = str(uuid.uuid4())
             x.generated_id = True
         x.request_id = rid
@@ -166,21 +187,51 @@ class EndpointPickerHandler:
                 x.subset = [s.strip() for s in hint.string_value.split(",") if s.strip()]
         if msg.end_of_stream:  # no body (e.g. GET /v1/models): pick right away
             x.body_done = True
-            return self._route(x, None)
+            x.request = self._request(x, None)
+            return self.route(x)
         return []
 
     def on_request_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        x.body += msg.body
+        if too_large := self.append_body(x, msg):
+            return too_large
         if not msg.end_of_stream:
             return []
         x.body_done = True
+        if refused := self.prepare(x):
+            return refused
+        return self.route(x)
+
+    def append_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """Buffer a body chunk; refuse (413) as soon as the body outgrows the limit."""
+        if len(x.body) + len(msg.body) > self.max_body_bytes:
+            self._count_error(x, "", "", 413)
+            return [
+                immediate(
+                    413,
+                    f"request body larger than {self.max_body_bytes} bytes",
+                    request_id=x.request_id,
+                    code="body_too_large",
+                )
+            ]
+        x.body += msg.body
+        return []
+
+    def prepare(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        """Parse the body and tokenize its prompt (the costly part, safe in a worker thread);
+        an immediate 400 for what no engine could serve, else [] and the route is next."""
         try:
             body = parse_body(bytes(x.body))
+            x.parsed = body
+            x.request = self._request(x, body)
+            x.request.prepare()
         except BadRequest as exc:
             self._count_error(x, "", "", 400)
             log.info("request %s rejected: %s", x.request_id, exc)
-            return [immediate(400, str(exc), request_id=x.request_id)]
-        return self._route(x, body)
+            return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
+        return []
+
+    def needs_worker(self, x: _Exchange) -> bool:
+        return len(x.body) > INLINE_BODY_BYTES
 
     def on_request_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
         out: list[ep.ProcessingResponse] = []
@@ -191,16 +242,14 @@ class EndpointPickerHandler:
         out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
         return out
 
-    def _route(self, x: _Exchange, body: dict[str, Any] | None) -> list[ep.ProcessingResponse]:
+    def _request(self, x: _Exchange, body: dict[str, Any] | None) -> InferenceRequest:
         headers = x.headers
         model = body["model"] if body else ""
-        rewrite = headers.get(MODEL_REWRITE_HEADER) or ""
-        target = rewrite or model
         objective = headers.get(OBJECTIVE_HEADER) or None
-        req = InferenceRequest(
+        return InferenceRequest(
             request_id=x.request_id,
             model=model,
-            target_model=target,
+            target_model=headers.get(MODEL_REWRITE_HEADER) or model,
             body=body,
             objective=objective,
             priority=self.objectives.get(objective, 0) if objective else 0,
@@ -208,13 +257,32 @@ class EndpointPickerHandler:
             path=headers.get(":path", ""),
             subset=x.subset,
             tokenizer=self.tokenizer,
+            policy=self._policy(),
         )
-        x.request = req
+
+    def _policy(self) -> PromptPolicy:
+        """The configured policy; the context length, unless configured, is what the pool's
+        engines report (GET /v1/models)."""
+        if self.policy.max_model_len:
+            return self.policy
+        return PromptPolicy(self.policy.trust_request_chat_template, self.director.datastore.context_limit())
+
+    def route(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        """Pick an endpoint for the prepared request and answer Envoy."""
+        req = x.request
+        assert req is not None
+        body = req.body
+        model, target = req.model, req.target_model
+        rewrite = x.headers.get(MODEL_REWRITE_HEADER) or ""
         if self.metrics is not None:
-            self.metrics.requests.labels(model, target).inc()
-            self.metrics.request_sizes.labels(model, target).observe(len(x.body))
+            label = self.metrics.model_label
+            self.metrics.requests.labels(label(model), label(target)).inc()
+            self.metrics.request_sizes.labels(label(model), label(target)).observe(len(x.body))
         try:
             decision = self.director.pick(req)
+        except BadRequest as exc:  # a plugin met a prompt it cannot take: the client's doing
+            self._count_error(x, model, target, 400)
+            return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
         except Exception:
             log.exception("request %s: scheduler failed", x.request_id)
             self._count_error(x, model, target, 500)
@@ -230,7 +298,8 @@ class EndpointPickerHandler:
             self.metrics.scheduler.observe(decision.scheduler_seconds)
             for name, secs in decision.plugin_seconds.items():
                 self.metrics.observe_plugin(name, secs)
-            self.metrics.running.labels(model).inc()
+            x.running_label = self.metrics.model_label(model)
+            self.metrics.running.labels(x.running_label).inc()
         log.debug(
             "request %s model=%s -> %s (%s)",
             x.request_id,
@@ -342,12 +411,31 @@ class EndpointPickerHandler:
         self.director.finished(x.decision.targets[0])
         if self.metrics is not None and x.request is not None:
             req = x.request
-            self.metrics.running.labels(req.model).dec()
-            self.metrics.duration.labels(req.model, req.target_model).observe(time.perf_counter() - x.started)
+            label = self.metrics.model_label
+            self.metrics.running.labels(x.running_label).dec()
+            self.metrics.duration.labels(label(req.model), label(req.target_model)).observe(
+                time.perf_counter() - x.started
+            )
 
     def _count_error(self, x: _Exchange, model: str, target: str, code: int) -> None:
         if self.metrics is not None:
-            self.metrics.errors.labels(model, target, str(code)).inc()
+            label = self.metrics.model_label
+            self.metrics.errors.labels(label(model), label(target), str(code)).inc()
+
+    async def finish_body_async(self, x: _Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """The last chunk of a large body: parse and tokenize it in a worker thread (the
+        tokenizer releases the GIL there), then pick on the event loop as usual."""
+        trailers = msg.WhichOneof("request") == "request_trailers"
+        if not trailers:
+            if too_large := self.append_body(x, msg.request_body):
+                return too_large
+        x.body_done = True
+        if refused := await asyncio.to_thread(self.prepare, x):
+            return refused
+        out = self.route(x)
+        if trailers and not (out and out[0].HasField("immediate_response")):
+            out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
+        return out
 
     # -- one message ------------------------------------------------------------------------
     def handle(self, x: _Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
@@ -367,6 +455,13 @@ class EndpointPickerHandler:
         return []
 
 
+def _completes_large_body(handler: EndpointPickerHandler, x: _Exchange, msg: ep.ProcessingRequest) -> bool:
+    kind = msg.WhichOneof("request")
+    if kind == "request_body":
+        return msg.request_body.end_of_stream and len(x.body) + len(msg.request_body.body) > INLINE_BODY_BYTES
+    return kind == "request_trailers" and not x.body_done and len(x.body) > INLINE_BODY_BYTES
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, handler: EndpointPickerHandler) -> None:
         self.handler = handler
@@ -384,7 +479,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 if msg is eof:
                     return
                 try:
-                    responses = handler.handle(x, msg)
+                    if _completes_large_body(handler, x, msg):
+                        responses = await handler.finish_body_async(x, msg)
+                    else:
+                        responses = handler.handle(x, msg)
                 except Exception:
                     log.exception("request %s: ext_proc handler failed", x.request_id)
                     await context.write(

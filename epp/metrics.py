@@ -104,8 +104,35 @@ class _PoolCollector(Collector):
         yield from (ready, kv, queue, per_pod, blocks)
 
 
+UNKNOWN_MODEL = "unknown"  # the label of every model name the pool does not serve
+MAX_MODEL_LABELS = 64  # backstop when the pool reports no names
+
+
+class ModelLabels:
+    """Model names come from clients: as metric labels they must be bounded, or 3,000 random
+    names grow /metrics to 61 MB. A name the pool serves (GET /v1/models on its engines) or
+    was configured with is its own label; anything else is `unknown`. Until the pool reports
+    its names, the first MAX_MODEL_LABELS names seen are kept, then `unknown`."""
+
+    def __init__(self, datastore: Datastore, configured: frozenset[str] = frozenset()) -> None:
+        self.datastore = datastore
+        self.configured = configured
+        self._admitted: set[str] = set()
+
+    def __call__(self, name: str) -> str:
+        if not name or name in self._admitted:
+            return name
+        known = self.datastore.known_models()
+        if name in known or name in self.configured or (not known and len(self._admitted) < MAX_MODEL_LABELS):
+            if len(self._admitted) < 4 * MAX_MODEL_LABELS:
+                self._admitted.add(name)
+                return name
+        return UNKNOWN_MODEL
+
+
 class EppMetrics:
     def __init__(self, datastore: Datastore, pool_name: str = "local") -> None:
+        self.model_label = ModelLabels(datastore)
         self.registry = CollectorRegistry()
         r = self.registry
         labels = ["model_name", "target_model_name"]

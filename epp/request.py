@@ -6,6 +6,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvgate.api.chat_template import ChatTemplateError, request_chat_template
+from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text
+from kvgate.api.tokenizer import TooManyTokens
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
@@ -18,9 +22,18 @@ class Tokenizer(Protocol):
 class BadRequest(ValueError):
     """The body is not something an engine could serve: answered 400 without reaching one."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class PromptPolicy:
+    """What the EPP refuses before routing, so hostile prompts cost it (almost) nothing."""
+
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template
+    max_model_len: int = 0  # the pool's context in tokens; 0: not known (no length checks)
 
 
 @dataclass
@@ -35,6 +48,7 @@ class InferenceRequest:
     path: str = ""
     subset: list[str] | None = None  # Envoy's subset hint; None = no hint
     tokenizer: Tokenizer | None = None
+    policy: PromptPolicy = field(default_factory=PromptPolicy)
     _token_ids: list[int] | None = field(default=None, repr=False)
     _prompt_text: str | None = field(default=None, repr=False)
 
@@ -47,10 +61,27 @@ class InferenceRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        """The prompt tokens exactly as the engine will tokenize them (chat template applied)."""
+        """The prompt tokens exactly as the engine will tokenize them (chat template applied).
+
+        Routing never fails because of the prompt: a prompt the engine would refuse has no
+        tokens here. Call `prepare()` first to refuse it with a 400 instead."""
         if self._token_ids is None:
-            self._token_ids = _tokenize(self.body, self.tokenizer)
+            try:
+                self._token_ids = _tokenize(self.body, self.tokenizer, self.policy)
+            except BadRequest:
+                self._token_ids = []
         return self._token_ids
+
+    def prepare(self, tokenizer: Tokenizer | None = None) -> None:
+        """Tokenize now (in whatever thread calls this), raising BadRequest for prompts no
+        engine can serve. `tokenizer` overrides the request's (e.g. a thread-safe one)."""
+        if self._token_ids is None:
+            self._token_ids = _tokenize(self.body, tokenizer or self.tokenizer, self.policy)
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters of prompt text in the body: a cheap measure of the tokenization cost."""
+        return len(self.prompt_text)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -60,6 +91,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     model = body.get("model")
@@ -97,10 +130,47 @@ def _content_text(content: Any) -> str:
     return "" if content is None else str(content)
 
 
-def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None) -> list[int]:
-    """Mirrors the engine's own prompt handling (engine/server/serving.py) token for token:
-    chat → template over {role, content text, name} then encode without special tokens;
-    completions → encode(prompt, add_special_tokens=body.add_special_tokens, default true)."""
+def _too_long(policy: PromptPolicy, tokens: int, at_least: bool) -> BadRequest:
+    limit = policy.max_model_len
+    n = f"at least {tokens}" if at_least else str(tokens)
+    return BadRequest(
+        f"This model's maximum context length is {limit} tokens. However, your prompt has {n} "
+        "tokens. Please reduce the length of the prompt.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def _encode(tokenizer: Any, text: str, add_special_tokens: bool, policy: PromptPolicy) -> list[int]:
+    """encode(), refusing over-context text from its length alone when the tokenizer can say so,
+    and input the tokenizer cannot take (lone surrogates) as a client error."""
+    limit = policy.max_model_len
+    kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
+    if limit:
+        bound = getattr(tokenizer, "min_token_count", None)
+        if bound is not None and (n := bound(text)) >= limit:
+            raise _too_long(policy, n, at_least=True)
+        if getattr(tokenizer, "accepts_max_tokens", False):
+            kwargs["max_tokens"] = limit - 1
+    try:
+        ids = tokenizer.encode(text, **kwargs)
+    except TooManyTokens as exc:
+        raise _too_long(policy, exc.count, at_least=False) from None
+    except (TypeError, ValueError, UnicodeError) as exc:
+        raise BadRequest(f"the prompt cannot be tokenized (invalid Unicode text?): {exc}") from None
+    if limit and len(ids) >= limit:
+        raise _too_long(policy, len(ids), at_least=False)
+    return ids
+
+
+def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: PromptPolicy) -> list[int]:
+    """The engine's own prompt path (kvgate.api.prompt), token for token: chat → template over
+    {role, content text, name}, then encode without special tokens; completions →
+    encode(prompt, add_special_tokens=body.add_special_tokens, default true).
+
+    Raises BadRequest for what no engine would serve: a request template the server does not
+    trust, a prompt over the context, text the tokenizer cannot take. Returns [] when only the
+    engine can tell (e.g. the model's template rejects the conversation)."""
     if not body or tokenizer is None:
         return []
     messages = body.get("messages")
@@ -114,23 +184,37 @@ def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None) -> list[
                 entry["name"] = m["name"]
             convo.append(entry)
         raw_kwargs = body.get("chat_template_kwargs")
-        kwargs: dict[str, Any] = raw_kwargs if isinstance(raw_kwargs, dict) else {}
         try:
-            text = tokenizer.apply_chat_template(
-                convo, add_generation_prompt=bool(body.get("add_generation_prompt", True)), **kwargs
+            template = request_chat_template(body)
+        except ChatTemplateError as exc:
+            raise BadRequest(str(exc), param="chat_template") from None
+        if template is not None and not policy.trust_request_chat_template:
+            raise BadRequest(str(RequestTemplateNotAllowed()), "chat_template", "chat_template_not_allowed")
+        if policy.max_model_len:
+            content = "".join(e["content"] for e in convo)
+            bound = getattr(tokenizer, "min_token_count", None)
+            if bound is not None and (n := bound(content)) >= policy.max_model_len:
+                raise _too_long(policy, n, at_least=True)
+        try:
+            text = chat_prompt_text(
+                tokenizer,  # type: ignore[arg-type]
+                convo,
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                continue_final_message=bool(body.get("continue_final_message")),
+                template_kwargs=raw_kwargs if isinstance(raw_kwargs, dict) else None,
+                request_template=template,
+                trust_request_template=policy.trust_request_chat_template,
             )
-        except Exception:
-            return []  # the engine will reject it; routing must not fail because of it
-        if body.get("continue_final_message") and convo and convo[-1]["content"]:
-            cut = text.rfind(convo[-1]["content"])
-            if cut >= 0:
-                text = text[: cut + len(convo[-1]["content"])]
-        return tokenizer.encode(text, add_special_tokens=False)
+        except ChatTemplateError as exc:
+            if template is not None:  # the client's own template failed or hit its limits
+                raise BadRequest(f"Cannot apply the chat template: {exc}", "chat_template") from None
+            return []  # the engine will reject it with the template's own message
+        return _encode(tokenizer, text, False, policy)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        return _encode(tokenizer, prompt, bool(body.get("add_special_tokens", True)), policy)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return list(prompt)  # already token ids
     return []

@@ -17,11 +17,11 @@ from prometheus_client import start_http_server
 
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
-from kvgate.epp.extproc import EndpointPickerHandler, ExternalProcessor
+from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
 from kvgate.epp.health import EppHealth
 from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
-from kvgate.epp.request import Tokenizer
+from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
 from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
@@ -48,6 +48,9 @@ class ServerSettings:
     metric_mapping: MetricMapping | None = None
     tokenizer: Tokenizer | None = None
     objectives: dict[str, int] = field(default_factory=dict)
+    trust_request_chat_template: bool = False
+    max_model_len: int = 0  # 0: learnt from the engines' GET /v1/models
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def needs_tokenizer(config: EndpointPickerConfig) -> bool:
@@ -77,7 +80,14 @@ class EppServer:
             | {profile.picker.name: ("Picker", profile.picker.type_name)}
         )
         objectives = {**settings.config.objectives, **settings.objectives}
-        self.handler = EndpointPickerHandler(self.director, self.metrics, settings.tokenizer, objectives)
+        self.handler = EndpointPickerHandler(
+            self.director,
+            self.metrics,
+            settings.tokenizer,
+            objectives,
+            policy=PromptPolicy(settings.trust_request_chat_template, settings.max_model_len),
+            max_body_bytes=settings.max_request_body_bytes,
+        )
         self.health = EppHealth(self.datastore)
         self.grpc_port = settings.grpc_port
         self.health_port = settings.grpc_health_port
