@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -10,23 +12,39 @@ from kvgate.epp.datastore import EndpointState
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 
+def tie_breaker(ctx: SchedulingContext) -> Callable[[str], int]:
+    """A per-request ranking of endpoints (rendezvous hashing on the prompt's opening).
+
+    Equal scores are common (a new prefix nobody holds, an idle pool). Breaking them by a hash
+    of the prompt's start and the endpoint, rather than at random, spreads different prompts
+    evenly as random would, but sends the same prefix to the same engine from every EPP
+    replica: active-active replicas agree, and a new system prompt arriving at two replicas at
+    once lands in one cache instead of two. crc32, not hash(): str hashes differ per process.
+    """
+    req = ctx.request
+    key = (req.prompt_text[:TIE_KEY_CHARS] if req.body else req.request_id).encode("utf-8", "replace")
+    seed = zlib.crc32(key)
+    return lambda address: zlib.crc32(address.encode(), seed)
+
+
+TIE_KEY_CHARS = 512
+
+
 @dataclass
 class MaxScorePicker:
-    """Highest score wins; ties broken at random so equal endpoints share load."""
+    """Highest score wins; ties broken by rendezvous hashing on the prompt (see tie_breaker)."""
 
     type_name: ClassVar[str] = "max-score-picker"
     name: str = type_name
     max_num_of_endpoints: int = 1
-    rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def pick(
         self, ctx: SchedulingContext, endpoints: list[EndpointState], scores: list[float]
     ) -> list[EndpointState]:
         if not endpoints:
             return []
-        # A random secondary key breaks ties without favouring list order.
-        rand = self.rng.random
-        order = sorted(range(len(endpoints)), key=lambda i: (-scores[i], rand()))
+        rank = tie_breaker(ctx)
+        order = sorted(range(len(endpoints)), key=lambda i: (-scores[i], rank(endpoints[i].address)))
         return [endpoints[i] for i in order[: self.max_num_of_endpoints]]
 
 

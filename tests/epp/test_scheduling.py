@@ -161,11 +161,21 @@ def test_precise_prefix_chat_uses_template(store: Datastore) -> None:
 
 
 # -- pickers -------------------------------------------------------------------------------------
-def test_max_score_picker_breaks_ties_randomly(store: Datastore) -> None:
-    picker = pickers.MaxScorePicker(rng=random.Random(1))
+def test_max_score_picker_breaks_ties_by_prompt(store: Datastore) -> None:
+    """Ties spread over endpoints across prompts, yet one prompt always gets the same endpoint,
+    from any picker instance (another EPP replica): replicas agree on ties."""
+    from .conftest import make_request
+
+    picker, other_replica = pickers.MaxScorePicker(), pickers.MaxScorePicker()
     eps = store.all()
     assert picker.pick(ctx_for(store), eps, [0.1, 0.9, 0.5])[0] is eps[1]
-    wins = Counter(picker.pick(ctx_for(store), eps, [1.0, 1.0, 0.0])[0].address for _ in range(200))
+    wins: Counter[str] = Counter()
+    for i in range(200):
+        ctx = ctx_for(store, make_request(f"system prompt {i}: be brief"))
+        first = picker.pick(ctx, eps, [1.0, 1.0, 0.0])[0]
+        assert all(picker.pick(ctx, eps, [1.0, 1.0, 0.0])[0] is first for _ in range(3))
+        assert other_replica.pick(ctx, list(reversed(eps)), [0.0, 1.0, 1.0])[0] is first
+        wins[first.address] += 1
     assert set(wins) == {eps[0].address, eps[1].address}
     assert min(wins.values()) > 50
 
