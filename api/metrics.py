@@ -14,6 +14,7 @@ GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
+KVGATE_DRAINING = "kvgate:draining"  # kvgate's own gauge; not a vLLM name
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"

@@ -168,6 +168,8 @@ def start_engine(log_dir: Path, *extra: str, name: str | None = None) -> Engine:
         kv_events,
         "--kv-events-replay-endpoint",
         kv_replay,
+        "--drain-grace-period",  # teardown stays fast; a test that wants a grace passes its own
+        "0",
         *extra,
     ]
     proc = Process(name or f"engine-{port}", argv, log_dir / f"engine-{port}.log").start()

@@ -116,6 +116,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="seconds to drain requests after SIGTERM",
     )
     h.add_argument(
+        "--drain-grace-period",
+        type=_non_negative_float,
+        default=5.0,
+        help="seconds after SIGTERM during which the engine reports draining (/health 503, "
+        "kvgate:draining 1) but still accepts new requests, so ones routed before the picker "
+        "dropped it succeed; then it refuses new ones and drains (like a preStop sleep; 0: refuse at once)",
+    )
+    h.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="run chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
@@ -256,6 +264,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         api_key=args.api_key or os.environ.get("KVGATE_API_KEY") or None,
         max_queued_requests=args.max_queued_requests,
         shutdown_timeout=args.shutdown_timeout,
+        drain_grace_period=args.drain_grace_period,
         kv_events_endpoint=args.kv_events_endpoint,
         kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         kv_events_topic_endpoint=args.kv_events_topic_endpoint,

@@ -32,6 +32,15 @@ class EndpointMetrics:
     waiting_loras: frozenset[str] = frozenset()
     updated_at: float = 0.0  # monotonic; 0 = never scraped
     consecutive_failures: int = 0
+    draining: bool = False  # the engine says it is shutting down (kvgate:draining 1)
+    sent_at: float = 0.0  # monotonic time the scrape request was sent; 0 = unknown (= updated_at)
+
+
+# A pick shows in the engine's own counts only once Envoy has forwarded the request and the
+# engine has admitted it; a scrape sent sooner than this after the pick may not show it yet.
+PICK_SETTLE_SECONDS = 0.025
+# Picks never confirmed by a scrape (the endpoint stopped answering) are forgotten after this.
+PICK_MAX_AGE_SECONDS = 5.0
 
 
 @dataclass(slots=True)
@@ -55,15 +64,43 @@ class EndpointState:
 
     def __post_init__(self) -> None:
         self.address = self.endpoint.address
+        self.kv_synced = self.kv_synced or self.endpoint.kv_events is None  # nothing to replay
 
     def age(self, now: float) -> float:
         m = self.metrics
         return float("inf") if m.updated_at == 0.0 else now - m.updated_at
 
-    def load(self) -> int:
-        """Requests on the endpoint: the scrape, or our own count when it is fresher (larger)."""
+    @property
+    def draining(self) -> bool:
+        return self.metrics.draining or self.health_unavailable
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_picks)
+
+    def note_pick(self, now: float) -> None:
+        picks = self.pending_picks
+        picks.append(now)
+        while picks and picks[0] < now - PICK_MAX_AGE_SECONDS:
+            picks.popleft()
+
+    def confirm_picks(self, scrape_sent: float) -> None:
+        """A scrape sent at ``scrape_sent`` counts every pick made a settle time before it."""
+        picks = self.pending_picks
+        cutoff = scrape_sent - PICK_SETTLE_SECONDS
+        while picks and picks[0] <= cutoff:
+            picks.popleft()
+
+    def queue(self) -> int:
+        """Waiting requests: the engine's queue plus our picks it cannot show yet."""
+        return self.metrics.waiting + len(self.pending_picks)
+
+    def load(self, inflight_tracked: bool = False) -> int:
+        """Requests on the endpoint: scraped running + waiting plus our not-yet-visible picks,
+        or our own in-flight count when the response phase keeps it exact and it is larger."""
         m = self.metrics
-        return max(m.waiting + m.running, self.inflight)
+        load = m.waiting + m.running + len(self.pending_picks)
+        return max(load, self.inflight) if inflight_tracked else load
 
 
 Listener = Callable[[Endpoint, bool], None]  # (endpoint, added?)
@@ -74,6 +111,8 @@ class Datastore:
         self._states: dict[str, EndpointState] = {}
         self.index = PreciseIndex()
         self.synced = False  # discovery has delivered its first full endpoint list
+        # Envoy sends this EPP the response phase, so EndpointState.inflight is exact
+        self.inflight_tracked = False
         self.unreachable_after_failures = unreachable_after_failures
         self._listeners: list[Listener] = []
 
@@ -129,14 +168,21 @@ class Datastore:
         return len(self._states)
 
     def reachable(self, state: EndpointState) -> bool:
+        """A candidate for new requests: scraped, answering, and not shutting down."""
         m = state.metrics
-        return m.updated_at != 0.0 and m.consecutive_failures < self.unreachable_after_failures
+        return (
+            m.updated_at != 0.0
+            and m.consecutive_failures < self.unreachable_after_failures
+            and not m.draining
+            and not state.health_unavailable
+        )
 
     # -- writes (scraper) --------------------------------------------------------------------
     def update_metrics(self, address: str, metrics: EndpointMetrics) -> None:
         state = self._states.get(address)
         if state is not None:
             state.metrics = metrics
+            state.confirm_picks(metrics.sent_at or metrics.updated_at)
 
     def scrape_failed(self, address: str) -> None:
         state = self._states.get(address)

@@ -76,6 +76,7 @@ class Director:
             )
         chosen = result.targets[0]
         self.profile.pre_request(ctx, chosen)
+        chosen.note_pick(now)
         chosen.inflight += 1
         elapsed = time.perf_counter() - t0
         scores = result.breakdown.get(chosen.address, {})
@@ -90,8 +91,16 @@ class Director:
             plugin_seconds=ctx.plugin_seconds,
         )
 
+    def response_seen(self) -> None:
+        """Envoy sends us the response phase: from now on ``inflight`` is exact and counts."""
+        self.datastore.inflight_tracked = True
+
     def finished(self, address: str) -> None:
-        """The response for a request routed to ``address`` ended (any outcome)."""
+        """The exchange for a request routed to ``address`` ended (any outcome).
+
+        Without the response phase this runs when Envoy closes the ext_proc stream, which may
+        be right after the request phase; ``inflight`` then counts only once the response phase
+        has been seen (``response_seen``)."""
         state = self.datastore.get(address)
         if state is not None and state.inflight > 0:
             state.inflight -= 1

@@ -358,6 +358,7 @@ class EndpointPickerHandler:
 
     # -- response phase ---------------------------------------------------------------------
     def on_response_headers(self, x: _Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        self.director.response_seen()  # the response phase is configured: in-flight counts are exact
         status = ""
         for h in msg.headers.headers:
             if h.key == ":status":
@@ -378,6 +379,7 @@ class EndpointPickerHandler:
         return [resp]
 
     def on_response_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        self.director.response_seen()
         chunk = msg.body
         if x.rewriter is not None:
             chunk = x.rewriter.feed(chunk, msg.end_of_stream)
@@ -398,6 +400,7 @@ class EndpointPickerHandler:
         ]
 
     def on_response_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        self.director.response_seen()
         self.finish(x)
         return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
 

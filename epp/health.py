@@ -1,4 +1,5 @@
-"""gRPC health on its own port: liveness always; readiness and ext_proc once endpoints are synced."""
+"""gRPC health on its own port: liveness always; readiness and ext_proc once endpoints are known
+and their KV-event state is replayed (each engine's replay bounded by the subscriber's timeout)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,21 @@ class EppHealth:
         await self.servicer.set("", SERVING)
         await self.refresh()
 
+    def _synced(self) -> bool:
+        """Endpoints known and each one's KV-event state replayed (or given up after the
+        subscriber's sync timeout), so the first picks see the engines' caches. Latched: an
+        engine joining later must not take a serving EPP out of rotation."""
+        if self._ready:
+            return True
+        ds = self.datastore
+        return ds.synced and all(s.kv_synced for s in ds.all())
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._ready)
+
     async def refresh(self) -> None:
-        ready = self.datastore.synced
+        ready = self._synced()
         if ready != self._ready:
             self._ready = ready
             status = SERVING if ready else NOT_SERVING

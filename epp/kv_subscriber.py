@@ -36,6 +36,9 @@ class EndpointSubscriber:
         self.endpoint = endpoint
         self.replay = replay
         self.last_seq: int | None = None
+        # after the initial replay: batches up to this sequence may still sit in the SUB queue
+        # (published while we replayed); they are duplicates, not a publisher restart
+        self._replayed_through: int | None = None
         self.gaps = 0
         self.replayed = 0
         self.resets = 0
@@ -48,7 +51,28 @@ class EndpointSubscriber:
             return
         self.datastore.index.apply(self.endpoint.address, batch.events)
 
+    async def initial_sync(self) -> None:
+        """Fetch what the engine already holds before trusting live events (EPP readiness waits
+        for this). Without a replay socket there is nothing to fetch."""
+        if self.replay is None or self.last_seq is not None:
+            return
+        try:
+            batches = sorted(await self.replay(0))
+        except Exception as exc:  # readiness must not hang on an engine that never answers
+            log.warning("endpoint %s: initial KV-event replay failed: %s", self.endpoint.address, exc)
+            return
+        for _, payload in batches:
+            self._apply(payload)
+        self.replayed += len(batches)
+        if batches:
+            self.last_seq = self._replayed_through = batches[-1][0]
+
     async def on_message(self, seq: int, payload: bytes) -> None:
+        through = self._replayed_through
+        if through is not None:
+            if seq <= through:
+                return  # already applied by the initial replay
+            self._replayed_through = None
         last = self.last_seq
         if last is not None and seq <= last:
             # the publisher restarted (its counter reset): what we hold is from a dead cache
@@ -95,10 +119,12 @@ class EndpointSubscriber:
 class KVEventSubscribers:
     """One SUB socket (and optional replay DEALER) per endpoint that publishes KV events."""
 
-    def __init__(self, datastore: Datastore, replay_timeout: float = 1.0) -> None:
+    def __init__(self, datastore: Datastore, replay_timeout: float = 1.0, sync_timeout: float = 5.0) -> None:
         self.datastore = datastore
         self.ctx = zmq.asyncio.Context()
         self.replay_timeout = replay_timeout
+        # bound on the initial replay: an engine that never answers cannot hold readiness back
+        self.sync_timeout = sync_timeout
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.subscribers: dict[str, EndpointSubscriber] = {}
         datastore.subscribe(self._on_endpoint)
@@ -147,6 +173,18 @@ class KVEventSubscribers:
         state = self.datastore.get(endpoint.address)
         log.info("endpoint %s: subscribed to KV events at %s", endpoint.address, endpoint.kv_events)
         try:
+            # SUB is connected first, so batches published during the replay are queued, not lost
+            try:
+                async with asyncio.timeout(self.sync_timeout):
+                    await sub.initial_sync()
+            except TimeoutError:
+                log.warning(
+                    "endpoint %s: no initial KV-event replay within %.0fs; going on without it",
+                    endpoint.address,
+                    self.sync_timeout,
+                )
+            if state is not None:
+                state.kv_synced = True
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) != 3:

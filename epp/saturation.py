@@ -18,7 +18,7 @@ class SaturationDetector:
         if state.age(now) > self.metrics_staleness_threshold:
             return 1.0
         m = state.metrics
-        return max(m.waiting / self.queue_depth_threshold, m.kv_usage / self.kv_cache_util_threshold)
+        return max(state.queue() / self.queue_depth_threshold, m.kv_usage / self.kv_cache_util_threshold)
 
     def pool_saturation(self, endpoints: list[EndpointState], now: float) -> float:
         if not endpoints:

@@ -1,4 +1,10 @@
-"""Scrapes each endpoint's Prometheus ``/metrics`` into the datastore every refresh interval."""
+"""Scrapes each endpoint's Prometheus ``/metrics`` into the datastore every refresh interval.
+
+Besides load, a scrape carries the engine's shutdown notice: ``kvgate:draining 1`` on /metrics
+(kvgate engines) takes it out of the candidate set on the very scrape that sees it. Engines
+without that gauge (vLLM) signal it by /health answering 503, probed every few scrapes.
+Engines that require the API key on /metrics get ``Authorization: Bearer $KVGATE_API_KEY``.
+"""
 
 from __future__ import annotations
 
@@ -65,9 +71,9 @@ _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetrics:
+def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float = 0.0) -> EndpointMetrics:
     """Reads only the series the mapping names; sums counts, takes the max of utilisation."""
-    wanted = {mapping.waiting.name, mapping.running.name, mapping.kv_usage.name}
+    wanted = {mapping.waiting.name, mapping.running.name, mapping.kv_usage.name, vllm.KVGATE_DRAINING}
     if mapping.lora_info:
         wanted.add(mapping.lora_info.name)
     waiting = running = 0.0
@@ -75,6 +81,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetr
     lora_ts = -1.0
     lora: dict[str, str] = {}
     found_kv = False
+    draining = False
     prefixes = tuple(wanted)
     for line in text.splitlines():
         if not line.startswith(prefixes):
@@ -86,6 +93,9 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetr
         try:
             value = float(raw_value)
         except ValueError:
+            continue
+        if name == vllm.KVGATE_DRAINING:
+            draining = draining or value > 0
             continue
         labels = dict(_LABEL.findall(raw_labels or ""))
         for spec, kind in ((mapping.waiting, "w"), (mapping.running, "r"), (mapping.kv_usage, "k")):
@@ -107,6 +117,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetr
                 mapping.waiting, mapping.running, MetricSpec(vllm.GPU_CACHE_USAGE_PERC), mapping.lora_info
             ),
             now,
+            sent_at,
         )
 
     def adapters(key: str) -> frozenset[str]:
@@ -120,6 +131,8 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float) -> EndpointMetr
         running_loras=adapters("running_lora_adapters"),
         waiting_loras=adapters("waiting_lora_adapters"),
         updated_at=now,
+        draining=draining,
+        sent_at=sent_at,
     )
 
 
@@ -133,12 +146,18 @@ class MetricsScraper:
         interval: float = 0.05,
         timeout: float = 1.0,
         path: str = "/metrics",
+        api_key: str | None = None,
+        health_path: str | None = "/health",
+        health_every: int = 4,
     ) -> None:
         self.datastore = datastore
         self.mapping = mapping
         self.interval = interval
         self.path = path
         self.timeout = timeout
+        self.api_key = api_key
+        self.health_path = health_path
+        self.health_every = max(1, health_every)  # a /health probe every this many scrapes
         self._tasks: dict[str, asyncio.Task[None]] = {}
         datastore.subscribe(self._on_endpoint)
         for state in datastore.all():
@@ -153,10 +172,25 @@ class MetricsScraper:
                 self._poll(endpoint), name=f"scrape {endpoint.address}"
             )
 
+    def _request(self, host: str, port: int, path: str) -> bytes:
+        auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
+        return (
+            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n"
+            f"User-Agent: kvgate-epp\r\n{auth}\r\n"
+        ).encode()
+
     async def scrape_once(self, endpoint: Endpoint, getter: KeepAliveGetter) -> bool:
+        raw = self._request(getter.host, getter.port, self.path)
         try:
-            status, body = await getter.get()
+            sent_at = time.monotonic()
+            status, body = await getter.request(raw)
             if status != 200:
+                if status in (401, 403):
+                    log.warning(
+                        "scrape %s: HTTP %d; set KVGATE_API_KEY to the engines' API key",
+                        endpoint.address,
+                        status,
+                    )
                 raise ScrapeError(f"HTTP {status}")
         except EndpointRefused:
             # nothing listens any more: take it out of rotation now, not after several misses
@@ -171,16 +205,38 @@ class MetricsScraper:
             self.datastore.scrape_failed(endpoint.address)
             return False
         text = body.decode("utf-8", "replace")
-        self.datastore.update_metrics(endpoint.address, parse_metrics(text, self.mapping, time.monotonic()))
+        self.datastore.update_metrics(
+            endpoint.address, parse_metrics(text, self.mapping, time.monotonic(), sent_at)
+        )
         return True
+
+    async def probe_health(self, endpoint: Endpoint, getter: KeepAliveGetter) -> None:
+        """503 from /health: the engine is shutting down or broken; not a candidate until 200."""
+        if self.health_path is None:
+            return
+        try:
+            status, _ = await getter.request(self._request(getter.host, getter.port, self.health_path))
+        except ScrapeError:
+            return  # the /metrics scrape tracks reachability
+        state = self.datastore.get(endpoint.address)
+        if state is None:
+            return
+        unavailable = status == 503
+        if unavailable != state.health_unavailable:
+            log.info("endpoint %s: /health %d", endpoint.address, status)
+            state.health_unavailable = unavailable
 
     async def _poll(self, endpoint: Endpoint) -> None:
         host, _, port = endpoint.address.rpartition(":")
         getter = KeepAliveGetter(host.strip("[]"), int(port), self.path, self.timeout)
         was_ok = True
+        n = 0
         try:
             while True:
                 ok = await self.scrape_once(endpoint, getter)
+                n += 1
+                if ok and n % self.health_every == 0:
+                    await self.probe_health(endpoint, getter)
                 if ok != was_ok:
                     log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
                     was_ok = ok

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,7 +126,10 @@ class EppServer:
         from kvgate.epp.scraper import MAPPINGS
 
         self.scraper = MetricsScraper(
-            self.datastore, s.metric_mapping or MAPPINGS["vllm"], s.refresh_metrics_interval
+            self.datastore,
+            s.metric_mapping or MAPPINGS["vllm"],
+            s.refresh_metrics_interval,
+            api_key=os.environ.get("KVGATE_API_KEY") or None,  # engines may require it on /metrics
         )
         self.kv = KVEventSubscribers(self.datastore)
         loop = asyncio.get_running_loop()

@@ -53,7 +53,8 @@ class ServerState:
     version: str
     api_key: str | None = None
     failure_injection: bool = False
-    draining: bool = False
+    draining: bool = False  # shutting down: /health answers 503 (pickers stop routing here)
+    refusing: bool = False  # past the drain grace period: new generation requests get 503
     max_body_bytes: int = MAX_BODY_BYTES
     body_read_timeout: float | None = 30.0  # seconds between body chunks; None: no limit
     metrics_auth: bool = False  # /metrics requires the API key too
@@ -172,7 +173,7 @@ def build_app(state: ServerState) -> Starlette:
                 if auth and state.api_key is not None:
                     check_api_key(request)
                 if generation:
-                    if state.draining:
+                    if state.refusing:
                         raise APIError(
                             503,
                             "The server is shutting down; send the request to another replica.",

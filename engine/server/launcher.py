@@ -2,9 +2,11 @@
 
 Order: bind the listening socket (fail fast on a taken port), build the engine (load the model
 or the simulator), open the KV-event sockets, start the engine thread, serve HTTP. SIGTERM (or
-SIGINT) stops admitting — /health and new generation requests answer 503 — waits for requests in
-flight up to the shutdown timeout, ends the rest with an error, and returns 0. A second signal
-exits at once.
+SIGINT) first announces draining — /health answers 503 and /metrics shows `kvgate:draining 1`,
+both of which the EPP reads within one scrape — while new requests are still admitted for the
+drain grace period: a request the picker routed here just before it noticed must not fail.
+Then new generation requests get 503, requests in flight get up to the shutdown timeout, the
+rest are ended with an error, and serve returns 0. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ServerOptions:
     api_key: str | None = None
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0
+    drain_grace_period: float = 5.0  # after SIGTERM: report draining, keep accepting this long
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic_endpoint: str | None = None
@@ -221,7 +224,12 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     drain_task: asyncio.Task[None] | None = None
 
     async def drain() -> None:
-        state.draining = True
+        state.draining = True  # /health 503 + kvgate:draining 1: pickers stop sending here
+        metrics.set_draining(True)
+        if options.drain_grace_period > 0:
+            log.info("shutdown: draining announced; admitting for %.1fs more", options.drain_grace_period)
+            await asyncio.sleep(options.drain_grace_period)
+        state.refusing = True
         n = async_engine.num_in_flight
         log.info("shutdown: draining %d request(s), up to %.0fs", n, options.shutdown_timeout)
         if not await async_engine.wait_idle(options.shutdown_timeout):

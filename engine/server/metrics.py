@@ -243,6 +243,12 @@ class EngineMetrics:
         info = Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig")
         self._families.append(info)
         info.child({**cache.labels(), "engine": engine_index}).set(1)
+        # kvgate's own: 1 from SIGTERM on, while the engine still serves its grace period
+        self.draining = scalar(
+            names.KVGATE_DRAINING,
+            "gauge",
+            "1 while the server is shutting down: route new requests elsewhere.",
+        )
         self._lora = Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.")
         self._families.append(self._lora)
         self._lora_labels: dict[str, str] | None = None
@@ -286,6 +292,11 @@ class EngineMetrics:
         if snap != last:
             self._version += 1
         self._last = snap
+
+    def set_draining(self, draining: bool) -> None:
+        with self.lock:
+            self.draining.set(1.0 if draining else 0.0)
+            self._version += 1
 
     def request_finished(self, reason: str | None) -> None:
         """Engine thread (caller holds `lock`)."""

@@ -31,7 +31,7 @@ class LowQueueFilter:
     threshold: int = 128
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        return [e for e in endpoints if e.metrics.waiting <= self.threshold]
+        return [e for e in endpoints if e.queue() <= self.threshold]
 
 
 @dataclass
@@ -46,7 +46,7 @@ class LeastQueueFilter:
     name: str = type_name
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        return _lowest_band(endpoints, [e.metrics.waiting for e in endpoints])
+        return _lowest_band(endpoints, [e.queue() for e in endpoints])
 
 
 @dataclass

@@ -12,13 +12,16 @@ from kvgate.epp.scheduling.framework import SchedulingContext
 
 @dataclass
 class QueueScorer:
-    """Shorter waiting queue scores higher, min-max normalised over the candidates (GIE)."""
+    """Shorter waiting queue scores higher, min-max normalised over the candidates (GIE).
+
+    The queue includes this EPP's picks the last scrape cannot show yet, so a burst between
+    two scrapes spreads out instead of piling onto the endpoint that looked emptiest."""
 
     type_name: ClassVar[str] = "queue-scorer"
     name: str = type_name
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        queues = [e.metrics.waiting for e in endpoints]
+        queues = [e.queue() for e in endpoints]
         lo, hi = min(queues), max(queues)
         if hi == lo:
             return [1.0] * len(endpoints)
@@ -43,8 +46,9 @@ class LoadAwareScorer:
 
     Unlike the min-max queue scorer, equal-but-high load does not score 1, and a gap of N
     requests costs the same whatever the others carry, which is what lets a prefix holder
-    lose once it is clearly busier than its peers. Load is the larger of the scraped
-    running+waiting count and the requests this EPP has in flight there (fresher than a scrape).
+    lose once it is clearly busier than its peers. Load is the scraped running+waiting count
+    plus this EPP's picks no scrape shows yet (and, when Envoy sends the response phase, at
+    least the requests this EPP has in flight there).
     """
 
     type_name: ClassVar[str] = "load-aware-scorer"
@@ -53,7 +57,8 @@ class LoadAwareScorer:
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
         t = self.threshold
-        return [max(0.0, 1.0 - e.load() / t) for e in endpoints]
+        tracked = ctx.datastore.inflight_tracked
+        return [max(0.0, 1.0 - e.load(tracked) / t) for e in endpoints]
 
 
 @dataclass

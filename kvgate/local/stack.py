@@ -101,6 +101,9 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         f"tcp://{LOOPBACK}:{p.kv_events[i]}",
         "--kv-events-replay-endpoint",
         f"tcp://{LOOPBACK}:{p.kv_replay[i]}",
+        # the local EPP is the only router and drops a draining engine within one scrape
+        "--drain-grace-period",
+        "0.5",
     )
     if cfg.max_num_seqs is not None:
         argv += ["--max-num-seqs", str(cfg.max_num_seqs)]

@@ -66,7 +66,20 @@ def cpu_seconds(pid: int) -> float:
 
 
 def launch(*args: str, timeout: float = 60) -> EngineProcess:
-    cmd = [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--port", "0", *args]
+    # no drain grace unless a test asks for it (args come later and win): teardown stays fast
+    cmd = [
+        sys.executable,
+        "-P",
+        "-m",
+        "kvgate",
+        "engine",
+        "serve",
+        "--port",
+        "0",
+        "--drain-grace-period",
+        "0",
+        *args,
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     eng = EngineProcess(proc)

@@ -87,7 +87,9 @@ def _stream_in_thread(base: str, max_tokens: int, results: list, **extra) -> thr
 
 
 def test_sigterm_drains_in_flight_and_refuses_new(engine_factory) -> None:
-    eng = engine_factory("--simulate", "--sim-itl", "0.01", "--shutdown-timeout", "20")
+    eng = engine_factory(
+        "--simulate", "--sim-itl", "0.01", "--shutdown-timeout", "20", "--drain-grace-period", "0"
+    )
     results: list = []
     threads = [_stream_in_thread(eng.base_url, 150, results) for _ in range(4)]
     plain: list = []
@@ -119,7 +121,9 @@ def test_sigterm_drains_in_flight_and_refuses_new(engine_factory) -> None:
 
 
 def test_sigterm_timeout_ends_stragglers_and_exits_zero(engine_factory) -> None:
-    eng = engine_factory("--simulate", "--sim-itl", "0.01", "--shutdown-timeout", "0.5")
+    eng = engine_factory(
+        "--simulate", "--sim-itl", "0.01", "--shutdown-timeout", "0.5", "--drain-grace-period", "0"
+    )
     results: list = []
     t = _stream_in_thread(eng.base_url, 5000, results)
     _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 1)

@@ -97,12 +97,31 @@ def test_kv_cache_scorer(store: Datastore) -> None:
     assert scorers.KVCacheUtilizationScorer().score(ctx_for(store), store.all()) == [0.25, 1.0, 1.0]
 
 
-def test_load_aware_scorer_uses_larger_of_scrape_and_inflight(store: Datastore) -> None:
+def test_load_aware_scorer_uses_larger_of_scrape_and_inflight_with_response_phase(store: Datastore) -> None:
     a, b, c = store.all()
     set_metrics(store, a.address, running=4, waiting=4)
     b.inflight = 4
     c.inflight = 40
+    store.inflight_tracked = True
     assert scorers.LoadAwareScorer(threshold=16).score(ctx_for(store), store.all()) == [0.5, 0.75, 0.0]
+
+
+def test_load_without_response_phase_is_scrape_plus_unconfirmed_picks(store: Datastore) -> None:
+    a, b, c = store.all()
+    set_metrics(store, a.address, running=4, waiting=4)
+    c.inflight = 40  # never decremented without the response phase: must not count
+    t0 = time.monotonic()
+    for i in range(4):
+        b.note_pick(t0 + i * 0.001)
+    scorer = scorers.LoadAwareScorer(threshold=16)
+    assert scorer.score(ctx_for(store), store.all()) == [0.5, 0.75, 1.0]
+    assert [e.queue() for e in store.all()] == [4, 4, 0]
+    # a scrape sent before the picks settled shows none of them yet: all still count
+    store.update_metrics(b.address, EndpointMetrics(running=1, updated_at=t0 + 0.01, sent_at=t0 + 0.002))
+    assert b.load() == 5
+    # a scrape sent well after them shows them in the engine's own counts: ours are dropped
+    store.update_metrics(b.address, EndpointMetrics(running=4, updated_at=t0 + 0.2, sent_at=t0 + 0.1))
+    assert b.load() == 4 and b.pending == 0
 
 
 def test_lora_affinity_scorer(store: Datastore) -> None:
@@ -320,9 +339,11 @@ def test_director_routes_and_tracks_inflight(store: Datastore) -> None:
     decision = d.pick(make_request())
     assert decision.routed and len(decision.targets) == 1
     assert store.get(decision.targets[0]).inflight == 1
+    assert store.get(decision.targets[0]).pending == 1
     assert "profile=precise-prefix" in decision.reason
     d.finished(decision.targets[0])
     assert store.get(decision.targets[0]).inflight == 0
+    assert store.get(decision.targets[0]).pending == 1  # until a scrape shows it
 
 
 def test_director_sticks_to_prefix_holder_until_it_is_much_busier(store: Datastore) -> None:
@@ -333,7 +354,8 @@ def test_director_sticks_to_prefix_holder_until_it_is_much_busier(store: Datasto
     for i in range(4):
         assert d.pick(make_request(prompt + f"q{i + 2}")).targets[0] == first
     # a holder far busier than its peers loses
-    store.get(first).inflight = 14
+    for _ in range(10):  # now 15 picks there that no scrape has shown yet
+        store.get(first).note_pick(time.monotonic())
     assert d.pick(make_request(prompt + "late")).targets[0] != first
 
 
