@@ -9,6 +9,7 @@ Engines that require the API key on /metrics get ``Authorization: Bearer $KVGATE
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
@@ -136,6 +137,9 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
     )
 
 
+MODELS_REFRESH_S = 10.0  # how often GET /v1/models is asked again (served names, context)
+
+
 class MetricsScraper:
     """One polling task per endpoint, started and stopped as discovery adds and removes them."""
 
@@ -226,10 +230,29 @@ class MetricsScraper:
             log.info("endpoint %s: /health %d", endpoint.address, status)
             state.health_unavailable = unavailable
 
+    async def fetch_models(self, endpoint: Endpoint, getter: KeepAliveGetter) -> None:
+        """What the endpoint serves (names, context length), from its OpenAI GET /v1/models.
+        Best effort: an engine that refuses it simply reports nothing."""
+        try:
+            status, body = await getter.request(self._request(getter.host, getter.port, "/v1/models"))
+            if status != 200:
+                return
+            data = json.loads(body)["data"]
+            names = frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+            lengths = [int(m["max_model_len"]) for m in data if isinstance(m, dict) and "max_model_len" in m]
+        except (ScrapeError, ValueError, KeyError, TypeError):
+            return
+        state = self.datastore.get(endpoint.address)
+        if state is not None:
+            state.served_models = names
+            state.max_model_len = max(lengths, default=0)
+
     async def _poll(self, endpoint: Endpoint) -> None:
         host, _, port = endpoint.address.rpartition(":")
         getter = KeepAliveGetter(host.strip("[]"), int(port), self.path, self.timeout)
+        models = KeepAliveGetter(host.strip("[]"), int(port), "/v1/models", self.timeout)
         was_ok = True
+        next_models = 0.0
         n = 0
         try:
             while True:
@@ -240,9 +263,13 @@ class MetricsScraper:
                 if ok != was_ok:
                     log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
                     was_ok = ok
+                if ok and time.monotonic() >= next_models:
+                    await self.fetch_models(endpoint, models)
+                    next_models = time.monotonic() + MODELS_REFRESH_S
                 await asyncio.sleep(self.interval if ok else max(self.interval, 0.2))
         finally:
             getter.close()
+            models.close()
 
     async def close(self) -> None:
         for task in self._tasks.values():
