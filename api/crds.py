@@ -305,7 +305,10 @@ class EngineSpec(K8sModel):
         default=1,
         ge=1,
         le=16,
-        description="GPUs per replica (nvidia.com/gpu); extra engine flags go in args.",
+        description=(
+            "GPUs per replica (nvidia.com/gpu). The engine has no tensor parallelism yet: the operator "
+            "refuses values above 1 (InvalidSpec) rather than start pods that cannot use the GPUs."
+        ),
     )
     accelerator: Literal["nvidia", "none"] = Field(
         default="nvidia",
@@ -329,6 +332,18 @@ class EngineSpec(K8sModel):
     )
     node_selector: dict[str, str] | None = None
     tolerations: list[dict[str, Any]] | None = None
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tensor_parallelism_yet(cls, size: int) -> int:
+        # Kept out of the CRD schema on purpose: the API server would refuse the object with no
+        # trace on it, while the operator's InvalidSpec condition and event say why and what to do.
+        if size > 1:
+            raise ValueError(
+                f"tensorParallelSize {size} is not supported: `kvgate engine serve` has no tensor "
+                "parallelism yet; use 1 (one GPU per replica) and scale with replicas"
+            )
+        return size
 
 
 class ScorerSpec(K8sModel):
@@ -367,6 +382,15 @@ class RoutingSpec(K8sModel):
         default=None, description="Tokenizer for prefix keys; the model's by default."
     )
     secure_serving: bool = Field(default=True, description="Serve ext_proc over TLS (self-signed).")
+    epp_replicas: int = Field(
+        default=2,
+        ge=1,
+        le=16,
+        description=(
+            "Endpoint picker replicas, all serving at once (each rebuilds the same prefix index from "
+            "the engines' KV events). Two by default, so a rollout or a node loss never stops routing."
+        ),
+    )
 
     @field_validator("config")
     @classmethod
@@ -439,6 +463,99 @@ class HTTPRouteSpec(K8sModel):
     )
 
 
+class LabelSelectorRequirement(K8sModel):
+    key: str = Field(min_length=1, max_length=317)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] | None = None
+
+
+class KubeLabelSelector(K8sModel):
+    """A core Kubernetes LabelSelector (`{}` selects everything)."""
+
+    match_labels: dict[str, str] | None = None
+    match_expressions: list[LabelSelectorRequirement] | None = None
+
+
+class NetworkPeer(K8sModel):
+    """Pods allowed in: a NetworkPolicy peer. A namespaceSelector alone admits every pod of
+    those namespaces; a podSelector alone, only pods of the ModelDeployment's namespace."""
+
+    namespace_selector: KubeLabelSelector | None = None
+    pod_selector: KubeLabelSelector | None = None
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.namespaceSelector) || has(self.podSelector)",
+                    "message": "a peer needs a namespaceSelector, a podSelector or both",
+                }
+            ]
+        }
+    )
+
+    @model_validator(mode="after")
+    def _selects_something(self) -> NetworkPeer:
+        if self.namespace_selector is None and self.pod_selector is None:
+            raise ValueError("a peer needs a namespaceSelector, a podSelector or both")
+        return self
+
+
+# The chart's own Envoy gateway pods (charts/kvgate/templates/envoy-gateway.yaml), in any namespace.
+DEFAULT_GATEWAY_LABELS = {"app.kubernetes.io/name": "kvgate-envoy", "app.kubernetes.io/component": "gateway"}
+# Prometheus as kube-prometheus-stack / prometheus-operator runs it, in namespace `monitoring`.
+DEFAULT_PROMETHEUS_NAMESPACE = "monitoring"
+DEFAULT_PROMETHEUS_LABELS = {"app.kubernetes.io/name": "prometheus"}
+
+
+def _default_gateway_peers() -> list[NetworkPeer]:
+    return [
+        NetworkPeer(
+            namespace_selector=KubeLabelSelector(match_labels={}),
+            pod_selector=KubeLabelSelector(match_labels=dict(DEFAULT_GATEWAY_LABELS)),
+        )
+    ]
+
+
+def _default_metrics_peers() -> list[NetworkPeer]:
+    return [
+        NetworkPeer(
+            namespace_selector=KubeLabelSelector(
+                match_labels={"kubernetes.io/metadata.name": DEFAULT_PROMETHEUS_NAMESPACE}
+            ),
+            pod_selector=KubeLabelSelector(match_labels=dict(DEFAULT_PROMETHEUS_LABELS)),
+        )
+    ]
+
+
+class NetworkPolicySpec(K8sModel):
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Ingress NetworkPolicies for the endpoint picker and the engines (egress stays open). "
+            "Needs a CNI that enforces NetworkPolicy; false creates none and removes ours."
+        ),
+    )
+    gateway_from: list[NetworkPeer] = Field(
+        default_factory=_default_gateway_peers,
+        min_length=1,
+        max_length=16,
+        description=(
+            "The gateway's pods: they alone reach the picker's ext_proc and health ports and, with "
+            "the picker, the engines' serving port. Default: the kvgate chart's Envoy in any namespace; "
+            "with another Gateway API implementation, select its data-plane pods here."
+        ),
+    )
+    metrics_from: list[NetworkPeer] = Field(
+        default_factory=_default_metrics_peers,
+        max_length=16,
+        description=(
+            "Scrapers allowed to the picker's metrics port and the engines' serving port (/metrics "
+            "shares it). Default: pods labelled app.kubernetes.io/name=prometheus in namespace monitoring."
+        ),
+    )
+
+
 class ModelDeploymentSpec(K8sModel):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -453,6 +570,7 @@ class ModelDeploymentSpec(K8sModel):
     http_route: HTTPRouteSpec | None = Field(
         default=None, description="Attach the pool to these Gateways with an HTTPRoute."
     )
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
 
 class AutoscalerStatus(K8sModel):

@@ -21,6 +21,7 @@ from kvgate.api.crds import (
     POOL_VERSION,
     AutoscalingSpec,
     ModelDeploymentSpec,
+    NetworkPeer,
     RoutingSpec,
 )
 from kvgate.operator.config import OperatorConfig
@@ -37,6 +38,9 @@ EPP_GRPC_PORT = 9002
 EPP_HEALTH_PORT = 9003
 EPP_METRICS_PORT = 9090
 EPP_CONFIG_KEY = "epp-config.yaml"
+# The engine's API key variable (`kvgate engine serve --api-key` reads it too); the EPP sends it
+# as a bearer token when it scrapes engines' /metrics.
+API_KEY_ENV = "KVGATE_API_KEY"
 MODEL_DIR = "/models"
 MAX_MD_NAME = 59  # `<name>-epp` must stay a 63-character DNS label (it is a Service name)
 
@@ -163,8 +167,7 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
         "--shutdown-timeout",
         str(eng.shutdown_timeout_seconds),
     ]
-    # tensorParallelSize sizes the GPU request only: `kvgate engine serve` has no tensor
-    # parallelism flag yet, and an unknown flag would crash-loop the pod.
+    # No tensor-parallelism flag: the spec refuses tensorParallelSize > 1 (the engine has none).
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
     return args + list(eng.args)
@@ -418,6 +421,9 @@ class EPPTarget:
     tokenizer: str | None = None
     kv_events_port: int = 5557  # the engines' KV-event publisher port the EPP subscribes to
     termination_grace_seconds: int = 130
+    # The engines' KVGATE_API_KEY env entry (value or secretKeyRef), so the EPP can scrape engines
+    # whose /metrics requires the key (`kvgate engine serve --metrics-require-api-key`).
+    api_key_env: dict[str, Any] | None = None
 
 
 def epp_target_for_md(
@@ -436,6 +442,7 @@ def epp_target_for_md(
         routing=spec.routing,
         tokenizer=tokenizer,
         kv_events_port=spec.engine.kv_events_port,
+        api_key_env=next((e.wire() for e in spec.engine.env if e.name == API_KEY_ENV), None),
         # A request streaming when the EPP restarts must be able to finish through it.
         termination_grace_seconds=spec.engine.drain_seconds + spec.engine.shutdown_timeout_seconds + 10,
     )
@@ -466,7 +473,7 @@ def epp_args(target: EPPTarget) -> list[str]:
 
 
 def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any]]:
-    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment and Service of one EPP."""
+    """ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service and PDB of one EPP."""
     labels = _labels(target.instance, "epp", {**target.pod_labels, **config.extra_labels})
     meta = _meta(target.name, target.owner, labels)
     service_account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta}
@@ -509,6 +516,7 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "HOME", "value": "/tmp"},
             {"name": "HF_HOME", "value": "/tmp/hf"},
+            *([target.api_key_env] if target.api_key_env else []),
         ],
         "ports": [
             {"name": "grpc", "containerPort": target.grpc_port, "protocol": "TCP"},
@@ -520,7 +528,13 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
             "initialDelaySeconds": 5,
             "periodSeconds": 10,
         },
-        "readinessProbe": {"grpc": {"port": EPP_HEALTH_PORT, "service": "readiness"}, "periodSeconds": 2},
+        # `readiness` turns SERVING only once the endpoint list is synced and KV-event replay is
+        # done, so a new replica takes picks only when it agrees with the ones already serving.
+        "readinessProbe": {
+            "grpc": {"port": EPP_HEALTH_PORT, "service": "readiness"},
+            "periodSeconds": 2,
+            "failureThreshold": 2,
+        },
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": [
             {"name": "config", "mountPath": "/config", "readOnly": True},
@@ -533,9 +547,11 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
         "kind": "Deployment",
         "metadata": meta,
         "spec": {
-            # One picker holds the prefix index; Recreate hands over without two pickers racing.
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
+            # Active-active: every replica rebuilds the same prefix index from the engines' KV
+            # events, so they agree without talking to each other. A rollout adds the new replica
+            # and waits for it to be Ready (synced) before taking an old one away.
+            "replicas": target.routing.epp_replicas,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": dict(target.pod_labels)},
             "template": {
                 "metadata": {
@@ -551,6 +567,20 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": target.termination_grace_seconds,
                     "securityContext": _pod_security(config),
+                    # Preferred, not required: a one-node cluster still runs every replica.
+                    "affinity": {
+                        "podAntiAffinity": {
+                            "preferredDuringSchedulingIgnoredDuringExecution": [
+                                {
+                                    "weight": 100,
+                                    "podAffinityTerm": {
+                                        "topologyKey": "kubernetes.io/hostname",
+                                        "labelSelector": {"matchLabels": dict(target.pod_labels)},
+                                    },
+                                }
+                            ]
+                        }
+                    },
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": target.name}},
@@ -578,7 +608,74 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
             ],
         },
     }
-    return [service_account, role, role_binding, config_map, deployment, service]
+    # Voluntary disruptions (drains, upgrades) keep one picker serving. With one replica this
+    # blocks a node drain until the picker is moved by hand: the price of asking for one.
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": meta,
+        "spec": {
+            "minAvailable": 1,
+            "selector": {"matchLabels": dict(target.pod_labels)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+    return [service_account, role, role_binding, config_map, deployment, service, pdb]
+
+
+# ---------------------------------------------------------------------------------------------
+# NetworkPolicies (ingress only)
+# ---------------------------------------------------------------------------------------------
+#
+# Egress stays open: the picker needs DNS, the API server (whose address a NetworkPolicy can
+# only name by IP block) and the engines; engines may need a model hub. Kubelet probes come from
+# the node and are allowed by the common CNIs (Calico, Cilium, GKE Dataplane V2) whatever the
+# policy says, so the health port is opened to the gateway only (its EPP health checks).
+
+
+def _peers(peers: list[NetworkPeer]) -> list[dict[str, Any]]:
+    return [p.wire() for p in peers]
+
+
+def _tcp(*ports: int) -> list[dict[str, Any]]:
+    return [{"protocol": "TCP", "port": port} for port in sorted(set(ports))]
+
+
+def network_policies(
+    name: str, owner: Owner, spec: ModelDeploymentSpec, config: OperatorConfig
+) -> list[dict[str, Any]]:
+    """The picker's and the engines' ingress policies; none when spec.networkPolicy is off."""
+    policy = spec.network_policy
+    if not policy.enabled:
+        return []
+    epp_pods = {LABEL_MD: name, LABEL_ROLE: "epp"}
+    gateway, metrics = _peers(policy.gateway_from), _peers(policy.metrics_from)
+    epp_rules: list[dict[str, Any]] = [{"from": gateway, "ports": _tcp(EPP_GRPC_PORT, EPP_HEALTH_PORT)}]
+    eng = spec.engine
+    engine_rules: list[dict[str, Any]] = [
+        {"from": gateway, "ports": _tcp(eng.port)},
+        # The picker scrapes /metrics on the serving port and subscribes to KV events.
+        {"from": [{"podSelector": {"matchLabels": epp_pods}}], "ports": _tcp(eng.port, eng.kv_events_port)},
+    ]
+    if metrics:
+        epp_rules.append({"from": metrics, "ports": _tcp(EPP_METRICS_PORT)})
+        # /metrics shares the serving port: scrapers reach the API too (the engine's API key guards it).
+        engine_rules.append({"from": metrics, "ports": _tcp(eng.port)})
+    out = []
+    for policy_name, component, pods, rules in (
+        (epp_name(name), "epp", epp_pods, epp_rules),
+        (name, "engine", engine_selector(name), engine_rules),
+    ):
+        labels = _labels(name, component, {**pods, **config.extra_labels})
+        out.append(
+            {
+                "apiVersion": "networking.k8s.io/v1",
+                "kind": "NetworkPolicy",
+                "metadata": _meta(policy_name, owner, labels),
+                "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"], "ingress": rules},
+            }
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -744,6 +841,7 @@ def model_deployment_children(
             name, owner, spec, config, desired_replicas(spec, scaler is not None, engine_exists)
         ),
         engine_pdb(name, owner, config),
+        *network_policies(name, owner, spec, config),
     ]
     if scaler == "ScaledObject":
         children.append(scaled_object(name, owner, spec.autoscaling, config))
@@ -754,8 +852,15 @@ def model_deployment_children(
     return children
 
 
-# Kinds a ModelDeployment may or may not have; one not desired now is deleted if we own it.
-OPTIONAL_KINDS = ("ScaledObject", "HorizontalPodAutoscaler", "HTTPRoute")
+# Children a ModelDeployment may or may not have, as (kind, name suffix); one not desired now is
+# deleted if we own it.
+OPTIONAL_CHILDREN = (
+    ("ScaledObject", ""),
+    ("HorizontalPodAutoscaler", ""),
+    ("HTTPRoute", ""),
+    ("NetworkPolicy", ""),
+    ("NetworkPolicy", "-epp"),
+)
 
 
 def command_line(manifest: dict[str, Any]) -> str:

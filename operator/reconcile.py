@@ -234,17 +234,19 @@ class Reconciler:
         return meta.get("uid") == owner_uid and not meta.get("deletionTimestamp")
 
     async def prune(
-        self, namespace: str, name: str, keep_kinds: set[str], owner_uid: str, caps: ch.Capabilities
+        self, namespace: str, name: str, keep: set[tuple[str, str]], owner_uid: str, caps: ch.Capabilities
     ) -> None:
-        served = {"ScaledObject": caps.keda, "HTTPRoute": caps.gateway_api, "HorizontalPodAutoscaler": True}
-        for kind in ch.OPTIONAL_KINDS:
-            if kind in keep_kinds or not served[kind]:
+        """Deletes optional children we own that `keep` (kind, name) no longer lists."""
+        served = {"ScaledObject": caps.keda, "HTTPRoute": caps.gateway_api}
+        for kind, suffix in ch.OPTIONAL_CHILDREN:
+            child = name + suffix
+            if (kind, child) in keep or not served.get(kind, True):
                 continue
             res = ch_resource(kind)
-            live = await self.client.get(res, namespace, name)
+            live = await self.client.get(res, namespace, child)
             if live is not None and controlled_by(live, owner_uid):
-                await self.client.delete(res, namespace, name)
-                log.info("%s %s/%s deleted (no longer wanted)", kind, namespace, name)
+                await self.client.delete(res, namespace, child)
+                log.info("%s %s/%s deleted (no longer wanted)", kind, namespace, child)
 
     # -- ModelDeployment ---------------------------------------------------------------------
 
@@ -274,7 +276,8 @@ class Reconciler:
         )
         try:
             live = await self.apply_all(manifests, uid)
-            await self.prune(namespace, name, {m["kind"] for m in manifests}, uid, caps)
+            keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
+            await self.prune(namespace, name, keep, uid, caps)
         except ApiError as exc:
             msg = f"applying children failed: {exc}"
             return _failure(old_conditions, generation, "ApplyFailed", msg, msg)
@@ -287,6 +290,7 @@ class Reconciler:
         ready = int(es.get("readyReplicas") or 0)
         updated = int(es.get("updatedReplicas") or 0)
         epp_ready = int((epp.get("status") or {}).get("readyReplicas") or 0)
+        epp_want = int((epp.get("spec") or {}).get("replicas") or 0)
         gen_seen = es.get("observedGeneration")
         rolled = gen_seen is None or gen_seen >= (engine.get("metadata") or {}).get("generation", 0)
 
@@ -304,9 +308,14 @@ class Reconciler:
                 Cond("Ready", "False", "EndpointPickerNotReady", "The endpoint picker is not ready.")
             )
         else:
+            # One Ready picker routes the whole pool; fewer than wanted is worth saying, not failing.
+            pickers = f"{epp_ready}/{epp_want} endpoint pickers ready"
             conds.append(
                 Cond(
-                    "Ready", "True", "Available", f"{ready}/{want} engine replicas ready behind pool {name}."
+                    "Ready",
+                    "True",
+                    "Available",
+                    f"{ready}/{want} engine replicas ready behind pool {name}; {pickers}.",
                 )
             )
         if ready < want or updated < want or not rolled:

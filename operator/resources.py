@@ -49,6 +49,7 @@ EVENTS = Resource("", "v1", "events", "Event")
 ROLES = Resource("rbac.authorization.k8s.io", "v1", "roles", "Role")
 ROLE_BINDINGS = Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 PDBS = Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+NETWORK_POLICIES = Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 HPAS = Resource("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler")
 SCALED_OBJECTS = Resource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
 HTTP_ROUTES = Resource("gateway.networking.k8s.io", "v1", "httproutes", "HTTPRoute")
@@ -68,6 +69,7 @@ BY_KIND: dict[str, Resource] = {
         ROLES,
         ROLE_BINDINGS,
         PDBS,
+        NETWORK_POLICIES,
         HPAS,
         SCALED_OBJECTS,
         HTTP_ROUTES,

@@ -27,6 +27,8 @@ from kvgate.operator.resources import (
     HTTP_ROUTES,
     INFERENCE_POOLS,
     MODEL_DEPLOYMENTS,
+    NETWORK_POLICIES,
+    PDBS,
     SCALED_OBJECTS,
     SERVICES,
 )
@@ -42,9 +44,12 @@ BASE_CHILDREN = {
     ("ConfigMap", "smol-epp"),
     ("Deployment", "smol-epp"),
     ("Service", "smol-epp"),
+    ("PodDisruptionBudget", "smol-epp"),
+    ("NetworkPolicy", "smol-epp"),
     ("InferencePool", "smol"),
     ("Deployment", "smol"),
     ("PodDisruptionBudget", "smol"),
+    ("NetworkPolicy", "smol"),
 }
 
 
@@ -252,6 +257,106 @@ async def test_removed_fields_are_removed_from_children(cluster: Any, operator: 
     await cluster.eventually(lambda: "lifecycle" not in engine_container(cluster), what="preStop dropped")
 
 
+def epp_deployment(cluster: Any, name: str = "smol") -> dict[str, Any]:
+    return cluster.objects(DEPLOYMENTS)[f"{name}-epp"]
+
+
+async def test_the_endpoint_picker_is_highly_available(cluster: Any, operator: Any, validator: Any) -> None:
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
+    kids = await cluster.eventually(
+        lambda: set(cluster.children(UID)) == BASE_CHILDREN and cluster.children(UID)
+    )
+    for obj in kids.values():
+        validator.check(obj)
+    epp = kids[("Deployment", "smol-epp")]["spec"]
+    assert epp["replicas"] == 2
+    assert epp["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    (term,) = epp["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"] == {
+        "topologyKey": "kubernetes.io/hostname",
+        "labelSelector": {"matchLabels": epp["selector"]["matchLabels"]},
+    }
+    probe = epp["template"]["spec"]["containers"][0]["readinessProbe"]
+    assert probe["grpc"] == {"port": 9003, "service": "readiness"}
+    pdb = kids[("PodDisruptionBudget", "smol-epp")]
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"] == epp["selector"]
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == UID
+
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"routing": {"eppReplicas": 3}}})
+    await cluster.eventually(lambda: epp_deployment(cluster)["spec"]["replicas"] == 3, what="3 pickers")
+
+    # One Ready picker is enough to route; the Ready message says how many of how many.
+    await cluster.client.patch(
+        DEPLOYMENTS, NS, "smol", {"status": {"replicas": 1, "readyReplicas": 1}}, "status"
+    )
+    await cluster.client.patch(
+        DEPLOYMENTS, NS, "smol-epp", {"status": {"replicas": 3, "readyReplicas": 1}}, "status"
+    )
+    cond = await cluster.eventually(
+        lambda: (condition(cluster, "Ready") or {}).get("status") == "True" and condition(cluster, "Ready")
+    )
+    assert "1/3 endpoint pickers ready" in cond["message"]
+
+
+async def test_network_policies_admit_only_the_gateway_the_picker_and_scrapers(
+    cluster: Any, operator: Any, validator: Any
+) -> None:
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "obs"}}}
+    await cluster.client.create(
+        MODEL_DEPLOYMENTS, NS, model_deployment({"networkPolicy": {"metricsFrom": [prometheus]}})
+    )
+    policies = await cluster.eventually(
+        lambda: len(cluster.objects(NETWORK_POLICIES)) == 2 and cluster.objects(NETWORK_POLICIES)
+    )
+    for policy in policies.values():
+        validator.check(policy)
+        assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress stays open
+    gateway = [
+        {
+            "namespaceSelector": {"matchLabels": {}},
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "kvgate-envoy",
+                    "app.kubernetes.io/component": "gateway",
+                }
+            },
+        }
+    ]
+
+    def rules(policy: dict[str, Any]) -> list[tuple[Any, list[int]]]:
+        return [(r["from"], [p["port"] for p in r["ports"]]) for r in policy["spec"]["ingress"]]
+
+    epp = policies["smol-epp"]
+    assert epp["spec"]["podSelector"] == epp_deployment(cluster)["spec"]["selector"]
+    assert rules(epp) == [(gateway, [9002, 9003]), ([prometheus], [9090])]
+    engine = policies["smol"]
+    assert engine["spec"]["podSelector"] == cluster.objects(DEPLOYMENTS)["smol"]["spec"]["selector"]
+    epp_pods = [{"podSelector": epp["spec"]["podSelector"]}]
+    assert rules(engine) == [(gateway, [8000]), (epp_pods, [5557, 8000]), ([prometheus], [8000])]
+
+    # Opting out removes them; the rest of the children stay.
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"networkPolicy": {"enabled": False}}})
+    await cluster.eventually(lambda: not cluster.objects(NETWORK_POLICIES), what="policies removed")
+    assert set(cluster.children(UID)) == {k for k in BASE_CHILDREN if k[0] != "NetworkPolicy"}
+    assert cluster.objects(PDBS).keys() == {"smol", "smol-epp"}
+
+
+async def test_tensor_parallelism_is_refused_with_a_condition(cluster: Any, operator: Any) -> None:
+    bad = model_deployment({"engine": {"image": "ghcr.io/kvgate/engine:test", "tensorParallelSize": 2}})
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, bad)
+    cond = await cluster.eventually(lambda: condition(cluster, "Ready"), what="Ready condition")
+    assert cond["reason"] == "InvalidSpec"
+    assert "tensorParallelSize 2 is not supported" in cond["message"]
+    await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "InvalidSpec"],
+        what="Warning event",
+    )
+    assert cluster.children(UID) == {}
+
+
 async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: Any, operator: Any) -> None:
     bad = model_deployment(
         {
@@ -303,7 +408,7 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
     }
     await cluster.client.create(INFERENCE_POOLS, NS, pool)
     kids = await cluster.eventually(
-        lambda: len(cluster.children(pool_uid)) == 6 and cluster.children(pool_uid)
+        lambda: len(cluster.children(pool_uid)) == 7 and cluster.children(pool_uid)
     )
     assert {kind for kind, _ in kids} == {
         "ServiceAccount",
@@ -312,7 +417,10 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
         "ConfigMap",
         "Deployment",
         "Service",
+        "PodDisruptionBudget",
     }
+    # The pool's model servers are not ours, so no NetworkPolicy; the picker is still HA.
+    assert kids[("Deployment", "vllm-llama3-epp")]["spec"]["replicas"] == 2
     assert {name for _, name in kids} == {"vllm-llama3-epp"}
     args = kids[("Deployment", "vllm-llama3-epp")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["--pool-name", "vllm-llama3", "--pool-namespace", NS]

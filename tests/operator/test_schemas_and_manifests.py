@@ -233,10 +233,19 @@ def test_model_deployment_crd_rejects_what_the_operator_rejects(validator: Any) 
         {"model": {"source": "hf://org/model"}, "routing": {"failureMode": "Maybe"}},
         {"model": {"source": "hf://org/model"}, "engine": {"imagePullPolicy": "Sometimes"}},
         {"model": {"source": "hf://org/model"}, "unknownField": 1},
+        {"model": {"source": "hf://org/model"}, "routing": {"eppReplicas": 0}},
+        {"model": {"source": "hf://org/model"}, "networkPolicy": {"gatewayFrom": [{}]}},
+        {"model": {"source": "hf://org/model"}, "networkPolicy": {"gatewayFrom": []}},
     ):
         assert validator.errors({**base, "spec": spec}), spec
         with pytest.raises(ValueError):
             ModelDeploymentSpec.model_validate(spec)
+    # The API server admits tensorParallelSize 2 on purpose: the operator refuses it with an
+    # InvalidSpec condition that says why (the engine has no tensor parallelism yet).
+    tp2 = {"model": {"source": "hf://org/model"}, "engine": {"tensorParallelSize": 2}}
+    validator.check({**base, "spec": tp2})
+    with pytest.raises(ValueError, match="tensorParallelSize 2 is not supported"):
+        ModelDeploymentSpec.model_validate(tp2)
     for config in ("kind: Deployment", "{unclosed", "kind: EndpointPickerConfig\nplugins: []"):
         with pytest.raises(ValueError):
             ModelDeploymentSpec.model_validate(
@@ -257,7 +266,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "hf-keda-route": {
         "model": {"source": "hf://Qwen/Qwen3-8B@main", "hfTokenSecret": "hf", "maxModelLen": 8192},
         "engine": {
-            "tensorParallelSize": 4,
+            "tensorParallelSize": 1,
             "resources": {"requests": {"cpu": "8", "memory": "64Gi"}, "limits": {"memory": "80Gi"}},
             "env": [
                 {"name": "X", "value": "1"},
@@ -315,7 +324,7 @@ def test_engine_pod_is_hardened_and_sized(validator: Any) -> None:
     assert "replicas" not in dep["spec"]  # the autoscaler owns the count
     pod = dep["spec"]["template"]["spec"]
     engine = pod["containers"][0]
-    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert engine["startupProbe"]["failureThreshold"] * engine["startupProbe"]["periodSeconds"] >= 1800
     assert engine["readinessProbe"]["httpGet"]["path"] == "/health"
     assert engine["lifecycle"]["preStop"]["sleep"]["seconds"] == 30
@@ -331,6 +340,17 @@ def test_engine_pod_is_hardened_and_sized(validator: Any) -> None:
     assert "--host 0.0.0.0 --port 8000" in cmd and "--max-model-len 8192" in cmd
 
 
+def test_epp_gets_the_engines_api_key_to_scrape_their_metrics() -> None:
+    key = {"name": "KVGATE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llm-key", "key": "key"}}}
+    owner = ch.model_deployment_owner("k", "ns1", "uid-1")
+    for env, expected in (([key, {"name": "OTHER", "value": "1"}], [key]), ([], [])):
+        spec = ModelDeploymentSpec.model_validate({"model": {"source": "hf://a/b"}, "engine": {"env": env}})
+        objs = ch.epp_objects(ch.epp_target_for_md("k", owner, spec, OperatorConfig()), OperatorConfig())
+        dep = next(o for o in objs if o["kind"] == "Deployment")
+        epp_env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert [e for e in epp_env if e["name"] in ("KVGATE_API_KEY", "OTHER")] == expected
+
+
 def test_epp_matches_the_gie_flags_and_config() -> None:
     spec = ModelDeploymentSpec.model_validate(SPECS["pvc-hpa"])
     owner = ch.model_deployment_owner("p", "ns1", "uid-1")
@@ -339,7 +359,8 @@ def test_epp_matches_the_gie_flags_and_config() -> None:
         for o in ch.epp_objects(ch.epp_target_for_md("p", owner, spec, OperatorConfig()), OperatorConfig())
     }
     dep = objs["Deployment"]
-    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert dep["spec"]["replicas"] == 2  # active-active by default
     assert ch.command_line(dep) == (
         "kvgate epp serve --pool-name p --pool-namespace ns1 --config-file /config/epp-config.yaml "
         "--grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 --secure-serving=false"
@@ -451,6 +472,7 @@ def test_operator_deployment_and_rbac(rendered_chart: dict[str, list[dict[str, A
         "Role",
         "RoleBinding",
         "PodDisruptionBudget",
+        "NetworkPolicy",
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "HTTPRoute",
