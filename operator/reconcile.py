@@ -404,7 +404,10 @@ class Reconciler:
         if check.error:
             return signals, Cond("Metrics", "False", "PrometheusUnreachable", check.error[:500]), False
         if not check.has_data:
-            msg = f"The autoscaler's query returns no data (is the EPP scraped?): {query}"
+            scraped = "is the EPP scraped?"
+            if spec.network_policy.enabled:
+                scraped += " spec.networkPolicy.metricsFrom must select Prometheus' pods"
+            msg = f"The autoscaler's query returns no data ({scraped}): {query}"
             return signals, Cond("Metrics", "False", "NoData", msg), False
         return signals, Cond("Metrics", "True", "QueryHasData", "The autoscaler's query returns data."), True
 

@@ -207,6 +207,7 @@ async def test_operator_puts_live_signals_into_status(stack: Stack, cluster: Any
     )
     assert ghost["status"] == "False" and ghost["reason"] == "NoData"
     assert "ghost" in ghost["message"]
+    assert "spec.networkPolicy.metricsFrom" in ghost["message"]  # policies are on by default
     # No EPP series for "ghost", but its engines serve the same model: the status still shows them.
     assert status("ghost")["signals"]["queueSize"] == "0"
 
