@@ -179,8 +179,10 @@ def test_response_completion_releases_inflight_and_counts_errors(handler) -> Non
     target = set_headers(out[0])["x-gateway-destination-endpoint"]
     state = handler.director.datastore.get(target)
     assert state.inflight == 1
+    assert not handler.director.datastore.inflight_tracked  # no response phase seen yet
     hm = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=b"503")])
     handler.handle(x, ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hm)))
+    assert handler.director.datastore.inflight_tracked  # Envoy sends it: in-flight counts are exact
     out = handler.handle(x, ep.ProcessingRequest(response_body=ep.HttpBody(body=b"oops", end_of_stream=True)))
     assert out[0].response_body.response.body_mutation.streamed_response.end_of_stream
     assert state.inflight == 0
