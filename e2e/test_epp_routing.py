@@ -154,14 +154,24 @@ def test_malformed_body_is_400_from_the_epp(stack, client, body, needle) -> None
     assert sum(e.metric("vllm:prompt_tokens_total") for e in engines) == before
 
 
-def test_model_name_rewrite(client) -> None:
-    resp = client.post(
-        "/v1/completions",
-        json={"model": "my-alias", "prompt": "rewrite me", "max_tokens": 3},
-        headers={"x-gateway-model-name-rewrite": "default"},
-    )
+def test_model_name_rewrite(stack, client, tmp_path) -> None:
+    body = {"model": "my-alias", "prompt": "rewrite me", "max_tokens": 3}
+    rewrite = {"x-gateway-model-name-rewrite": "default"}
+    # default gateway: the EPP stays out of the response path, so the engine's name shows
+    resp = client.post("/v1/completions", json=body, headers=rewrite)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["model"] == "my-alias"  # the engine served "default"; the client sees its own name
+    assert resp.json()["model"] == "default"
+    # with the response phase on, the EPP rewrites it back: the client sees its own name
+    _, epp, _ = stack
+    envoy = harness.start_envoy(tmp_path, epp.grpc_port, epp_tls=True, response_phase=True)
+    try:
+        envoy.wait_ready()
+        envoy.wait_epp_healthy()
+        resp = httpx.post(f"{envoy.url}/v1/completions", json=body, headers=rewrite, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["model"] == "my-alias"
+    finally:
+        harness.stop_all(envoy.proc)
 
 
 def test_sheddable_gets_429_when_saturated_while_critical_is_served(stack, client) -> None:

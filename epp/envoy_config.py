@@ -16,16 +16,20 @@ import argparse
 import ipaddress
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
+import envoy.config.accesslog.v3.accesslog_pb2 as accesslog_pb2
 import envoy.config.bootstrap.v3.bootstrap_pb2 as bootstrap_pb2
 import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
 import envoy.config.core.v3.address_pb2 as address_pb2
 import envoy.config.core.v3.base_pb2 as base_pb2
 import envoy.config.core.v3.config_source_pb2  # noqa: F401  (registers types MessageToDict may meet)
+import envoy.config.core.v3.extension_pb2 as extension_pb2
 import envoy.config.core.v3.grpc_service_pb2 as grpc_service_pb2
 import envoy.config.core.v3.health_check_pb2 as health_check_pb2
 import envoy.config.core.v3.protocol_pb2 as protocol_pb2
+import envoy.config.core.v3.substitution_format_string_pb2 as substitution_pb2
 import envoy.config.endpoint.v3.endpoint_components_pb2 as endpoint_components_pb2
 import envoy.config.endpoint.v3.endpoint_pb2 as endpoint_pb2
 import envoy.config.listener.v3.listener_components_pb2 as listener_components_pb2
@@ -36,11 +40,15 @@ import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
 import envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 as processing_mode_pb2
 import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
+import envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2 as override_host_pb2
+import envoy.extensions.load_balancing_policies.round_robin.v3.round_robin_pb2 as round_robin_pb2
 import envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2 as previous_hosts_pb2
 import envoy.extensions.transport_sockets.tls.v3.tls_pb2 as tls_pb2
 import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_protocol_options_pb2
 import envoy.type.matcher.v3.string_pb2 as string_pb2
-from google.protobuf import any_pb2, duration_pb2, json_format, wrappers_pb2
+import envoy.type.metadata.v3.metadata_pb2 as metadata_pb2
+import envoy.type.v3.range_pb2 as range_pb2
+from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
@@ -50,7 +58,38 @@ EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EPP_CLUSTER = "epp"
 ROUTED_CLUSTER = "original_destination"
 FALLBACK_CLUSTER = "pool_fallback"
+POOL_CLUSTER = "pool"
 DIRECT_CLUSTER = "direct"
+LB_METADATA_NAMESPACE = "envoy.lb"
+# Request headers that only kvgate's own components may set: dropped at the gateway.
+INTERNAL_REQUEST_HEADERS = ["x-kvgate-inject-failure"]
+# Engine routes clients have no business calling through the gateway (vLLM serves them too).
+INTERNAL_PATHS = ["/metrics", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc"]
+INTERNAL_V1_PATHS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayLimits:
+    """Every bound the gateway puts on a client, documented in one place (README "Gateway limits").
+
+    - max_request_body_bytes: a declared body (Content-Length) over this gets 413 at Envoy; a
+      chunked body is counted by the EPP as it streams and gets 413 there.
+    - request_headers_timeout_s: a client must send its request headers within this (slowloris).
+    - request_timeout_s: the whole request body must arrive, and the EPP answer, within this.
+    - stream_idle_timeout_s: no byte either way for this long ends a stream. Streamed tokens
+      arrive every few ms; a non-streamed request is silent for its whole generation, so this is
+      the longest silent generation the gateway allows (a hung engine costs a client this much).
+    - route_timeout_s: the hard cap on one request, streaming included.
+    - epp_message_timeout_s: how long Envoy waits for the EPP's answer to one message.
+    """
+
+    max_request_body_bytes: int = 8 * MiB
+    request_headers_timeout_s: float = 10.0
+    request_timeout_s: float = 60.0
+    stream_idle_timeout_s: float = 600.0
+    route_timeout_s: float = 3600.0
+    epp_message_timeout_s: float = 10.0
 
 
 def _any(msg: Any) -> any_pb2.Any:
@@ -104,20 +143,27 @@ def _header_present(name: str) -> route_components_pb2.HeaderMatcher:
     return route_components_pb2.HeaderMatcher(name=name, present_match=True)
 
 
-def _ext_proc_filter(failure_mode: str, message_timeout: float) -> ext_proc_pb2.ExternalProcessor:
+def _ext_proc_filter(
+    failure_mode: str, message_timeout: float, response_phase: bool
+) -> ext_proc_pb2.ExternalProcessor:
     mode = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
         grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EPP_CLUSTER), timeout=_seconds(10)
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EPP_CLUSTER),
+            timeout=_seconds(10),
         ),
         failure_mode_allow=failure_mode == "FailOpen",
+        # Response phase off by default: a picker that dies or stalls cannot touch a stream a
+        # healthy engine is serving (the EPP learns load from engine metrics instead). On, the
+        # EPP sees every response (model-name rewrite back, exact in-flight counts) at the cost
+        # of sitting in every stream.
         processing_mode=processing_mode_pb2.ProcessingMode(
             request_header_mode=mode.SEND,
-            response_header_mode=mode.SEND,
+            response_header_mode=mode.SEND if response_phase else mode.SKIP,
             request_body_mode=mode.FULL_DUPLEX_STREAMED,
-            response_body_mode=mode.FULL_DUPLEX_STREAMED,
+            response_body_mode=mode.FULL_DUPLEX_STREAMED if response_phase else mode.NONE,
             request_trailer_mode=mode.SEND,
-            response_trailer_mode=mode.SEND,
+            response_trailer_mode=mode.SEND if response_phase else mode.SKIP,
         ),
         message_timeout=_seconds(message_timeout),
         max_message_timeout=_seconds(message_timeout),
@@ -127,6 +173,64 @@ def _ext_proc_filter(failure_mode: str, message_timeout: float) -> ext_proc_pb2.
                 untyped=[SUBSET_HINT_NAMESPACE]
             )
         ),
+    )
+
+
+def _error_body(status: int, message: str, code: str) -> str:
+    kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+def _direct_json(status: int, message: str, code: str) -> route_components_pb2.DirectResponseAction:
+    return route_components_pb2.DirectResponseAction(
+        status=status, body=base_pb2.DataSource(inline_string=_error_body(status, message, code))
+    )
+
+
+_JSON_CONTENT = [
+    base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key="content-type", value="application/json"),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+]
+
+
+def _no_ext_proc() -> dict[str, any_pb2.Any]:
+    return {EXT_PROC_FILTER: _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+
+
+def _local_replies() -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own error replies (no healthy engine, reset, timeouts) as OpenAI-shaped JSON.
+
+    Matched by response flag, so the EPP's own immediate responses (already JSON) and engine
+    answers pass untouched."""
+
+    def body(kind: str) -> substitution_pb2.SubstitutionFormatString:
+        fmt = struct_pb2.Struct()
+        fmt.update(
+            {
+                "error": {
+                    "message": "%LOCAL_REPLY_BODY%",
+                    "type": kind,
+                    "param": None,
+                    "code": "%RESPONSE_CODE_DETAILS%",
+                }
+            }
+        )
+        return substitution_pb2.SubstitutionFormatString(json_format=fmt, content_type="application/json")
+
+    def flags(*names: str) -> accesslog_pb2.AccessLogFilter:
+        return accesslog_pb2.AccessLogFilter(
+            response_flag_filter=accesslog_pb2.ResponseFlagFilter(flags=list(names))
+        )
+
+    return hcm_pb2.LocalReplyConfig(
+        mappers=[
+            hcm_pb2.ResponseMapper(
+                filter=flags("UH", "UF", "URX", "UC", "UR", "UO", "NR", "UT", "SI", "DPE", "UPE", "NC"),
+                body_format_override=body("service_unavailable"),
+            ),
+        ],
     )
 
 
@@ -140,9 +244,15 @@ def build_bootstrap(
     fallback_endpoints: list[str] | None = None,
     epp_tls: bool = False,
     listen_host: str = "127.0.0.1",
-    message_timeout: float = 1000.0,
+    message_timeout: float | None = None,
     epp_health_check: bool = True,
-    expose_upstream_header: bool = True,
+    expose_upstream_header: bool = False,
+    *,
+    epp_addresses: list[str] | None = None,
+    response_phase: bool = False,
+    pool_endpoints: list[str] | None = None,
+    limits: GatewayLimits | None = None,
+    expose_internal_routes: bool = False,
 ) -> dict[str, Any]:
     """The bootstrap as a dict (the protos' JSON mapping); dump it as YAML or JSON for Envoy.
 
@@ -150,10 +260,25 @@ def build_bootstrap(
     ``fallback_endpoints`` round-robin, when given); ``FailClose`` answers them with an error.
     ``direct_upstream``: ip:port reached by requests carrying ``x-kvgate-route: direct``,
     bypassing ext_proc (a same-Envoy baseline for latency measurements).
+    ``epp_addresses``: every EPP replica (host:port), all serving at once; default: epp_host:epp_port.
+    ``pool_endpoints``: the engines, when known up front (the local stack). Then the picked
+    route goes to a cluster of exactly those hosts with Envoy's override-host policy: the EPP's
+    choice first, and a request that fails before its first response byte (connect failure,
+    reset, 503 from a draining engine) is retried once on the EPP's next fallback, never on the
+    same dead address. Without it, an ORIGINAL_DST cluster connects to whatever ip:port the EPP
+    names (a Kubernetes pool) and cannot retry elsewhere.
+    ``expose_upstream_header``: add ``x-kvgate-upstream`` (the engine that answered) to
+    responses; for tests and benchmarks, off for real traffic.
+    ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
     """
     if failure_mode not in ("FailOpen", "FailClose"):
         raise ValueError(f"failure_mode must be FailOpen or FailClose, got {failure_mode!r}")
+    limits = limits or GatewayLimits()
+    if message_timeout is not None:
+        limits = GatewayLimits(**{**limits.__dict__, "epp_message_timeout_s": message_timeout})
     fallback = [_split(e) for e in fallback_endpoints or []]
+    epps = [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)]
+    pool = [_split(e) for e in pool_endpoints or []]
 
     upstream_headers = (
         [
@@ -165,7 +290,8 @@ def build_bootstrap(
         if expose_upstream_header
         else []
     )
-    no_timeout = _seconds(0)  # generations stream for minutes; Envoy's 15 s default would cut them
+    route_timeout = _seconds(limits.route_timeout_s)
+    idle = _seconds(limits.stream_idle_timeout_s)
     routes: list[route_components_pb2.Route] = []
     if direct_upstream:
         routes.append(
@@ -179,28 +305,89 @@ def build_bootstrap(
                         )
                     ],
                 ),
-                route=route_components_pb2.RouteAction(cluster=DIRECT_CLUSTER, timeout=no_timeout),
-                typed_per_filter_config={EXT_PROC_FILTER: _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+                route=route_components_pb2.RouteAction(
+                    cluster=DIRECT_CLUSTER, timeout=route_timeout, idle_timeout=idle
+                ),
+                typed_per_filter_config=_no_ext_proc(),
             )
         )
+    # A declared body over the limit never reaches the EPP (ext_proc is off on this route).
+    routes.append(
+        route_components_pb2.Route(
+            name="body_too_large",
+            match=route_components_pb2.RouteMatch(
+                prefix="/",
+                headers=[
+                    route_components_pb2.HeaderMatcher(
+                        name="content-length",
+                        range_match=range_pb2.Int64Range(start=limits.max_request_body_bytes + 1, end=2**62),
+                    )
+                ],
+            ),
+            direct_response=_direct_json(
+                413, f"request body larger than {limits.max_request_body_bytes} bytes", "body_too_large"
+            ),
+            typed_per_filter_config=_no_ext_proc(),
+            response_headers_to_add=_JSON_CONTENT,
+        )
+    )
+    if not expose_internal_routes:
+        for path in INTERNAL_V1_PATHS:
+            routes.append(
+                route_components_pb2.Route(
+                    name=f"internal {path}",
+                    match=route_components_pb2.RouteMatch(path=path),
+                    direct_response=_direct_json(404, f"no route {path}", "not_found"),
+                    typed_per_filter_config=_no_ext_proc(),
+                    response_headers_to_add=_JSON_CONTENT,
+                )
+            )
+    served_prefix = "/" if expose_internal_routes else "/v1/"
+    retry = route_components_pb2.RetryPolicy(
+        # Only failures before any response byte: the request never ran, so running it
+        # elsewhere cannot duplicate work. An engine's 503 is sent before it starts a request
+        # (draining, dead loop), never mid-stream.
+        retry_on="connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+        retriable_status_codes=[503],
+        num_retries=wrap(1),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
+    )
+    picked_action = route_components_pb2.RouteAction(
+        cluster=POOL_CLUSTER if pool else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
+    )
+    if pool:
+        picked_action.retry_policy.CopyFrom(retry)
     routes.append(
         route_components_pb2.Route(
             name="picked",
-            match=route_components_pb2.RouteMatch(prefix="/", headers=[_header_present(DESTINATION_HEADER)]),
-            route=route_components_pb2.RouteAction(cluster=ROUTED_CLUSTER, timeout=no_timeout),
+            match=route_components_pb2.RouteMatch(
+                prefix=served_prefix, headers=[_header_present(DESTINATION_HEADER)]
+            ),
+            route=picked_action,
             response_headers_to_add=upstream_headers,
+            # a retry re-sends the body: keep up to the largest allowed body for it
+            request_body_buffer_limit=wrappers_pb2.UInt64Value(value=limits.max_request_body_bytes)
+            if pool
+            else None,
         )
     )
     # Before the EPP answers (and whenever it cannot), the request has no destination header.
     unpicked = route_components_pb2.RouteAction(
-        cluster=FALLBACK_CLUSTER if fallback else ROUTED_CLUSTER, timeout=no_timeout
+        cluster=FALLBACK_CLUSTER if fallback else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
     )
     if fallback:
         # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
         # (safe: the request never reached an engine), on top of the cluster's health checks.
         unpicked.retry_policy.CopyFrom(
             route_components_pb2.RetryPolicy(
-                retry_on="connect-failure,refused-stream",
+                retry_on="connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+                retriable_status_codes=[503],
                 num_retries=wrap(len(fallback)),
                 retry_host_predicate=[
                     route_components_pb2.RetryPolicy.RetryHostPredicate(
@@ -214,11 +401,23 @@ def build_bootstrap(
     routes.append(
         route_components_pb2.Route(
             name="unpicked",
-            match=route_components_pb2.RouteMatch(prefix="/"),
+            match=route_components_pb2.RouteMatch(prefix=served_prefix),
             route=unpicked,
             response_headers_to_add=upstream_headers,
         )
     )
+    if not expose_internal_routes:
+        # Only the OpenAI API is public: engine internals (/metrics, /tokenize, /openapi.json,
+        # admin routes) answer 404 here without reaching the EPP or an engine.
+        routes.append(
+            route_components_pb2.Route(
+                name="not_public",
+                match=route_components_pb2.RouteMatch(prefix="/"),
+                direct_response=_direct_json(404, "no such route on this gateway", "not_found"),
+                typed_per_filter_config=_no_ext_proc(),
+                response_headers_to_add=_JSON_CONTENT,
+            )
+        )
 
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="kvgate",
@@ -228,18 +427,30 @@ def build_bootstrap(
         # (so before routing), which also covers FailOpen, when the EPP never sees the request.
         use_remote_address=wrappers_pb2.BoolValue(value=True),
         preserve_external_request_id=True,  # the client's x-request-id follows the request (GIE)
+        # /v1/../metrics or //metrics must not slip past the path routes
+        normalize_path=wrappers_pb2.BoolValue(value=True),
+        merge_slashes=True,
+        path_with_escaped_slashes_action=hcm_pb2.HttpConnectionManager.UNESCAPE_AND_REDIRECT,
         route_config=route_pb2.RouteConfiguration(
             name="kvgate",
             internal_only_headers=[DESTINATION_HEADER],
+            request_headers_to_remove=INTERNAL_REQUEST_HEADERS,
             virtual_hosts=[route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=routes)],
         ),
         http_filters=[
             hcm_pb2.HttpFilter(
-                name=EXT_PROC_FILTER, typed_config=_any(_ext_proc_filter(failure_mode, message_timeout))
+                name=EXT_PROC_FILTER,
+                typed_config=_any(
+                    _ext_proc_filter(failure_mode, limits.epp_message_timeout_s, response_phase)
+                ),
             ),
             hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
         ],
-        stream_idle_timeout=_seconds(message_timeout),
+        # slow clients (slowloris): headers, then the whole request, within bounds
+        request_headers_timeout=_seconds(limits.request_headers_timeout_s),
+        request_timeout=_seconds(limits.request_timeout_s),
+        stream_idle_timeout=idle,
+        local_reply_config=_local_replies(),
     )
     listener = listener_pb2.Listener(
         name="kvgate",
@@ -260,12 +471,13 @@ def build_bootstrap(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
         )
     )
+    all_ips = all(_is_ip(h) for h, _ in epps)
     epp_cluster = cluster_pb2.Cluster(
         name=EPP_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if _is_ip(epp_host) else cluster_pb2.Cluster.STRICT_DNS,
+        type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=_seconds(1),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-        load_assignment=_load_assignment(EPP_CLUSTER, [(epp_host, epp_port)]),
+        load_assignment=_load_assignment(EPP_CLUSTER, epps),
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(h2),
         },
@@ -277,16 +489,22 @@ def build_bootstrap(
     if epp_health_check:
         epp_cluster.health_checks.append(
             health_check_pb2.HealthCheck(
-                timeout=_seconds(0.5),
+                timeout=_seconds(1),
                 interval=_seconds(0.5),
                 no_traffic_interval=_seconds(0.5),
-                unhealthy_threshold=wrap(1),
+                # two misses in a row: one slow answer on a busy node is not an outage
+                unhealthy_threshold=wrap(2),
                 healthy_threshold=wrap(1),
                 grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
                     service_name="envoy.service.ext_proc.v3.ExternalProcessor"
                 ),
             )
         )
+        # a replica that refuses connections leaves rotation at once, between health checks
+        epp_cluster.outlier_detection.consecutive_local_origin_failure.value = 1
+        epp_cluster.outlier_detection.split_external_local_origin_errors = True
+        epp_cluster.outlier_detection.base_ejection_time.CopyFrom(_seconds(2))
+        epp_cluster.outlier_detection.max_ejection_percent.value = 100
     if epp_tls:
         # GIE's EPP serves a self-signed certificate; the gateway encrypts without verifying it.
         epp_cluster.transport_socket.CopyFrom(
@@ -294,7 +512,7 @@ def build_bootstrap(
                 name="envoy.transport_sockets.tls",
                 typed_config=_any(
                     tls_pb2.UpstreamTlsContext(
-                        common_tls_context=tls_pb2.CommonTlsContext(alpn_protocols=["h2"]), sni=epp_host
+                        common_tls_context=tls_pb2.CommonTlsContext(alpn_protocols=["h2"]), sni=epps[0][0]
                     )
                 ),
             )
@@ -310,6 +528,8 @@ def build_bootstrap(
         ),
     )
     clusters = [epp_cluster, routed]
+    if pool:
+        clusters.append(_override_host_cluster(pool))
     if fallback:
         clusters.append(
             cluster_pb2.Cluster(
@@ -346,6 +566,48 @@ def build_bootstrap(
     )
     # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML cannot dump
     return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True))
+
+
+def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
+    """The engines as hosts, chosen by the EPP: Envoy's override-host policy (made for GIE)
+    reads the destination list (chosen first, then fallbacks) from the EPP's envoy.lb metadata
+    or header, and a retry takes the next entry. Unknown destinations fall back to round robin."""
+    policy = override_host_pb2.OverrideHost(
+        override_host_sources=[
+            override_host_pb2.OverrideHost.OverrideHostSource(
+                metadata=metadata_pb2.MetadataKey(
+                    key=LB_METADATA_NAMESPACE,
+                    path=[metadata_pb2.MetadataKey.PathSegment(key=DESTINATION_HEADER)],
+                )
+            ),
+            override_host_pb2.OverrideHost.OverrideHostSource(header=DESTINATION_HEADER),
+        ],
+        fallback_policy=cluster_pb2.LoadBalancingPolicy(
+            policies=[
+                cluster_pb2.LoadBalancingPolicy.Policy(
+                    typed_extension_config=extension_pb2.TypedExtensionConfig(
+                        name="envoy.load_balancing_policies.round_robin",
+                        typed_config=_any(round_robin_pb2.RoundRobin()),
+                    )
+                )
+            ]
+        ),
+    )
+    return cluster_pb2.Cluster(
+        name=POOL_CLUSTER,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_seconds(2),
+        load_assignment=_load_assignment(POOL_CLUSTER, pool),
+        load_balancing_policy=cluster_pb2.LoadBalancingPolicy(
+            policies=[
+                cluster_pb2.LoadBalancingPolicy.Policy(
+                    typed_extension_config=extension_pb2.TypedExtensionConfig(
+                        name="envoy.load_balancing_policies.override_host", typed_config=_any(policy)
+                    )
+                )
+            ]
+        ),
+    )
 
 
 def percent(value: float) -> Any:

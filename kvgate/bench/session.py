@@ -158,6 +158,7 @@ def on_local_stacks(
         max_num_seqs=args.max_num_seqs,
         envoy_bin=args.envoy_bin,
         log_dir=log_root,
+        expose_upstream_header=True,  # per-engine figures come from x-kvgate-upstream
         ready_timeout_s=args.ready_timeout,
     )
     template = StackTemplate(base)

@@ -86,6 +86,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
     )
+    p.add_argument(
+        "--expose-upstream-header",
+        action="store_true",
+        help="add x-kvgate-upstream (the engine that answered) to gateway responses; for debugging "
+        "and benchmarks, off by default so clients never learn internal addresses",
+    )
 
 
 def add_sim_flags(p: argparse.ArgumentParser) -> None:
@@ -138,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
+        expose_upstream_header=args.expose_upstream_header,
         envoy_bin=args.envoy_bin,
         log_dir=log_dir,
         ready_timeout_s=args.ready_timeout,

@@ -60,6 +60,7 @@ class StackConfig:
     envoy_bin: str | None = None
     log_dir: Path = Path("kvgate-logs")
     ready_timeout_s: float = 120.0
+    expose_upstream_header: bool = False  # x-kvgate-upstream on responses (the bench reads it)
 
 
 def find_envoy(explicit: str | None = None) -> str:
@@ -168,6 +169,10 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         # One local EPP: active health checks could only fail over to nothing, and on a busy
         # laptop a single 1 s miss would mark it unhealthy and fail requests with empty 500s.
         epp_health_check=False,
+        # the engines are known: a request that fails before its first byte is retried once on
+        # the EPP's next choice
+        pool_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines],
+        expose_upstream_header=cfg.expose_upstream_header,
     )
 
 

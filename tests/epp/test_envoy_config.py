@@ -46,6 +46,16 @@ def test_every_variant_validates(tmp_path) -> None:
         build_bootstrap(
             10000, "epp.models.svc", 9002, "FailOpen", epp_health_check=False, expose_upstream_header=False
         ),
+        build_bootstrap(
+            10000,
+            "127.0.0.1",
+            9002,
+            epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"],
+            pool_endpoints=["127.0.0.1:8000", "127.0.0.1:8001"],
+            response_phase=True,
+            expose_upstream_header=True,
+            expose_internal_routes=True,
+        ),
     ]
     for v in variants:
         validate(v, tmp_path)
@@ -56,7 +66,16 @@ def test_gie_settings() -> None:
     hcm = _filter(cfg)
     ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
-    assert ext["processing_mode"] == {
+    # the EPP stays out of the response path unless asked (DESIGN §3)
+    assert ext["processing_mode"] == {  # response_body_mode NONE is proto3's default: omitted
+        "request_header_mode": "SEND",
+        "response_header_mode": "SKIP",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SKIP",
+    }
+    full = _filter(build_bootstrap(10000, "127.0.0.1", 9002, response_phase=True))
+    assert full["http_filters"][0]["typed_config"]["processing_mode"] == {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
         "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -81,6 +100,31 @@ def test_gie_settings() -> None:
     assert direct["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
     closed = _filter(build_bootstrap(10000, "127.0.0.1", 9002, "FailClose"))
     assert closed["http_filters"][0]["typed_config"].get("failure_mode_allow", False) is False
+
+
+def test_every_timeout_is_bounded() -> None:
+    hcm = _filter(build_bootstrap(10000, "127.0.0.1", 9002))
+    for key in ("request_headers_timeout", "request_timeout", "stream_idle_timeout"):
+        assert hcm[key] not in ("0s", None), key
+    for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+        if "route" in route:
+            assert route["route"]["timeout"] != "0s"
+            assert route["route"]["idle_timeout"] != "0s"
+    ext = hcm["http_filters"][0]["typed_config"]
+    assert ext["message_timeout"] == "10s"
+    assert hcm["route_config"]["request_headers_to_remove"] == ["x-kvgate-inject-failure"]
+    assert "x-gateway-destination-endpoint" in hcm["route_config"]["internal_only_headers"]
+
+
+def test_several_epp_replicas_are_health_checked_hosts() -> None:
+    cfg = build_bootstrap(10000, "127.0.0.1", 0, epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"])
+    epp = {c["name"]: c for c in cfg["static_resources"]["clusters"]}["epp"]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["port_value"]
+        for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == [9002, 9012]
+    assert epp["health_checks"] and epp["outlier_detection"]
 
 
 def test_bad_failure_mode() -> None:
