@@ -344,10 +344,11 @@ def build_bootstrap(
             )
     served_prefix = "/" if expose_internal_routes else "/v1/"
     retry = route_components_pb2.RetryPolicy(
-        # Only failures before any response byte: the request never ran, so running it
-        # elsewhere cannot duplicate work. An engine's 503 is sent before it starts a request
+        # Only failures before any response byte ("reset" is a disconnect before the response
+        # started): the client has seen nothing, and a generation has no side effects, so
+        # running it elsewhere loses nothing. An engine's 503 is sent before it starts a request
         # (draining, dead loop), never mid-stream.
-        retry_on="connect-failure,refused-stream,reset-before-request,retriable-status-codes",
+        retry_on="connect-failure,refused-stream,reset,retriable-status-codes",
         retriable_status_codes=[503],
         num_retries=wrap(1),
         retry_host_predicate=[
