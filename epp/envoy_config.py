@@ -253,6 +253,7 @@ def build_bootstrap(
     pool_endpoints: list[str] | None = None,
     limits: GatewayLimits | None = None,
     expose_internal_routes: bool = False,
+    admin_host: str = "127.0.0.1",
 ) -> dict[str, Any]:
     """The bootstrap as a dict (the protos' JSON mapping); dump it as YAML or JSON for Envoy.
 
@@ -270,6 +271,7 @@ def build_bootstrap(
     ``expose_upstream_header``: add ``x-kvgate-upstream`` (the engine that answered) to
     responses; for tests and benchmarks, off for real traffic.
     ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
+    ``admin_host``: where Envoy's admin interface listens; never a public address.
     """
     if failure_mode not in ("FailOpen", "FailClose"):
         raise ValueError(f"failure_mode must be FailOpen or FailClose, got {failure_mode!r}")
@@ -562,11 +564,12 @@ def build_bootstrap(
         )
 
     boot = bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_socket(listen_host, admin_port)),
+        admin=bootstrap_pb2.Admin(address=_socket(admin_host, admin_port)),
         static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
     )
     # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML cannot dump
-    return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True))
+    # sorted keys: the same config renders byte-identically in every process (Struct maps do not)
+    return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True, sort_keys=True))
 
 
 def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:

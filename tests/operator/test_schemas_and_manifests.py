@@ -499,9 +499,12 @@ def test_envoy_gateway_bootstrap_passes_envoy_validate(
         "typed_config"
     ]["http_filters"][0]
     mode = ext_proc["typed_config"]["processing_mode"]
-    assert mode["request_body_mode"] == mode["response_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert mode["response_header_mode"] == "SKIP"  # the EPP stays out of the response path
     assert ext_proc["typed_config"]["failure_mode_allow"] is True  # the example is FailOpen
-    original_dst = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "endpoints")
+    original_dst = next(
+        c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "original_destination"
+    )
     assert original_dst["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
     path = tmp_path / "envoy.yaml"
     path.write_text(config)
