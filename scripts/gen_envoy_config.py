@@ -3,7 +3,7 @@
 
 One generator for every Envoy config: `kvgate.epp.envoy_config.build_bootstrap` is rendered with
 sentinel values, which are then replaced by Helm expressions (rendered by the chart with `tpl`).
-A security fix in the builder thus lands in the chart too; tests/epp/test_chart_gateway.py fails
+A security fix in the builder thus lands in the chart too; e2e/test_chart_gateway.py fails
 while charts/kvgate/files/envoy.yaml is stale.
 Usage: .venv/bin/python scripts/gen_envoy_config.py [--check]
 """
