@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import signal
 import sys
 
 
@@ -32,6 +33,10 @@ def main() -> int:
     if base:
         limit = base + int(job["max_memory_bytes"])
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    # Wall clock from here on, not from the parent's spawn: a render that loops without output
+    # (nested range loops) otherwise runs until RLIMIT_CPU, which on a busy host is several
+    # times longer in wall time. SIGALRM's default action ends the process; the parent reports it.
+    signal.setitimer(signal.ITIMER_REAL, float(job["timeout_s"]))
     try:
         answer = _render_job(job)
     except MemoryError:

@@ -7,7 +7,12 @@ import time
 
 import pytest
 
-from kvgate.api.chat_template import ChatTemplateError, render_chat_template, render_untrusted_chat_template
+from kvgate.api.chat_template import (
+    ChatTemplateError,
+    UntrustedTemplateLimits,
+    render_chat_template,
+    render_untrusted_chat_template,
+)
 from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text
 from kvgate.api.tokenizer import _normalizer_shrink, load_tokenizer
 
@@ -80,3 +85,17 @@ def test_trusted_templates_cannot_build_giant_values() -> None:
     with pytest.raises(ChatTemplateError, match="Range too big"):
         render_chat_template("{% for i in range(10**9) %}{% endfor %}", MSGS)
     assert render_chat_template("{{ '-' * 3 }}{{ 2 ** 10 }}", MSGS) == "---1024"
+
+
+def test_silent_loops_stop_at_the_wall_clock_limit() -> None:
+    """Loops that yield no output are cut at timeout_s of wall time from the render's start,
+    not at RLIMIT_CPU (ceil(timeout)+1 CPU seconds, several times that in wall time when busy)."""
+    limits = UntrustedTemplateLimits(timeout_s=0.5)
+    t0 = time.monotonic()
+    assert render_untrusted_chat_template("ok", MSGS, limits=limits) == "ok"
+    start_up = time.monotonic() - t0  # the child interpreter's start on this machine, now
+    loops = "{% for a in range(550) %}{% for b in range(550) %}{% for c in range(550) %}{% endfor %}{% endfor %}{% endfor %}"
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="time or memory limit"):
+        render_untrusted_chat_template(loops, MSGS, limits=limits)
+    assert time.monotonic() - t0 < 2 * start_up + limits.timeout_s + 0.8
