@@ -1,4 +1,4 @@
-"""`kvgate up --simulate` under failure: an engine killed mid-run, then Ctrl-C leaving nothing behind."""
+"""`kvgate up --simulate` under failure: an engine killed mid-run (restarted, rejoins), then Ctrl-C leaving nothing behind."""
 
 from __future__ import annotations
 
@@ -94,27 +94,36 @@ def test_killed_engine_loses_no_request_that_had_not_started_streaming(stack: Up
     for o in broken:  # mid-stream casualties fail cleanly and promptly, never hang
         assert o.error is not None and o.error_after_s is not None and o.error_after_s < 30
     assert any(o.completed for o in outcomes)
-    stack.wait_for_line(r"engine-0 exited with code .*2 engine\(s\) left", timeout=10)
+    stack.wait_for_line(r"engine-0 exited with signal SIGKILL; restarting it in", timeout=10)
+    stack.wait_for_line(r"engine-0 restarted \(pid \d+\)", timeout=30)
+    assert stack.stack["engine_pids"][0] != victim  # stack.json follows the restart
+    assert pid_alive(stack.stack["engine_pids"][0])
 
-    # Afterwards the dead engine is out of rotation: every request is served, by the others.
+    # Every request is served meanwhile, and the restarted engine, back on its port, rejoins
+    # the pool (the EPP's scraper re-adds it once its /metrics answer again).
     dead = info["engine_urls"][0].removeprefix("http://")
+    upstreams: set[str] = set()
+    deadline = time.monotonic() + 30
     with httpx.Client(timeout=30) as c:
-        for i in range(12):
+        i = 0
+        while dead not in upstreams and time.monotonic() < deadline:
             r = c.post(
                 info["gateway_url"] + "/v1/chat/completions",
                 json={
                     "model": info["model"],
-                    "messages": [{"role": "user", "content": f"after {i}"}],
+                    "messages": [{"role": "user", "content": f"after {i} " + "word " * (i % 30)}],
                     "max_tokens": 4,
                 },
             )
             assert r.status_code == 200, r.text
-            assert r.headers["x-kvgate-upstream"] != dead
+            upstreams.add(r.headers["x-kvgate-upstream"])
+            i += 1
+    assert dead in upstreams, f"the restarted engine never served again: {upstreams}"
 
 
 def test_ctrl_c_stops_everything_and_frees_every_port(stack: UpProcess) -> None:
     info = stack.stack
-    pids = [*info["engine_pids"], info["epp_pid"], info["envoy_pid"]]
+    pids = [*info["engine_pids"], *info["epp_pids"], info["envoy_pid"]]
     ports = [
         int(u.rsplit(":", 1)[1]) for u in (info["gateway_url"], *info["engine_urls"], info["envoy_admin_url"])
     ]

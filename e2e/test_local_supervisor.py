@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.local.ports import PortBusyError, plan_ports
-from kvgate.local.supervisor import ProcessSpec, Supervisor
+from kvgate.local.supervisor import ProcessSpec, Restarter, RestartPolicy, Supervisor, describe_exit
 
 # A child that prints, spawns a grandchild into its own group, reports the grandchild's pid,
 # and then sleeps (ignoring nothing: SIGTERM ends it).
@@ -127,3 +127,48 @@ def test_port_plan_is_consecutive_from_the_base_and_names_busy_ports() -> None:
         clash.check_free()
     with pytest.raises(PortBusyError, match="out of range"):
         plan_ports(8080, 65534, 2).check_free()
+
+
+def test_port_plan_gives_each_epp_replica_its_own_ports() -> None:
+    plan = plan_ports(8080, 20000, 2, epp_replicas=2)
+    assert [(e.grpc, e.health, e.metrics) for e in plan.epps] == [
+        (20006, 20007, 20008),
+        (20009, 20010, 20011),
+    ]
+    assert plan.envoy_admin == 20012 and plan.epp_grpc == 20006
+    assert ("epp-1 ext-proc gRPC", 20009) in plan.named()
+    with pytest.raises(ValueError, match="EPP replica"):
+        plan_ports(8080, 20000, 2, epp_replicas=0)
+
+
+def test_restart_backoff_doubles_is_capped_and_gives_up_on_a_crash_loop() -> None:
+    r = Restarter(RestartPolicy(initial_backoff_s=0.5, max_backoff_s=3.0, max_restarts=4, window_s=60))
+    assert [r.on_exit("engine-0", t) for t in (0, 1, 2, 3)] == [0.5, 1.0, 2.0, 3.0]
+    assert r.on_exit("engine-0", 4) is None  # the fifth exit within 60 s: crash-looping
+    assert r.on_exit("epp-0", 4) == 0.5  # counted per child
+    # exits older than the window are forgotten: an occasional crash never adds up to giving up
+    r2 = Restarter(RestartPolicy(max_restarts=1, window_s=10))
+    assert r2.on_exit("envoy", 0) == 0.5
+    assert r2.on_exit("envoy", 11) == 0.5
+    assert not r2.due("envoy", 11.2) and r2.pending("envoy")
+    assert r2.due("envoy", 11.5) and not r2.pending("envoy")
+
+
+def test_restart_starts_the_same_command_again_and_appends_to_its_log(tmp_path: Path) -> None:
+    echo = io.StringIO()
+    sup = Supervisor(tmp_path, echo=echo)
+    argv = [sys.executable, "-c", "import os; print('run', os.getpid(), flush=True)"]
+    proc = sup.start(ProcessSpec(name="flaky", argv=argv))
+    first = proc.pid
+    proc.popen.wait(timeout=15)
+    with pytest.raises(RuntimeError):
+        sup.restart(
+            sup.start(ProcessSpec(name="sleeper", argv=[sys.executable, "-c", "import time; time.sleep(60)"]))
+        )
+    sup.restart(proc)
+    assert proc.pid != first and proc in sup.processes
+    proc.popen.wait(timeout=15)
+    sup.stop_all(timeout_s=5)
+    log = (tmp_path / "flaky.log").read_text().splitlines()
+    assert log == [f"run {first}", f"run {proc.pid}"]
+    assert describe_exit(-signal.SIGKILL) == "signal SIGKILL" and describe_exit(3) == "code 3"

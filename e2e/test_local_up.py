@@ -49,7 +49,14 @@ def client_for(up: UpProcess, **kw: object) -> openai.OpenAI:
 
 def test_up_prints_progress_url_and_a_curl_line_that_works(stack: UpProcess) -> None:
     text = "\n".join(stack.lines)
-    for part in ("engine-0 ready", "engine-1 ready", "epp ready", "envoy ready", "gateway ready"):
+    for part in (
+        "engine-0 ready",
+        "engine-1 ready",
+        "epp-0 ready",
+        "epp-1 ready",
+        "envoy ready",
+        "gateway ready",
+    ):
         assert part in text
     assert f"ready: gateway {stack.stack['gateway_url']}" in text
     curl = stack.wait_for_line(r"^curl ")
@@ -120,7 +127,7 @@ def test_overload_answers_429_without_crashing_and_recovers(stack: UpProcess) ->
     assert statuses.count(200) >= 8, statuses
     assert set(statuses) <= {200, 429}, statuses
     # No crash, and it recovers: every process alive, a fresh request is served.
-    assert all(pid_alive(p) for p in [*info["engine_pids"], info["epp_pid"], info["envoy_pid"]])
+    assert all(pid_alive(p) for p in [*info["engine_pids"], *info["epp_pids"], info["envoy_pid"]])
     reply = client_for(stack).chat.completions.create(
         model=info["model"], messages=[{"role": "user", "content": "still there?"}], max_tokens=4
     )
@@ -259,6 +266,8 @@ def test_model_that_fails_to_load_shows_the_engine_log(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     first = out.stderr.strip().splitlines()[0]
-    assert re.search(r"kvgate up: (engine-0|epp) exited with code \d+ before it was ready", first), out.stderr
+    assert re.search(r"kvgate up: (engine-0|epp(-\d+)?) exited with code \d+ before it was ready", first), (
+        out.stderr
+    )
     assert "no-such-model" in out.stderr  # the component's own explanation is shown
     assert "Traceback" not in first

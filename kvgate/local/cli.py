@@ -23,8 +23,20 @@ EXIT_USAGE = 2
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "A component that exits is reported and restarted after 0.5 s, the delay doubling up to 10 s "
+        "for each further exit within 60 s; one that exits more than 5 times within 60 s is crash-looping, "
+        "and the stack stops with exit code 1. Ctrl-C or SIGTERM stops everything."
+    )
     p.add_argument("--port", type=port, default=8080, help="gateway (Envoy) port; 0 picks a free one")
     p.add_argument("--engines", type=positive_int, default=2, help="number of engines")
+    p.add_argument(
+        "--epp-replicas",
+        type=positive_int,
+        default=2,
+        help="EPP processes, each on its own ports, all serving in Envoy's EPP cluster (health-checked "
+        "when more than one, so a dead or frozen replica leaves rotation)",
+    )
     p.add_argument(
         "--model",
         default="default",
@@ -123,12 +135,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--ready-timeout must be > 0")
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
     try:
-        ports = plan_ports(args.port, args.base_port, args.engines)
+        ports = plan_ports(args.port, args.base_port, args.engines, args.epp_replicas)
     except ValueError as exc:
         return _fail(str(exc))
     cfg = StackConfig(
         ports=ports,
         engines=args.engines,
+        epp_replicas=args.epp_replicas,
         model=args.model,
         simulate=args.simulate,
         sim=SimTiming(
@@ -159,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     stack = LocalStack(cfg, echo=None if args.quiet else sys.stdout, progress=say)
     kind = "simulated" if args.simulate else f"model {args.model}"
     say(
-        f"starting {args.engines} engine(s) ({kind}), the EPP (profile {args.profile or 'precise-prefix'}) "
+        f"starting {args.engines} engine(s) ({kind}), {args.epp_replicas} EPP replica(s) "
+        f"(profile {args.profile or 'precise-prefix'}) "
         f"and Envoy; logs in {log_dir}"
     )
     with signals:
@@ -191,25 +205,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _watch(stack: LocalStack, stop: threading.Event, say: Callable[[str], None]) -> int:
-    """Wait for Ctrl-C/SIGTERM; report processes that die. Losing the EPP, Envoy or every engine is fatal."""
-    reported: set[int] = set()
-    while not stop.wait(0.5):
-        for proc in stack.supervisor.exited():
-            if proc.pid in reported:
-                continue
-            reported.add(proc.pid)
-            code = proc.exit_code()
-            if proc in stack.engines:
-                alive = sum(1 for e in stack.engines if e.exit_code() is None)
-                say(f"{proc.name} exited with code {code}; {alive} engine(s) left, the EPP routes around it")
-                if alive == 0:
-                    say("no engine left; shutting down")
-                    return 1
-            else:
-                say(f"{proc.name} exited with code {code}; the stack cannot serve without it, shutting down")
-                for line in proc.tail():
-                    say(f"  {line}")
-                return 1
+    """Until Ctrl-C/SIGTERM: restart children that exit, with backoff; 1 if one crash-loops."""
+    from kvgate.local.supervisor import Restarter, RestartPolicy
+
+    restarter = Restarter(RestartPolicy())
+    while not stop.wait(0.2):
+        if stack.supervise(restarter, say) is not None:
+            return 1
     return 0
 
 

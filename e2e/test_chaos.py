@@ -1,0 +1,95 @@
+"""Chaos: `kvgate up --simulate` (3 engines, 2 EPP replicas) under 20 streaming clients while an
+EPP replica is SIGKILLed or frozen and an engine is drained or SIGKILLed — each alone, then all.
+
+Done means: no request fails or is cut short unless the SIGKILLed engine was serving it when it
+died; those end with an error, never hang; requests picked during a drain all succeed. The
+supervisor restarts every victim, and the next test starts from a whole stack again.
+Windows are shorter than bench/chaos.py's 30 s to keep CI time sane (~12 s each).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import chaos
+from local_up_process import UpProcess, start_up, stop_up
+
+ENGINES = 3
+CLIENTS = 20
+WINDOW_S = 12.0
+FROZEN_S = 4.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    up = start_up(
+        tmp_path_factory.mktemp("chaos"),
+        "--simulate",
+        "--engines",
+        str(ENGINES),
+        "--epp-replicas",
+        "2",
+        "--expose-upstream-header",
+        "--quiet",
+    )
+    try:
+        up.wait_for_line(r"^curl ")
+        yield up
+    finally:
+        stop_up(up)
+
+
+def _run(stack: UpProcess, fault: str) -> chaos.Run:
+    stack_json = stack.log_dir / "stack.json"
+    chaos.wait_recovered(stack_json, ENGINES)
+    run = chaos.load(
+        stack_json, WINDOW_S, CLIENTS, chaos.fault_for(fault, stack_json, WINDOW_S, FROZEN_S), fault
+    )
+    print(run.figures())
+    return run
+
+
+def _assert_done(run: chaos.Run, stack: UpProcess) -> None:
+    figures = run.figures()
+    assert figures["requests"] > CLIENTS, figures
+    bad = run.unexcused()
+    detail = "\n".join(
+        f"{o.status} upstream={o.upstream} done={o.done} finish={o.finished} after {o.ended - o.started:.1f}s: {o.error}"
+        for o in bad[:10]
+    )
+    assert not bad, f"{figures}\n{detail}\n" + "\n".join(stack.lines[-10:])
+    # the SIGKILLed engine's own requests end with an error, promptly, never hang
+    for o in run.outcomes:
+        assert o.ended - o.started < chaos.REQUEST_TIMEOUT_S - 1, o
+
+
+def test_sigkill_one_epp_replica(stack: UpProcess) -> None:
+    _assert_done(_run(stack, "kill-epp"), stack)
+    stack.wait_for_line(r"epp-1 restarted", timeout=30)
+
+
+def test_sigstop_one_epp_replica(stack: UpProcess) -> None:
+    _assert_done(_run(stack, "stop-epp"), stack)
+
+
+def test_sigterm_one_engine_drains_without_losing_a_request(stack: UpProcess) -> None:
+    _assert_done(_run(stack, "term-engine"), stack)
+    stack.wait_for_line(rf"engine-{ENGINES - 1} restarted", timeout=30)
+
+
+def test_sigkill_one_engine(stack: UpProcess) -> None:
+    run = _run(stack, "kill-engine")
+    _assert_done(run, stack)
+    stack.wait_for_line(r"engine-0 restarted", timeout=30)
+
+
+def test_all_faults_in_one_run(stack: UpProcess) -> None:
+    _assert_done(_run(stack, "all"), stack)
+    # and the whole stack is back afterwards, every victim restarted on its own port
+    chaos.wait_recovered(stack.log_dir / "stack.json", ENGINES)
