@@ -34,7 +34,7 @@ from kvgate.engine.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from kvgate.engine.server.serving import OpenAIServing
+from kvgate.engine.server.serving import INLINE_PROMPT_CHARS, OpenAIServing
 
 log = logging.getLogger(__name__)
 
@@ -283,11 +283,20 @@ def build_app(state: ServerState) -> Starlette:
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty.", "messages")
-            ids = serving.chat_prompt(
-                req.messages, req.add_generation_prompt, req.continue_final_message, None
+            ids = await serving.chat_prompt_ids(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.chat_template_kwargs,
+                req.chat_template,
             )
         elif req.prompt is not None:
-            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            # up to the body limit (32 MiB) of text: tokenize it off the event loop
+            encode = serving.tokenizer.encode
+            if len(req.prompt) > INLINE_PROMPT_CHARS:
+                ids = await asyncio.to_thread(encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            else:
+                ids = encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("Send either 'prompt' or 'messages'.", "prompt")
         strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -122,6 +122,8 @@ class TokenizeRequest(_Lenient):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    chat_template: str | None = None  # as on chat completions: needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Lenient):

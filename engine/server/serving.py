@@ -255,6 +255,31 @@ class OpenAIServing:
         self.check_text_fits(text, "messages")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    async def chat_prompt_ids(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        template_kwargs: dict[str, Any] | None,
+        chat_template: str | None,
+    ) -> list[int]:
+        """`chat_prompt` for a request (chat completions, /tokenize): the request's own template
+        follows --trust-request-chat-template, and slow work runs off the event loop."""
+        from kvgate.api.chat_template import ChatTemplateError, request_chat_template
+
+        try:
+            template = request_chat_template(
+                {"chat_template": chat_template, "chat_template_kwargs": template_kwargs}
+            )
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "chat_template") from None
+        args = (messages, add_generation_prompt, continue_final_message, template_kwargs, template)
+        if template is not None and self.trust_request_chat_template:
+            return await asyncio.to_thread(self.chat_prompt, *args)  # waits on a child process
+        if sum(len(m.text()) for m in messages) > INLINE_PROMPT_CHARS:
+            return await asyncio.to_thread(self.chat_prompt, *args)
+        return self.chat_prompt(*args)
+
     # ---- completions -----------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
@@ -376,27 +401,13 @@ class OpenAIServing:
             raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
-        from kvgate.api.chat_template import ChatTemplateError, request_chat_template
-
-        try:
-            template = request_chat_template(
-                {"chat_template": req.chat_template, "chat_template_kwargs": req.chat_template_kwargs}
-            )
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "chat_template") from None
-        args = (
+        ids = await self.chat_prompt_ids(
             req.messages,
             req.add_generation_prompt,
             req.continue_final_message,
             req.chat_template_kwargs,
-            template,
+            req.chat_template,
         )
-        if template is not None and self.trust_request_chat_template:
-            ids = await asyncio.to_thread(self.chat_prompt, *args)  # waits on a child process
-        elif sum(len(m.text()) for m in req.messages) > INLINE_PROMPT_CHARS:
-            ids = await asyncio.to_thread(self.chat_prompt, *args)
-        else:
-            ids = self.chat_prompt(*args)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -234,3 +234,31 @@ def test_slowloris_headers_and_body_are_cut(engine_factory) -> None:
         assert client.get("/health").status_code == 200
         time.sleep(2.5)
         assert client.get("/health").status_code == 200
+
+
+def test_tokenize_follows_the_request_template_rule(
+    sim_engine: EngineProcess, trusting_engine: EngineProcess
+) -> None:
+    """/tokenize with messages renders what chat completions would, so the same rule applies."""
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "return_token_strs": True}
+    url = "/tokenize"
+    err = error_of(
+        httpx.post(f"{sim_engine.base_url}{url}", json={**body, "chat_template": BIG_STRING}, headers=AUTH),
+        400,
+    )
+    assert err["code"] == "chat_template_not_allowed"
+    resp = httpx.post(
+        f"{trusting_engine.base_url}{url}",
+        json={**body, "chat_template": "<<{{ messages[0].content }}>>"},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    assert "".join(resp.json()["token_strs"]) == "<<hi>>"
+    resp = httpx.post(
+        f"{trusting_engine.base_url}{url}",
+        json={**body, "chat_template": NESTED_LOOPS},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert error_of(resp, 400)["param"] == "messages"
