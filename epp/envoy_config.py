@@ -36,6 +36,7 @@ import envoy.config.listener.v3.listener_components_pb2 as listener_components_p
 import envoy.config.listener.v3.listener_pb2 as listener_pb2
 import envoy.config.route.v3.route_components_pb2 as route_components_pb2
 import envoy.config.route.v3.route_pb2 as route_pb2
+import envoy.extensions.access_loggers.filters.cel.v3.cel_pb2 as cel_pb2
 import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
 import envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 as processing_mode_pb2
 import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
@@ -47,6 +48,7 @@ import envoy.extensions.transport_sockets.tls.v3.tls_pb2 as tls_pb2
 import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_protocol_options_pb2
 import envoy.type.matcher.v3.string_pb2 as string_pb2
 import envoy.type.metadata.v3.metadata_pb2 as metadata_pb2
+import envoy.type.v3.http_status_pb2 as http_status_pb2
 import envoy.type.v3.range_pb2 as range_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
 
@@ -153,6 +155,8 @@ def _ext_proc_filter(
             timeout=_seconds(10),
         ),
         failure_mode_allow=failure_mode == "FailOpen",
+        # FailClose with no EPP answering: the pool is unavailable, not broken (Envoy says 500)
+        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
         # Response phase off by default: a picker that dies or stalls cannot touch a stream a
         # healthy engine is serving (the EPP learns load from engine metrics instead). On, the
         # EPP sees every response (model-name rewrite back, exact in-flight counts) at the cost
@@ -205,12 +209,12 @@ def _local_replies() -> hcm_pb2.LocalReplyConfig:
     Matched by response flag, so the EPP's own immediate responses (already JSON) and engine
     answers pass untouched."""
 
-    def body(kind: str) -> substitution_pb2.SubstitutionFormatString:
+    def body(kind: str, message: str = "%LOCAL_REPLY_BODY%") -> substitution_pb2.SubstitutionFormatString:
         fmt = struct_pb2.Struct()
         fmt.update(
             {
                 "error": {
-                    "message": "%LOCAL_REPLY_BODY%",
+                    "message": message,
                     "type": kind,
                     "param": None,
                     "code": "%RESPONSE_CODE_DETAILS%",
@@ -229,6 +233,21 @@ def _local_replies() -> hcm_pb2.LocalReplyConfig:
             hcm_pb2.ResponseMapper(
                 filter=flags("UH", "UF", "URX", "UC", "UR", "UO", "NR", "UT", "SI", "DPE", "UPE", "NC"),
                 body_format_override=body("service_unavailable"),
+            ),
+            # the ext_proc stream failed (FailClose, EPP down or silent): Envoy's reply has no
+            # body at all. Matched on its details, so the EPP's own (JSON) 503s pass untouched.
+            hcm_pb2.ResponseMapper(
+                filter=accesslog_pb2.AccessLogFilter(
+                    extension_filter=accesslog_pb2.ExtensionFilter(
+                        name="envoy.access_loggers.extension_filters.cel",
+                        typed_config=_any(
+                            cel_pb2.ExpressionFilter(
+                                expression="response.code_details.startsWith('ext_proc_error')"
+                            )
+                        ),
+                    )
+                ),
+                body_format_override=body("service_unavailable", "no endpoint picker answered"),
             ),
         ],
     )
