@@ -151,6 +151,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "request is answered 408 (0: no limit)",
     )
     h.add_argument(
+        "--body-total-timeout",
+        type=_non_negative_float,
+        default=120.0,
+        help="seconds a client may take to send a whole request body, however it trickles, before "
+        "the request is answered 408 (0: no limit)",
+    )
+    h.add_argument(
         "--metrics-require-api-key",
         action="store_true",
         help="require the --api-key on /metrics too (Prometheus sends it as a bearer token: "
@@ -276,6 +283,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         max_request_body_bytes=args.max_request_body_bytes,
         header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout,
+        body_total_timeout=args.body_total_timeout,
         metrics_require_api_key=args.metrics_require_api_key,
         http_parser=args.http_parser,
         event_loop=args.event_loop,

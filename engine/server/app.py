@@ -57,6 +57,7 @@ class ServerState:
     refusing: bool = False  # past the drain grace period: new generation requests get 503
     max_body_bytes: int = MAX_BODY_BYTES
     body_read_timeout: float | None = 30.0  # seconds between body chunks; None: no limit
+    body_total_timeout: float | None = 120.0  # seconds for a whole body (a trickle); None: no limit
     metrics_auth: bool = False  # /metrics requires the API key too
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -211,13 +212,22 @@ def build_app(state: ServerState) -> Starlette:
         chunks: list[bytes] = []
         size = 0
         receive = request.receive
+        loop = asyncio.get_running_loop()
+        # a byte every few seconds passes the per-chunk limit: the whole body has a deadline too
+        total = state.body_total_timeout
+        deadline = loop.time() + total if total else None
         while True:
+            wait = state.body_read_timeout
+            if deadline is not None:
+                left = max(0.0, deadline - loop.time())
+                wait = left if wait is None else min(wait, left)
             try:
-                message = await asyncio.wait_for(receive(), state.body_read_timeout)
+                message = await asyncio.wait_for(receive(), wait)
             except TimeoutError:
                 raise APIError(
                     408,
-                    f"The request body was not received within {state.body_read_timeout:g} s.",
+                    "The request body was not received in time "
+                    f"({state.body_read_timeout or 'no'} s between chunks, {total or 'no'} s in all).",
                     code="request_timeout",
                 ) from None
             if message["type"] == "http.disconnect":

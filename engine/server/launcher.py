@@ -51,6 +51,7 @@ class ServerOptions:
     max_request_body_bytes: int = 32 * 1024 * 1024
     header_read_timeout: float = 10.0  # 0: none
     body_read_timeout: float = 30.0  # 0: none
+    body_total_timeout: float = 120.0  # 0: none
     metrics_require_api_key: bool = False
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
@@ -205,6 +206,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
         failure_injection=options.enable_failure_injection or config.simulate,
         max_body_bytes=options.max_request_body_bytes,
         body_read_timeout=options.body_read_timeout or None,
+        body_total_timeout=options.body_total_timeout or None,
         metrics_auth=options.metrics_require_api_key,
     )
     app = build_app(state)

@@ -262,3 +262,12 @@ def test_tokenize_follows_the_request_template_rule(
         timeout=30,
     )
     assert error_of(resp, 400)["param"] == "messages"
+
+
+def test_trickled_body_has_a_total_deadline(engine_factory) -> None:
+    """A byte every 0.5 s never trips the between-chunks limit; the whole-body one cuts it."""
+    eng = engine_factory("--simulate", "--body-read-timeout", "2", "--body-total-timeout", "3")
+    port = int(eng.base_url.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+    elapsed = _close_time(port, head, b" ", budget=20)
+    assert elapsed < 8, elapsed
