@@ -54,6 +54,11 @@ class Outcome:
         return self.status != 200
 
 
+# How long after the SIGKILL of an EPP replica a request may still have been sent to it: the
+# kill and the client's clock are read in different threads.
+EPP_KILL_SLACK_S = 0.05
+
+
 @dataclass
 class Killed:
     """An engine SIGKILLed at `at` (monotonic): requests it was serving then may fail."""
@@ -71,8 +76,24 @@ class Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def excused(self, o: Outcome) -> bool:
-        """Served by a SIGKILLed engine while it died."""
-        return any(o.upstream == k.address and o.started <= k.at <= o.ended for k in self.killed)
+        """Served by a SIGKILLed engine while it died, or picked by a SIGKILLed EPP replica while
+        it died (its ext_proc stream held the body: Envoy cannot replay it to another replica)."""
+        if any(o.upstream == k.address and o.started <= k.at <= o.ended for k in self.killed):
+            return True
+        return self.lost_with_killed_epp(o)
+
+    def lost_with_killed_epp(self, o: Outcome) -> bool:
+        """A clean 503 for a request whose pick was in flight on the replica when it was killed:
+        started before the kill, failed within a second of it. A request that starts later and
+        still reaches the dead replica is not excused (the gateway must have dropped it)."""
+        return (
+            o.status == 503
+            and "ext_proc_error" in (o.error or "")
+            and any(
+                what == "kill-epp" and o.started <= at + EPP_KILL_SLACK_S and o.ended <= at + 1.0
+                for what, at in self.events
+            )
+        )
 
     def figures(self) -> dict[str, object]:
         outs = list(self.outcomes)
@@ -83,7 +104,8 @@ class Run:
             "ok": sum(o.ok for o in outs),
             "failed": sum(o.failed for o in bad if not self.excused(o)),
             "truncated": sum(o.truncated for o in bad if not self.excused(o)),
-            "lost_with_killed_engine": sum(self.excused(o) for o in bad),
+            "lost_with_killed_engine": sum(self.excused(o) and not self.lost_with_killed_epp(o) for o in bad),
+            "lost_with_killed_epp": sum(self.lost_with_killed_epp(o) for o in bad),
             "slowest_error_s": round(max((o.ended - o.started for o in bad), default=0.0), 2),
             # when the unexcused failures began, seconds after each fault struck
             "failures_after_fault_s": {

@@ -22,6 +22,7 @@ from typing import Any
 import envoy.config.accesslog.v3.accesslog_pb2 as accesslog_pb2
 import envoy.config.bootstrap.v3.bootstrap_pb2 as bootstrap_pb2
 import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
+import envoy.config.cluster.v3.outlier_detection_pb2 as outlier_detection_pb2
 import envoy.config.core.v3.address_pb2 as address_pb2
 import envoy.config.core.v3.base_pb2 as base_pb2
 import envoy.config.core.v3.config_source_pb2  # noqa: F401  (registers types MessageToDict may meet)
@@ -371,7 +372,9 @@ def build_bootstrap(
         # (draining, dead loop), never mid-stream.
         retry_on="connect-failure,refused-stream,reset,retriable-status-codes",
         retriable_status_codes=[503],
-        num_retries=wrap(1),
+        # Twice: with one engine draining and another just killed, the first retry may meet the
+        # second casualty (each attempt goes to a host not tried yet).
+        num_retries=wrap(max(1, min(2, len(pool) - 1))),
         retry_host_predicate=[
             route_components_pb2.RetryPolicy.RetryHostPredicate(
                 name="envoy.retry_host_predicates.previous_hosts",
@@ -621,6 +624,13 @@ def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
         type=cluster_pb2.Cluster.STATIC,
         connect_timeout=_seconds(2),
         load_assignment=_load_assignment(POOL_CLUSTER, pool),
+        # an engine that refuses a connection is skipped by the retries' fallback for a while
+        outlier_detection=outlier_detection_pb2.OutlierDetection(
+            split_external_local_origin_errors=True,
+            consecutive_local_origin_failure=wrap(1),
+            base_ejection_time=_seconds(2),
+            max_ejection_percent=wrap(100),
+        ),
         load_balancing_policy=cluster_pb2.LoadBalancingPolicy(
             policies=[
                 cluster_pb2.LoadBalancingPolicy.Policy(

@@ -99,6 +99,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
     )
     p.add_argument(
+        "--failure-mode",
+        choices=["FailOpen", "FailClose"],
+        default="FailOpen",
+        help="when no EPP replica answers a request: FailOpen serves it round-robin from the engines "
+        "(default), FailClose answers 503",
+    )
+    p.add_argument(
         "--expose-upstream-header",
         action="store_true",
         help="add x-kvgate-upstream (the engine that answered) to gateway responses; for debugging "
@@ -158,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
         expose_upstream_header=args.expose_upstream_header,
+        failure_mode=args.failure_mode,
         envoy_bin=args.envoy_bin,
         log_dir=log_dir,
         ready_timeout_s=args.ready_timeout,

@@ -68,6 +68,7 @@ class StackConfig:
     log_dir: Path = Path("kvgate-logs")
     ready_timeout_s: float = 120.0
     expose_upstream_header: bool = False  # x-kvgate-upstream on responses (the bench reads it)
+    failure_mode: str = "FailClose"  # Envoy when no EPP replica answers (kvgate up: FailOpen)
 
 
 def find_envoy(explicit: str | None = None) -> str:
@@ -187,6 +188,11 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         # the EPP's next choice
         pool_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines],
         expose_upstream_header=cfg.expose_upstream_header,
+        failure_mode=cfg.failure_mode,
+        # with FailOpen, requests no EPP replica could see go round-robin to the engines
+        fallback_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines]
+        if cfg.failure_mode == "FailOpen"
+        else None,
     )
 
 
