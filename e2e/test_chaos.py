@@ -64,6 +64,8 @@ def _assert_done(run: chaos.Run, stack: UpProcess) -> None:
         for o in bad[:10]
     )
     assert not bad, f"{figures}\n{detail}\n" + "\n".join(stack.lines[-10:])
+    kills = sum(what == "kill-epp" for what, _ in run.events)
+    assert figures["lost_with_killed_epp"] <= chaos.MAX_LOST_PER_EPP_KILL * kills, figures
     # the SIGKILLed engine's own requests end with an error, promptly, never hang
     for o in run.outcomes:
         assert o.ended - o.started < chaos.REQUEST_TIMEOUT_S - 1, o
