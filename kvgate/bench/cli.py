@@ -62,6 +62,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--engines", type=int, default=None, help="engines per stack (default: 8 with --simulate, else 2)"
     )
+    s.add_argument(
+        "--epp-replicas",
+        type=int,
+        default=1,
+        help="EPP replicas per stack, all serving at once behind Envoy (active-active)",
+    )
     s.add_argument("--engine-model", default="default", help="model the local engines load")
     s.add_argument("--max-num-seqs", type=int, default=None, help="per-engine running-batch limit")
     s.add_argument(

@@ -35,7 +35,7 @@ class StackTemplate:
     def for_strategy(self, strategy: str, log_dir: Path) -> StackConfig:
         return replace(
             self.base,
-            ports=plan_ports(0, 0, self.base.engines),
+            ports=plan_ports(0, 0, self.base.engines, self.base.epp_replicas),
             profile=STRATEGIES[strategy],
             epp_config_file=None,
             log_dir=log_dir,

@@ -141,9 +141,11 @@ def on_local_stacks(
         strategies = [args.profile or "precise-prefix"]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_root = Path(args.log_dir) if args.log_dir else Path("bench") / "results" / f"logs-{stamp}"
+    replicas = max(1, int(getattr(args, "epp_replicas", 1) or 1))
     base = StackConfig(
-        ports=plan_ports(0, 0, engines),
+        ports=plan_ports(0, 0, engines, replicas),
         engines=engines,
+        epp_replicas=replicas,
         model=args.engine_model,
         simulate=args.simulate,
         sim=SimTiming(
