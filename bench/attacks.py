@@ -67,18 +67,7 @@ def main() -> None:
     import harness
 
     logs = Path(tempfile.mkdtemp(prefix="kvgate-attacks-"))
-    engines = [harness.start_engine(logs) for _ in range(2)]
-    procs = [e.proc for e in engines]
-    try:
-        for e in engines:
-            e.wait_ready()
-        epp = harness.start_epp(logs, engines)
-        procs.append(epp.proc)
-        envoy = harness.start_envoy(logs, epp.grpc_port, expose_upstream_header=False)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+    with harness.gateway_stack(logs, expose_upstream_header=False) as (engines, epp, envoy):
         url = f"{envoy.url}/v1/chat/completions"
         pids = {"EPP": epp.proc.pid, "engine": engines[0].proc.pid}
         for _ in range(20):  # warm: tokenizer caches, connections
@@ -164,8 +153,6 @@ def main() -> None:
         print(
             f"slowloris: gateway closed it after {slowloris(envoy.port):.1f} s, engine after {slowloris(engines[1].port):.1f} s"
         )
-    finally:
-        harness.stop_all(*procs)
 
 
 if __name__ == "__main__":

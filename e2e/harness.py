@@ -16,6 +16,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,6 +288,29 @@ def start_envoy(log_dir: Path, epp_port: int, **kwargs: Any) -> Envoy:
     ]
     proc = Process(f"envoy-{port}", argv, log_dir / f"envoy-{port}.log").start()
     return Envoy(proc, port, admin, config)
+
+
+@contextmanager
+def gateway_stack(
+    log_dir: Path, engines: int = 2, **envoy_kwargs: Any
+) -> Iterator[tuple[list[Engine], Epp, Envoy]]:
+    """Simulated engines, the EPP (its default precise-prefix profile: it tokenizes every
+    prompt) and Envoy in front, all ready; stopped on exit."""
+    started = [start_engine(log_dir) for _ in range(engines)]
+    procs = [e.proc for e in started]
+    try:
+        for e in started:
+            e.wait_ready()
+        epp = start_epp(log_dir, started)
+        procs.append(epp.proc)
+        envoy = start_envoy(log_dir, epp.grpc_port, **envoy_kwargs)
+        procs.append(envoy.proc)
+        epp.wait_ready()
+        envoy.wait_ready()
+        envoy.wait_epp_healthy()
+        yield started, epp, envoy
+    finally:
+        stop_all(*procs)
 
 
 def stop_all(*procs: Process) -> None:

@@ -45,23 +45,9 @@ def rss_kib(pid: int) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("attacks")
-    engines = [harness.start_engine(logs) for _ in range(2)]
-    procs = [e.proc for e in engines]
-    try:
-        for e in engines:
-            e.wait_ready()
-        epp = harness.start_epp(logs, engines)  # precise-prefix: tokenizes every prompt
-        procs.append(epp.proc)
-        # the default, hardened gateway (the harness otherwise shows x-kvgate-upstream)
-        envoy = harness.start_envoy(logs, epp.grpc_port, expose_upstream_header=False)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
-        yield engines, epp, envoy
-    finally:
-        harness.stop_all(*procs)
+    # the default, hardened gateway (the harness otherwise shows x-kvgate-upstream)
+    with harness.gateway_stack(tmp_path_factory.mktemp("attacks"), expose_upstream_header=False) as stack:
+        yield stack
 
 
 def chat(content: str, **extra) -> dict:
