@@ -204,6 +204,45 @@ def _no_ext_proc() -> dict[str, any_pb2.Any]:
     return {EXT_PROC_FILTER: _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
 
 
+def _json_reply(
+    name: str, match: route_components_pb2.RouteMatch, status: int, message: str, code: str
+) -> route_components_pb2.Route:
+    """A route Envoy answers itself with an OpenAI-shaped error, never asking the EPP."""
+    return route_components_pb2.Route(
+        name=name,
+        match=match,
+        direct_response=_direct_json(status, message, code),
+        typed_per_filter_config=_no_ext_proc(),
+        response_headers_to_add=_JSON_CONTENT,
+    )
+
+
+def _retry_elsewhere(retry_on: str, num_retries: int, max_attempts: int) -> route_components_pb2.RetryPolicy:
+    """Retry on 503 and `retry_on`, each attempt on a host not tried yet."""
+    return route_components_pb2.RetryPolicy(
+        retry_on=f"{retry_on},retriable-status-codes",
+        retriable_status_codes=[503],
+        num_retries=wrap(num_retries),
+        retry_host_predicate=[
+            route_components_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=max_attempts,
+    )
+
+
+def _eject_on_refused_connection() -> outlier_detection_pb2.OutlierDetection:
+    """A host that refuses one connection leaves rotation for 2 s, between health checks."""
+    return outlier_detection_pb2.OutlierDetection(
+        split_external_local_origin_errors=True,
+        consecutive_local_origin_failure=wrap(1),
+        base_ejection_time=_seconds(2),
+        max_ejection_percent=wrap(100),
+    )
+
+
 def _local_replies() -> hcm_pb2.LocalReplyConfig:
     """Envoy's own error replies (no healthy engine, reset, timeouts) as OpenAI-shaped JSON.
 
@@ -334,60 +373,43 @@ def build_bootstrap(
             )
         )
     # A declared body over the limit never reaches the EPP (ext_proc is off on this route).
+    too_large = route_components_pb2.RouteMatch(
+        prefix="/",
+        headers=[
+            route_components_pb2.HeaderMatcher(
+                name="content-length",
+                range_match=range_pb2.Int64Range(start=limits.max_request_body_bytes + 1, end=2**62),
+            )
+        ],
+    )
     routes.append(
-        route_components_pb2.Route(
-            name="body_too_large",
-            match=route_components_pb2.RouteMatch(
-                prefix="/",
-                headers=[
-                    route_components_pb2.HeaderMatcher(
-                        name="content-length",
-                        range_match=range_pb2.Int64Range(start=limits.max_request_body_bytes + 1, end=2**62),
-                    )
-                ],
-            ),
-            direct_response=_direct_json(
-                413, f"request body larger than {limits.max_request_body_bytes} bytes", "body_too_large"
-            ),
-            typed_per_filter_config=_no_ext_proc(),
-            response_headers_to_add=_JSON_CONTENT,
+        _json_reply(
+            "body_too_large",
+            too_large,
+            413,
+            f"request body larger than {limits.max_request_body_bytes} bytes",
+            "body_too_large",
         )
     )
     if not expose_internal_routes:
         for path in INTERNAL_V1_PATHS:
-            routes.append(
-                route_components_pb2.Route(
-                    name=f"internal {path}",
-                    match=route_components_pb2.RouteMatch(path=path),
-                    direct_response=_direct_json(404, f"no route {path}", "not_found"),
-                    typed_per_filter_config=_no_ext_proc(),
-                    response_headers_to_add=_JSON_CONTENT,
-                )
-            )
+            match = route_components_pb2.RouteMatch(path=path)
+            routes.append(_json_reply(f"internal {path}", match, 404, f"no route {path}", "not_found"))
     served_prefix = "/" if expose_internal_routes else "/v1/"
-    retry = route_components_pb2.RetryPolicy(
-        # Only failures before any response byte ("reset" is a disconnect before the response
-        # started): the client has seen nothing, and a generation has no side effects, so
-        # running it elsewhere loses nothing. An engine's 503 is sent before it starts a request
-        # (draining, dead loop), never mid-stream.
-        retry_on="connect-failure,refused-stream,reset,retriable-status-codes",
-        retriable_status_codes=[503],
-        # Twice: with one engine draining and another just killed, the first retry may meet the
-        # second casualty (each attempt goes to a host not tried yet).
-        num_retries=wrap(max(1, min(2, len(pool) - 1))),
-        retry_host_predicate=[
-            route_components_pb2.RetryPolicy.RetryHostPredicate(
-                name="envoy.retry_host_predicates.previous_hosts",
-                typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
-            )
-        ],
-        host_selection_retry_max_attempts=3,
-    )
+    # Only failures before any response byte ("reset" is a disconnect before the response
+    # started): the client has seen nothing, and a generation has no side effects, so running
+    # it elsewhere loses nothing. An engine's 503 is sent before it starts a request (draining,
+    # dead loop), never mid-stream. Twice: with one engine draining and another just killed,
+    # the first retry may meet the second casualty.
     picked_action = route_components_pb2.RouteAction(
         cluster=POOL_CLUSTER if pool else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
     )
     if pool:
-        picked_action.retry_policy.CopyFrom(retry)
+        picked_action.retry_policy.CopyFrom(
+            _retry_elsewhere(
+                "connect-failure,refused-stream,reset", max(1, min(2, len(pool) - 1)), max_attempts=3
+            )
+        )
     routes.append(
         route_components_pb2.Route(
             name="picked",
@@ -410,17 +432,8 @@ def build_bootstrap(
         # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
         # (safe: the request never reached an engine), on top of the cluster's health checks.
         unpicked.retry_policy.CopyFrom(
-            route_components_pb2.RetryPolicy(
-                retry_on="connect-failure,refused-stream,reset-before-request,retriable-status-codes",
-                retriable_status_codes=[503],
-                num_retries=wrap(len(fallback)),
-                retry_host_predicate=[
-                    route_components_pb2.RetryPolicy.RetryHostPredicate(
-                        name="envoy.retry_host_predicates.previous_hosts",
-                        typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
-                    )
-                ],
-                host_selection_retry_max_attempts=5,
+            _retry_elsewhere(
+                "connect-failure,refused-stream,reset-before-request", len(fallback), max_attempts=5
             )
         )
     routes.append(
@@ -435,12 +448,12 @@ def build_bootstrap(
         # Only the OpenAI API is public: engine internals (/metrics, /tokenize, /openapi.json,
         # admin routes) answer 404 here without reaching the EPP or an engine.
         routes.append(
-            route_components_pb2.Route(
-                name="not_public",
-                match=route_components_pb2.RouteMatch(prefix="/"),
-                direct_response=_direct_json(404, "no such route on this gateway", "not_found"),
-                typed_per_filter_config=_no_ext_proc(),
-                response_headers_to_add=_JSON_CONTENT,
+            _json_reply(
+                "not_public",
+                route_components_pb2.RouteMatch(prefix="/"),
+                404,
+                "no such route on this gateway",
+                "not_found",
             )
         )
 
@@ -526,10 +539,7 @@ def build_bootstrap(
             )
         )
         # a replica that refuses connections leaves rotation at once, between health checks
-        epp_cluster.outlier_detection.consecutive_local_origin_failure.value = 1
-        epp_cluster.outlier_detection.split_external_local_origin_errors = True
-        epp_cluster.outlier_detection.base_ejection_time.CopyFrom(_seconds(2))
-        epp_cluster.outlier_detection.max_ejection_percent.value = 100
+        epp_cluster.outlier_detection.CopyFrom(_eject_on_refused_connection())
     if epp_tls:
         # GIE's EPP serves a self-signed certificate; the gateway encrypts without verifying it.
         epp_cluster.transport_socket.CopyFrom(
@@ -625,12 +635,7 @@ def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
         connect_timeout=_seconds(2),
         load_assignment=_load_assignment(POOL_CLUSTER, pool),
         # an engine that refuses a connection is skipped by the retries' fallback for a while
-        outlier_detection=outlier_detection_pb2.OutlierDetection(
-            split_external_local_origin_errors=True,
-            consecutive_local_origin_failure=wrap(1),
-            base_ejection_time=_seconds(2),
-            max_ejection_percent=wrap(100),
-        ),
+        outlier_detection=_eject_on_refused_connection(),
         load_balancing_policy=cluster_pb2.LoadBalancingPolicy(
             policies=[
                 cluster_pb2.LoadBalancingPolicy.Policy(
