@@ -16,7 +16,7 @@ from kvgate.api.chat_template import (
     render_untrusted_chat_template,
 )
 
-__all__ = ["RequestTemplateNotAllowed", "chat_prompt_text"]
+__all__ = ["RequestTemplateNotAllowed", "chat_prompt_text", "surely_too_long"]
 
 
 class RequestTemplateNotAllowed(ChatTemplateError):
@@ -27,6 +27,17 @@ class RequestTemplateNotAllowed(ChatTemplateError):
             "Chat templates sent in requests are not allowed on this server (they run as code); "
             f"start the server with {REQUEST_TEMPLATE_FLAG} to allow them."
         )
+
+
+def surely_too_long(tokenizer: Any, text: str, max_model_len: int) -> int:
+    """The token count `text` has at least, when that alone rules it out of a `max_model_len`
+    context (0 otherwise, and when the tokenizer offers no free bound): the check that refuses
+    a 10 MB prompt without tokenizing it."""
+    bound = getattr(tokenizer, "min_token_count", None)
+    if not max_model_len or bound is None:
+        return 0
+    n = int(bound(text))
+    return n if n >= max_model_len else 0
 
 
 class _Templated(Protocol):

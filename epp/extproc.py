@@ -142,7 +142,6 @@ class _Exchange:
     decision: Decision | None = None
     rewriter: ModelRewriter | None = None
     finished: bool = False
-    parsed: dict[str, Any] | None = None  # the body as JSON, once prepared
     running_label: str = ""  # the model label its running-requests gauge was raised under
 
 
@@ -220,18 +219,13 @@ class EndpointPickerHandler:
         """Parse the body and tokenize its prompt (the costly part, safe in a worker thread);
         an immediate 400 for what no engine could serve, else [] and the route is next."""
         try:
-            body = parse_body(bytes(x.body))
-            x.parsed = body
-            x.request = self._request(x, body)
+            x.request = self._request(x, parse_body(bytes(x.body)))
             x.request.prepare()
         except BadRequest as exc:
             self._count_error(x, "", "", 400)
             log.info("request %s rejected: %s", x.request_id, exc)
             return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
         return []
-
-    def needs_worker(self, x: _Exchange) -> bool:
-        return len(x.body) > INLINE_BODY_BYTES
 
     def on_request_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
         out: list[ep.ProcessingResponse] = []
@@ -280,9 +274,6 @@ class EndpointPickerHandler:
             self.metrics.request_sizes.labels(label(model), label(target)).observe(len(x.body))
         try:
             decision = self.director.pick(req)
-        except BadRequest as exc:  # a plugin met a prompt it cannot take: the client's doing
-            self._count_error(x, model, target, 400)
-            return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
         except Exception:
             log.exception("request %s: scheduler failed", x.request_id)
             self._count_error(x, model, target, 500)

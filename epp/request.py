@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvgate.api.chat_template import ChatTemplateError, request_chat_template
-from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text
+from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text, surely_too_long
 from kvgate.api.tokenizer import TooManyTokens
 
 
@@ -72,16 +72,11 @@ class InferenceRequest:
                 self._token_ids = []
         return self._token_ids
 
-    def prepare(self, tokenizer: Tokenizer | None = None) -> None:
+    def prepare(self) -> None:
         """Tokenize now (in whatever thread calls this), raising BadRequest for prompts no
-        engine can serve. `tokenizer` overrides the request's (e.g. a thread-safe one)."""
+        engine can serve."""
         if self._token_ids is None:
-            self._token_ids = _tokenize(self.body, tokenizer or self.tokenizer, self.policy)
-
-    @property
-    def prompt_chars(self) -> int:
-        """Characters of prompt text in the body: a cheap measure of the tokenization cost."""
-        return len(self.prompt_text)
+            self._token_ids = _tokenize(self.body, self.tokenizer, self.policy)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -146,12 +141,10 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool, policy: PromptP
     and input the tokenizer cannot take (lone surrogates) as a client error."""
     limit = policy.max_model_len
     kwargs: dict[str, Any] = {"add_special_tokens": add_special_tokens}
-    if limit:
-        bound = getattr(tokenizer, "min_token_count", None)
-        if bound is not None and (n := bound(text)) >= limit:
-            raise _too_long(policy, n, at_least=True)
-        if getattr(tokenizer, "accepts_max_tokens", False):
-            kwargs["max_tokens"] = limit - 1
+    if n := surely_too_long(tokenizer, text, limit):
+        raise _too_long(policy, n, at_least=True)
+    if limit and getattr(tokenizer, "accepts_max_tokens", False):
+        kwargs["max_tokens"] = limit - 1
     try:
         ids = tokenizer.encode(text, **kwargs)
     except TooManyTokens as exc:
@@ -190,11 +183,8 @@ def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: 
             raise BadRequest(str(exc), param="chat_template") from None
         if template is not None and not policy.trust_request_chat_template:
             raise BadRequest(str(RequestTemplateNotAllowed()), "chat_template", "chat_template_not_allowed")
-        if policy.max_model_len:
-            content = "".join(e["content"] for e in convo)
-            bound = getattr(tokenizer, "min_token_count", None)
-            if bound is not None and (n := bound(content)) >= policy.max_model_len:
-                raise _too_long(policy, n, at_least=True)
+        if n := surely_too_long(tokenizer, "".join(e["content"] for e in convo), policy.max_model_len):
+            raise _too_long(policy, n, at_least=True)
         try:
             text = chat_prompt_text(
                 tokenizer,  # type: ignore[arg-type]

@@ -144,9 +144,10 @@ class OpenAIServing:
     def check_text_fits(self, text: str, param: str) -> None:
         """Refuse text that cannot fit the context from its length alone, before tokenizing it
         (tokenizing 10 MB costs seconds and a gigabyte)."""
-        bound = getattr(self.tokenizer, "min_token_count", None)
+        from kvgate.api.prompt import surely_too_long
+
         limit = self.model.max_model_len
-        if bound is not None and (n := bound(text)) >= limit:
+        if n := surely_too_long(self.tokenizer, text, limit):
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
