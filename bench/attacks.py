@@ -11,7 +11,6 @@ engine keep a slowloris connection open. Bounded: a few hundred requests, about 
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,11 +28,6 @@ MiB = 1024 * 1024
 TEMPLATE = "{% set s = 'x' * 1000000000 %}{{ s|length }}"
 
 
-def mem_mib(pid: int) -> tuple[float, float]:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -43,28 +37,15 @@ def chat(content: str, **extra: object) -> dict:
     return {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
 
 
-def slowloris(port: int, budget: float = 60) -> float:
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    t0 = time.monotonic()
-    sock.settimeout(1.0)
-    try:
-        while time.monotonic() - t0 < budget:
-            try:
-                sock.sendall(b"X")
-                if sock.recv(4096) == b"":
-                    break
-            except TimeoutError:
-                continue
-            except OSError:
-                break
-        return time.monotonic() - t0
-    finally:
-        sock.close()
-
-
 def main() -> None:
     import harness
+
+    def mem_mib(pid: int) -> tuple[float, float]:
+        rss, peak = harness.rss_kib(pid)
+        return rss / 1024, peak / 1024
+
+    def slowloris(port: int) -> float:
+        return harness.slowloris_close_time(port, budget=60)
 
     logs = Path(tempfile.mkdtemp(prefix="kvgate-attacks-"))
     with harness.gateway_stack(logs, expose_upstream_header=False) as (engines, epp, envoy):

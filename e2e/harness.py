@@ -313,6 +313,37 @@ def gateway_stack(
         stop_all(*procs)
 
 
+def rss_kib(pid: int) -> tuple[int, int]:
+    """(current RSS, peak RSS) of a process, in KiB (VmRSS, VmHWM)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
+
+
+def slowloris_close_time(port: int, budget: float) -> float:
+    """Seconds until the server closes a connection that sends one header byte every 0.5 s
+    (inf if it is still open after `budget`)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=budget)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < budget:
+            try:
+                sock.sendall(b"X")
+            except OSError:
+                return time.monotonic() - t0
+            sock.settimeout(0.5)
+            try:
+                if sock.recv(4096) == b"":
+                    return time.monotonic() - t0
+            except TimeoutError:
+                pass
+            except OSError:
+                return time.monotonic() - t0
+        return float("inf")
+    finally:
+        sock.close()
+
+
 def stop_all(*procs: Process) -> None:
     for p in procs:
         if p.alive():

@@ -8,7 +8,6 @@ latency alone. Loopback only; every loop is bounded in count and time.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -32,15 +31,6 @@ NESTED_LOOPS = (
 )
 HUGE_RANGE = "{% for i in range(10**9) %}{{ i }}{% endfor %}"
 MiB = 1024 * 1024
-
-
-def rss_kib(pid: int) -> tuple[int, int]:
-    """(current RSS, peak RSS) of a process, in KiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields[key] = value.strip()
-    return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +71,7 @@ def test_request_chat_template_refused_by_default(stack, template: str, where: s
         body["chat_template"] = template
     else:
         body["chat_template_kwargs"] = {"chat_template": template}
-    before = {p: rss_kib(p)[0] for p in (epp.proc.pid, engines[0].proc.pid)}
+    before = {p: harness.rss_kib(p)[0] for p in (epp.proc.pid, engines[0].proc.pid)}
     elapsed, resp = timed_post(f"{envoy.url}/v1/chat/completions", body)
     err = assert_openai_error(resp, 400)
     assert "--trust-request-chat-template" in err["message"]
@@ -90,7 +80,7 @@ def test_request_chat_template_refused_by_default(stack, template: str, where: s
     direct = httpx.post(f"http://{engines[0].address}/v1/chat/completions", json=body, timeout=30)
     assert "--trust-request-chat-template" in assert_openai_error(direct, 400)["message"]
     for pid, rss in before.items():
-        assert rss_kib(pid)[0] < rss + 64 * 1024, f"pid {pid} grew by more than 64 MiB"
+        assert harness.rss_kib(pid)[0] < rss + 64 * 1024, f"pid {pid} grew by more than 64 MiB"
 
 
 # -- 2. sizes ------------------------------------------------------------------------------------
@@ -98,7 +88,7 @@ def test_request_chat_template_refused_by_default(stack, template: str, where: s
 
 def test_huge_body_is_413_at_the_gateway(stack) -> None:
     _, epp, envoy = stack
-    rss0 = rss_kib(epp.proc.pid)[0]
+    rss0 = harness.rss_kib(epp.proc.pid)[0]
     payload = json.dumps(chat("a" * (100 * MiB))).encode()
     resp = httpx.post(
         f"{envoy.url}/v1/chat/completions",
@@ -122,13 +112,13 @@ def test_huge_body_is_413_at_the_gateway(stack) -> None:
         assert_openai_error(resp, 413)
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
         pass  # Envoy may answer and close before the client finished sending: refused either way
-    assert rss_kib(epp.proc.pid)[0] < rss0 + 64 * 1024
+    assert harness.rss_kib(epp.proc.pid)[0] < rss0 + 64 * 1024
 
 
 def test_huge_chunked_body_is_413_at_the_engine(stack) -> None:
     engines, _, _ = stack
     engine = engines[1]
-    rss0 = rss_kib(engine.proc.pid)[0]
+    rss0 = harness.rss_kib(engine.proc.pid)[0]
     block = b" " * MiB
 
     def body():
@@ -147,14 +137,14 @@ def test_huge_chunked_body_is_413_at_the_engine(stack) -> None:
         assert_openai_error(resp, 413)
     except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
         pass  # answered and closed before the client finished sending
-    assert rss_kib(engine.proc.pid)[0] < rss0 + 64 * 1024
+    assert harness.rss_kib(engine.proc.pid)[0] < rss0 + 64 * 1024
 
 
 def test_prompt_over_the_context_refused_before_tokenizing(stack) -> None:
     """A 7 MB prompt fits under the body limit but can never fit the context: refused fast,
     without the EPP or the engine tokenizing (or holding) all of it."""
     engines, epp, envoy = stack
-    rss0 = {p: rss_kib(p)[0] for p in (epp.proc.pid, engines[0].proc.pid)}
+    rss0 = {p: harness.rss_kib(p)[0] for p in (epp.proc.pid, engines[0].proc.pid)}
     text = "the quick brown fox jumps over the lazy dog " * (7 * MiB // 44)
     elapsed, resp = timed_post(f"{envoy.url}/v1/chat/completions", chat(text), timeout=60)
     err = assert_openai_error(resp, 400)
@@ -167,7 +157,7 @@ def test_prompt_over_the_context_refused_before_tokenizing(stack) -> None:
     assert assert_openai_error(direct, 400)["code"] == "context_length_exceeded"
     assert elapsed < 10
     for pid, rss in rss0.items():
-        assert rss_kib(pid)[0] < rss + 128 * 1024, f"pid {pid} grew by more than 128 MiB"
+        assert harness.rss_kib(pid)[0] < rss + 128 * 1024, f"pid {pid} grew by more than 128 MiB"
 
 
 def test_bystanders_unhurt_by_a_maximal_prompt(stack) -> None:
@@ -282,32 +272,8 @@ def test_no_internals_through_the_gateway(stack) -> None:
 # -- 6. slowloris ---------------------------------------------------------------------------------
 
 
-def _slowloris_close_time(port: int, budget: float) -> float:
-    """Seconds until the server closes a connection that sends one header byte every 0.5 s."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=budget)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    t0 = time.monotonic()
-    try:
-        while time.monotonic() - t0 < budget:
-            try:
-                sock.sendall(b"X")
-            except OSError:
-                return time.monotonic() - t0
-            sock.settimeout(0.5)
-            try:
-                if sock.recv(4096) == b"":
-                    return time.monotonic() - t0
-            except TimeoutError:
-                pass
-            except OSError:
-                return time.monotonic() - t0
-        return float("inf")
-    finally:
-        sock.close()
-
-
 def test_slowloris_closed_by_gateway(stack) -> None:
     _, _, envoy = stack
-    closed = _slowloris_close_time(envoy.port, budget=40)
+    closed = harness.slowloris_close_time(envoy.port, budget=40)
     print(f"gateway closed a slowloris connection after {closed:.1f} s")
     assert closed < 30
