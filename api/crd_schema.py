@@ -163,10 +163,3 @@ class CRDSpec:
             "metadata": metadata,
             "spec": {"group": self.group, "names": names, "scope": "Namespaced", "versions": [version]},
         }
-
-
-def crd_schema_of(crd: dict[str, Any]) -> dict[str, Any]:
-    """The openAPIV3Schema of a CRD manifest's storage version (for validating instances)."""
-    versions = crd["spec"]["versions"]
-    version = next(v for v in versions if v.get("storage")) if len(versions) > 1 else versions[0]
-    return version["schema"]["openAPIV3Schema"]

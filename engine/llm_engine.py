@@ -188,10 +188,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.requests)
-
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()

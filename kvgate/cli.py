@@ -3,6 +3,9 @@
 Each subcommand lives in its own module exposing `HELP`, `configure_parser(parser)` and
 `run(args) -> int`. Those modules keep heavy imports (torch, grpc, kopf) inside `run`, so
 `kvgate --help` stays instant.
+
+A component image installs only its own folder (docker/*.Dockerfile), so a command whose
+module is absent is listed as not installed rather than failing at import.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ GROUP_HELP = {
     "operator": "the Kubernetes operator (ModelDeployment, InferencePool)",
 }
 
-NOT_IMPLEMENTED = 2
+EXIT_USAGE = 2
+NOT_INSTALLED = "not installed here (this image or install lacks that component)"
 
 
 def _load(module: str) -> ModuleType | None:
@@ -61,7 +65,7 @@ def build_parser(argv: list[str] | None = None, *, only_selected: bool = False) 
     for path, module_name in COMMANDS.items():
         skip = selected is not None and path != selected
         module = None if skip else _load(module_name)
-        help_text = getattr(module, "HELP", "(not implemented yet)")
+        help_text = getattr(module, "HELP", NOT_INSTALLED)
         if len(path) == 1:
             p = sub.add_parser(path[0], help=help_text, description=help_text)
         else:
@@ -82,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
-        return NOT_IMPLEMENTED
+        return EXIT_USAGE
     module = _load(args._module)
     if module is None:
-        print(f"kvgate {' '.join(args._path)}: not implemented yet", file=sys.stderr)
-        return NOT_IMPLEMENTED
+        print(f"kvgate {' '.join(args._path)}: {NOT_INSTALLED}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

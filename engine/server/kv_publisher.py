@@ -85,10 +85,6 @@ class KVEventPublisher:
         except zmq.Again:  # PUB never blocks past its HWM; a slow subscriber catches up via replay
             pass
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def _serve_replay(self, endpoint: str, ready: threading.Event) -> None:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

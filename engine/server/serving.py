@@ -457,7 +457,6 @@ class OpenAIServing:
             "created": meta.created,
             "model": meta.model,
         }
-        started: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
 
@@ -483,7 +482,6 @@ class OpenAIServing:
             while not handle.done:
                 parts = []
                 for index, out in await _next_batch(handle):
-                    started.add(index)
                     lp = None
                     if want_logprobs and out.new_logprobs:
                         lp = {"content": chat_logprobs(out.new_logprobs)}

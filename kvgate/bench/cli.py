@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 HELP = "benchmark an OpenAI-compatible endpoint or a local stack; --compare routing strategies"
 EXIT_USAGE = 2
@@ -247,7 +246,3 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     session.print_report(args, result, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return 0 if result.all_ok_enough() else 1
-
-
-def default_results_dir() -> Path:
-    return Path("bench") / "results"
