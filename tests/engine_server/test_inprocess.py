@@ -4,9 +4,12 @@ injection switched off, and the Prometheus renderer's edge cases."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -32,6 +35,38 @@ class DeviceLost(SimulatedRunner):
         return super().execute(batch)
 
 
+class Stepper(SimulatedRunner):
+    """Ends each engine step only when the test grants it, so the queue holds still while the
+    test looks at it."""
+
+    def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kw)
+        self.grants = threading.Semaphore(0)
+        self.free = False
+
+    def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
+        if not self.free and not self.grants.acquire(timeout=30):
+            raise RuntimeError("the test never granted this step")
+        return super().execute(batch)
+
+    def run_free(self) -> None:
+        self.free = True
+        self.grants.release()
+
+
+async def _eventually(check: Callable[[], bool | Awaitable[bool]], what: str, within: float = 10.0) -> None:
+    """Polls `check` (sync or async) until it is true: no fixed sleep before an assert."""
+    deadline = time.monotonic() + within
+    while True:
+        ok = check()
+        if isinstance(ok, Awaitable):
+            ok = await ok
+        if ok:
+            return
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 @pytest.fixture(scope="module")
 def tokenizer():  # type: ignore[no-untyped-def]
     from kvgate.api.tokenizer import load_tokenizer
@@ -44,9 +79,11 @@ def _engine(tokenizer, runner_cls=SimulatedRunner, **kw) -> LLMEngine:  # type: 
     return LLMEngine(config, runner=runner_cls(config, tokenizer), tokenizer=tokenizer)
 
 
-async def _server(engine: LLMEngine, **state_kw) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:  # type: ignore[no-untyped-def]
+async def _server(  # type: ignore[no-untyped-def]
+    engine: LLMEngine, max_queued_requests: int | None = None, **state_kw
+) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
     metrics = EngineMetrics("m", CacheConfigInfo(16, 64, True))
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, max_queued_requests=max_queued_requests)
     async_engine.start(asyncio.get_running_loop())
     info = ModelInfo(["m"], "m", engine.max_model_len, engine.vocab_size, 0)
     state = ServerState(
@@ -108,6 +145,57 @@ async def test_engine_rejection_becomes_400_and_n_is_all_or_nothing(tokenizer) -
                 break
             await asyncio.sleep(0.01)
         assert not engine.has_unfinished_requests(), "the admitted sibling must be aborted"
+
+
+async def test_full_queue_answers_429(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """One running (max_num_seqs=1) and the queue (max 2) filled while the engine is held inside a
+    step: nothing moves until the test grants a step, so the state asserted is the state served."""
+    engine = _engine(tokenizer, Stepper, max_num_seqs=1)
+    async for client, async_engine in _server(engine, max_queued_requests=2):
+        await _fill_queue_and_check(client, async_engine, tokenizer.encode("hello there"))
+
+
+async def _fill_queue_and_check(
+    client: httpx.AsyncClient, async_engine: AsyncEngine, prompt: list[int]
+) -> None:
+    engine = async_engine.engine
+    runner = engine.runner
+    assert isinstance(runner, Stepper)
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    handles = [await async_engine.submit("running", [(prompt, params)])]  # engine now held in step 1
+
+    async def admit(rid: str) -> None:
+        """Queue one more request: the held loop takes it in when the current step ends."""
+        task = asyncio.ensure_future(async_engine.submit(rid, [(prompt, params)]))
+        await _eventually(lambda: async_engine.num_in_flight == len(handles) + 1, f"{rid} submitted")
+        runner.grants.release()
+        handles.append(await task)
+
+    async def queue_shown() -> bool:
+        text = (await client.get("/metrics")).text
+        gauges = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+        return gauges["vllm:num_requests_running"] == 1 and gauges["vllm:num_requests_waiting"] == 2
+
+    await admit("waiting-1")
+    # One slot left: a request with n=2 needs two, so it is refused whole.
+    r = await client.post("/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    await admit("waiting-2")
+    runner.grants.release()  # one more step, so the metrics show the queue
+    await _eventually(queue_shown, "/metrics showing 1 running and 2 waiting")
+
+    r = await client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 1})
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", max_retries=0, http_client=client)
+    with pytest.raises(openai.RateLimitError):
+        await oai.completions.create(model="m", prompt="x", max_tokens=1)
+    assert not any(h.done for h in handles), "nothing ran while the test looked"
+    for h in handles:
+        h.close()
+    runner.run_free()
+    await _eventually(lambda: not engine.has_unfinished_requests(), "the aborts")
 
 
 async def test_failure_header_is_ignored_unless_enabled(tokenizer) -> None:  # type: ignore[no-untyped-def]

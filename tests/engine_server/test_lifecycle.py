@@ -137,25 +137,20 @@ def test_sigterm_timeout_ends_stragglers_and_exits_zero(engine_factory) -> None:
     assert any('"error"' in line and "shut down" in line for line in lines)
 
 
-def test_full_queue_answers_429(engine_factory) -> None:
-    eng = engine_factory(
-        "--simulate", "--sim-itl", "0.01", "--max-num-seqs", "1", "--max-queued-requests", "2"
-    )
-    results: list = []
-    threads = [_stream_in_thread(eng.base_url, 300, results) for _ in range(3)]
-    _wait_for(lambda: eng.metrics()["vllm:num_requests_waiting"] == 2)
-    r = httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "one more", "max_tokens": 1})
+def test_max_queued_requests_flag_bounds_the_queue(engine_factory) -> None:
+    """The flag reaches the engine: n=2 never fits a queue of 1, whatever else is running (the
+    queue filling up is tested in-process, with the engine held still: test_inprocess.py)."""
+    eng = engine_factory("--simulate", "--max-queued-requests", "1")
+    r = httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "x", "n": 2, "max_tokens": 1})
     assert r.status_code == 429
     assert r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full"
     client = OpenAI(base_url=f"{eng.base_url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.RateLimitError):
-        client.completions.create(model="default", prompt="x", max_tokens=1)
-    # n=2 needs two queue slots
-    assert httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "x", "n": 2}).status_code == 429
-    eng.stop(signal.SIGKILL)
-    for t in threads:
-        t.join(5)
+        client.completions.create(model="default", prompt="x", max_tokens=1, n=2)
+    assert (
+        httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    )
 
 
 @pytest.mark.parametrize(("value", "status"), [("500", 500), ("503", 503), ("429", 429)])
