@@ -337,7 +337,7 @@ class OpenAIServing:
             "usage": meta.usage(finals),
         }
 
-    async def _stream_completion(
+    def _stream_completion(
         self,
         handle: RequestHandle,
         meta: ResponseMeta,
@@ -346,51 +346,30 @@ class OpenAIServing:
         echo: list[str] | None,
         receive: Receive,
     ) -> AsyncIterator[bytes]:
-        base = {"id": meta.rid, "object": "text_completion", "created": meta.created, "model": meta.model}
-        offsets: dict[int, int] = {}
-        finals: dict[int, RequestOutput] = {}
-        watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
-        try:
-            while not handle.done:
-                parts = []
-                for index, out in await _next_batch(handle):
-                    text = out.delta_text
-                    if echo is not None and index not in offsets:
-                        text = echo[index // meta.n] + text
-                    chunk_lp = None
-                    if want_logprobs:
-                        new_lp = out.new_logprobs or []
-                        chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp)
-                    else:
-                        offsets.setdefault(index, 0)
-                    if not text and not out.finished and not chunk_lp:
-                        continue
-                    choice = {
-                        "index": index,
-                        "text": text,
-                        "logprobs": chunk_lp,
-                        "finish_reason": out.finish_reason if out.finished else None,
-                        "stop_reason": out.stop_reason if out.finished else None,
-                    }
-                    if out.finished:
-                        finals[index] = out
-                    chunk = {**base, "choices": [choice]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    parts.append(sse(chunk))
-                if parts:
-                    yield b"".join(parts)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": meta.usage(finals)})
-            yield SSE_DONE
-        except EngineDeadError as exc:
-            yield sse(stream_error(exc.status, f"{exc} Retry on another replica."))
-        except ClientGone:
-            pass
-        finally:
-            watcher.cancel()
-            handle.close()
+        offsets: dict[int, int] = {}  # per choice that has started: its text offset (logprobs)
+
+        def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
+            text = out.delta_text
+            if echo is not None and index not in offsets:
+                text = echo[index // meta.n] + text
+            chunk_lp = None
+            if want_logprobs:
+                new_lp = out.new_logprobs or []
+                chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp)
+            else:
+                offsets.setdefault(index, 0)
+            if not text and not out.finished and not chunk_lp:
+                return None
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": chunk_lp,
+                "finish_reason": out.finish_reason if out.finished else None,
+                "stop_reason": out.stop_reason if out.finished else None,
+            }
+
+        return _sse_stream(handle, meta, "text_completion", include_usage, receive, choice)
 
     # ---- chat completions ------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
@@ -443,7 +422,7 @@ class OpenAIServing:
             "usage": meta.usage(finals),
         }
 
-    async def _stream_chat(
+    def _stream_chat(
         self,
         handle: RequestHandle,
         meta: ResponseMeta,
@@ -451,64 +430,82 @@ class OpenAIServing:
         want_logprobs: bool,
         receive: Receive,
     ) -> AsyncIterator[bytes]:
-        base = {
-            "id": meta.rid,
-            "object": "chat.completion.chunk",
-            "created": meta.created,
-            "model": meta.model,
-        }
-        finals: dict[int, RequestOutput] = {}
-        watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+        def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
+            lp = None
+            if want_logprobs and out.new_logprobs:
+                lp = {"content": chat_logprobs(out.new_logprobs)}
+            if not out.delta_text and not out.finished and lp is None:
+                return None
+            c: dict[str, Any] = {
+                "index": index,
+                "delta": {"content": out.delta_text} if out.delta_text else {},
+                "logprobs": lp,
+                "finish_reason": out.finish_reason if out.finished else None,
+            }
+            if out.finished:
+                c["stop_reason"] = out.stop_reason
+            return c
 
-        def chunk(choice: dict[str, Any]) -> bytes:
-            body = {**base, "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return sse(body)
+        # The role arrives first, like OpenAI, so clients can render a bubble before any token.
+        roles = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(len(handle.ids))
+        ]
+        return _sse_stream(handle, meta, "chat.completion.chunk", include_usage, receive, choice, roles)
 
-        try:
-            # The role arrives first, like OpenAI, so clients can render a bubble before any token.
-            yield b"".join(
-                chunk(
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-                for i in range(len(handle.ids))
-            )
-            while not handle.done:
-                parts = []
-                for index, out in await _next_batch(handle):
-                    lp = None
-                    if want_logprobs and out.new_logprobs:
-                        lp = {"content": chat_logprobs(out.new_logprobs)}
-                    if not out.delta_text and not out.finished and lp is None:
-                        continue
-                    choice: dict[str, Any] = {
-                        "index": index,
-                        "delta": {"content": out.delta_text} if out.delta_text else {},
-                        "logprobs": lp,
-                        "finish_reason": out.finish_reason if out.finished else None,
-                    }
-                    if out.finished:
-                        choice["stop_reason"] = out.stop_reason
-                        finals[index] = out
-                    parts.append(chunk(choice))
-                if parts:
-                    yield b"".join(parts)
-            if include_usage:
-                yield sse({**base, "choices": [], "usage": meta.usage(finals)})
-            yield SSE_DONE
-        except EngineDeadError as exc:
-            yield sse(stream_error(exc.status, f"{exc} Retry on another replica."))
-        except ClientGone:
-            pass
-        finally:
-            watcher.cancel()
-            handle.close()
+
+async def _sse_stream(
+    handle: RequestHandle,
+    meta: ResponseMeta,
+    obj: str,
+    include_usage: bool,
+    receive: Receive,
+    choice: Callable[[int, RequestOutput], dict[str, Any] | None],
+    first: list[dict[str, Any]] | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE body of both endpoints: the `first` choices (chat: the role), then one chunk per
+    choice `choice` makes of an engine output (None: nothing to send), one write per engine step;
+    then the usage chunk (stream_options.include_usage) and [DONE]. An engine that stops mid-stream
+    ends the body with an error event; a client that leaves ends it silently; the request is
+    aborted on every way out."""
+    base = {"id": meta.rid, "object": obj, "created": meta.created, "model": meta.model}
+    finals: dict[int, RequestOutput] = {}
+    watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
+
+    def chunk(c: dict[str, Any]) -> bytes:
+        body = {**base, "choices": [c]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    try:
+        if first:
+            yield b"".join(chunk(c) for c in first)
+        while not handle.done:
+            parts = []
+            for index, out in await _next_batch(handle):
+                if out.finished:
+                    finals[index] = out
+                c = choice(index, out)
+                if c is not None:
+                    parts.append(chunk(c))
+            if parts:
+                yield b"".join(parts)
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": meta.usage(finals)})
+        yield SSE_DONE
+    except EngineDeadError as exc:
+        yield sse(stream_error(exc.status, f"{exc} Retry on another replica."))
+    except ClientGone:
+        pass
+    finally:
+        watcher.cancel()
+        handle.close()
 
 
 async def _next_batch(handle: RequestHandle) -> list[tuple[int, RequestOutput]]:
