@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import ssl
+import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,20 +80,57 @@ def endpoints_for(
     return out
 
 
-def _client(api_server: str | None) -> httpx.AsyncClient:
+class ServiceAccountToken(httpx.Auth):
+    """The pod's projected service-account token, re-read the way client-go does.
+
+    Projected tokens rotate (the kubelet rewrites the file well before the default 1 h expiry),
+    so the file is read again once the copy in hand is `max_age` seconds old, and at once when
+    the API server answers 401 (the request is then sent again, once, with the new token).
+    """
+
+    def __init__(
+        self, path: Path, max_age: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.path, self.max_age, self.clock = path, max_age, clock
+        self._token = ""
+        self._read_at = float("-inf")
+
+    def token(self, fresh: bool = False) -> str:
+        if fresh or self.clock() - self._read_at >= self.max_age:
+            try:
+                self._token = self.path.read_text().strip()
+                self._read_at = self.clock()
+            except OSError as exc:  # mid-rotation, or gone: keep the last good token
+                log.warning("cannot read the service-account token %s: %s", self.path, exc)
+        return self._token
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        sent = self.token()
+        request.headers["Authorization"] = f"Bearer {sent}"
+        response = yield request
+        if response.status_code == 401:
+            fresh = self.token(fresh=True)
+            if fresh != sent:
+                log.info("API server refused the service-account token; retrying with the rotated one")
+                request.headers["Authorization"] = f"Bearer {fresh}"
+                yield request
+
+
+def _client(api_server: str | None, sa_dir: Path = SA_DIR) -> httpx.AsyncClient:
     if api_server:
         return httpx.AsyncClient(base_url=api_server, timeout=httpx.Timeout(10, read=None))
     host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     if not host:
         raise RuntimeError("not in a Kubernetes pod (KUBERNETES_SERVICE_HOST unset) and no API server given")
-    token = (SA_DIR / "token").read_text().strip()
-    ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
+    auth = ServiceAccountToken(sa_dir / "token")
+    if not auth.token():
+        raise RuntimeError(
+            f"no service-account token at {sa_dir / 'token'} (automountServiceAccountToken off?)"
+        )
+    ctx = ssl.create_default_context(cafile=str(sa_dir / "ca.crt"))
     host = f"[{host}]" if ":" in host else host
     return httpx.AsyncClient(
-        base_url=f"https://{host}:{port}",
-        verify=ctx,
-        headers={"Authorization": f"Bearer {token}"},
-        timeout=httpx.Timeout(10, read=None),
+        base_url=f"https://{host}:{port}", verify=ctx, auth=auth, timeout=httpx.Timeout(10, read=None)
     )
 
 
@@ -105,18 +144,20 @@ class PoolWatcher:
         kv_replay_port: int = 0,
         api_server: str | None = None,
         retry_seconds: float = 2.0,
+        service_account_dir: Path = SA_DIR,
     ) -> None:
         self.datastore = datastore
         self.pool_name, self.namespace = pool_name, namespace
         self.kv_events_port, self.kv_replay_port = kv_events_port, kv_replay_port
         self.api_server = api_server
+        self.service_account_dir = service_account_dir
         self.retry_seconds = retry_seconds
         self.spec: PoolSpec | None = None
         self.pods: dict[str, dict[str, Any]] = {}
         self._spec_changed = asyncio.Event()
 
     async def run(self) -> None:
-        async with _client(self.api_server) as client:
+        async with _client(self.api_server, self.service_account_dir) as client:
             await asyncio.gather(self._watch_pool(client), self._watch_pods(client))
 
     def _publish(self) -> None:
