@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kvgate.epp.datastore import Datastore, EndpointState
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
 from kvgate.epp.scheduling.framework import SchedulingContext, SchedulingProfile
@@ -38,6 +38,16 @@ class Director:
         self.datastore = datastore
         self.profile = profile
         self.saturation = saturation
+        datastore.subscribe(self._on_endpoint)
+
+    def _on_endpoint(self, endpoint: Endpoint, added: bool) -> None:
+        # What our own routing remembers about an endpoint dies with it (the KV-event index is
+        # cleared by the datastore itself).
+        if not added:
+            for scorer, _ in self.profile.scorers:
+                forget = getattr(scorer, "forget_endpoint", None)
+                if forget is not None:
+                    forget(endpoint.address)
 
     def candidates(self, request: InferenceRequest) -> list[EndpointState]:
         reachable = self.datastore.reachable

@@ -124,6 +124,10 @@ class PrefixCacheScorer:
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         self.index.record(self._keys(ctx), target.address)
 
+    def forget_endpoint(self, address: str) -> None:
+        """The endpoint left the pool: a new pod on the same ip:port must not inherit its prefixes."""
+        self.index.forget_endpoint(address)
+
 
 @dataclass
 class PrecisePrefixCacheScorer:
@@ -173,6 +177,9 @@ class PrecisePrefixCacheScorer:
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         self.fallback.record(self._keys(ctx), target.address, ctx.now)
+
+    def forget_endpoint(self, address: str) -> None:
+        self.fallback.forget_endpoint(address)
 
 
 __all__ = [

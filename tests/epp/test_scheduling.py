@@ -401,3 +401,25 @@ def test_director_filters_removing_all_is_429(store: Datastore) -> None:
         set_metrics(store, s.address, waiting=1)
     d = Director(store, build_profiles(cfg)[0], saturation_detector(cfg))
     assert d.pick(make_request()).status == 429
+
+
+@pytest.mark.parametrize("profile", ["precise-prefix", "default"])
+def test_a_new_pod_on_a_departed_endpoints_address_inherits_no_prefixes(
+    store: Datastore, profile: str
+) -> None:
+    """Pods come and go on recycled ip:ports: what our routing remembered about the old pod (the
+    approximate index, and the precise scorer's fallback for engines without KV events) must not
+    pull the same prefixes to the newcomer."""
+    d = director_for(store, profile)
+    prompt = "a long shared system prompt " * 12
+    first = d.pick(make_request(prompt + "q1")).targets[0]
+    (scorer,) = [s for s, _ in d.profile.scorers if hasattr(s, "forget_endpoint")]
+    ctx = ctx_for(store, make_request(prompt + "q2"))
+    assert max(scorer.score(ctx, [store.get(first)])) > 0.5  # remembered while it lives
+
+    others = [s.endpoint for s in store.all() if s.address != first]
+    store.set_endpoints(others)  # the pod is gone ...
+    store.set_endpoints([*others, Endpoint(first, name="new-pod")])  # ... a new one reuses its address
+    set_metrics(store, first)
+    ctx = ctx_for(store, make_request(prompt + "q3"))
+    assert scorer.score(ctx, [store.get(first)]) == [0.0]
