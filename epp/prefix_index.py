@@ -8,11 +8,14 @@ to find which of our keys a ``BlockRemoved`` refers to.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+log = logging.getLogger("kvgate.epp.prefix_index")
 
 # Seeds the chain so a LoRA adapter's blocks never collide with the base model's.
 _ROOT = 0x6B7667617465  # "kvgate"
@@ -43,6 +46,7 @@ def block_keys(token_ids: Sequence[int], block_size: int, lora_id: int | None = 
 class _EndpointBlocks:
     engine_to_key: dict[int, int] = field(default_factory=dict)
     key_refs: dict[int, int] = field(default_factory=dict)  # one key may back several engine hashes
+    block_size: int | None = None  # the engine's KV block size, as its events say
 
 
 class PreciseIndex:
@@ -75,6 +79,11 @@ class PreciseIndex:
                 return
             parent = found
         size = ev.block_size
+        if size <= 0:
+            return  # malformed: no block can be placed
+        if blocks.block_size != size:
+            log.info("endpoint %s: KV block size %d tokens (from its KV events)", endpoint, size)
+            blocks.block_size = size
         for i, engine_hash in enumerate(ev.block_hashes):
             tokens = ev.token_ids[i * size : (i + 1) * size]
             if len(tokens) < size:
@@ -119,6 +128,11 @@ class PreciseIndex:
                     del self._holders[key]
 
     # -- reads (scheduler) -------------------------------------------------------------------
+    def block_size(self, endpoint: str) -> int | None:
+        """The endpoint's KV block size, learnt from its events; None before the first."""
+        blocks = self._endpoints.get(endpoint)
+        return blocks.block_size if blocks else None
+
     def block_count(self, endpoint: str) -> int:
         blocks = self._endpoints.get(endpoint)
         return len(blocks.key_refs) if blocks else 0

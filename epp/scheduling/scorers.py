@@ -137,7 +137,10 @@ class PrecisePrefixCacheScorer:
 
     type_name: ClassVar[str] = "precise-prefix-cache-scorer"
     name: str = type_name
-    block_size: int = 16  # tokens; must equal the engine's KV block size
+    # Tokens per block for endpoints that have published no KV event yet (and for the fallback
+    # index). An endpoint's own events say its real block size, and that one is used for it:
+    # a fixed size that differs from the engine's would match nothing, without a word.
+    block_size: int = 16
     lru_capacity: int = 200_000
     # How long our own routing counts as "cached there" on an endpoint that does publish
     # events: covers the gap before its BlockStored arrives, so a burst of same-prefix
@@ -148,32 +151,43 @@ class PrecisePrefixCacheScorer:
     def __post_init__(self) -> None:
         self.fallback = ApproximateIndex(self.lru_capacity)
 
-    def _keys(self, ctx: SchedulingContext) -> list[int]:
-        keys = ctx.cache.get("token-block-keys")
+    def _keys(self, ctx: SchedulingContext, block_size: int | None = None) -> list[int]:
+        size = block_size or self.block_size
+        cache_key = f"token-block-keys:{size}"
+        keys = ctx.cache.get(cache_key)
         if keys is None:
             req = ctx.request
-            keys = block_keys(req.token_ids, self.block_size) if req.body else []
-            ctx.cache["token-block-keys"] = keys
+            keys = block_keys(req.token_ids, size) if req.body else []
+            ctx.cache[cache_key] = keys
         return keys
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
         keys = self._keys(ctx)
         if not keys:
             return [0.0] * len(endpoints)
-        live = [e.address for e in endpoints if e.kv_events_live]
-        blind = [e.address for e in endpoints if not e.kv_events_live]
-        hits: dict[str, int] = {}
-        if live:
-            hits = ctx.datastore.index.prefix_blocks(keys, live)
-            if self.recent_window_seconds > 0:
-                recent = self.fallback.prefix_blocks(keys, live, since=ctx.now - self.recent_window_seconds)
-                for address, n in recent.items():
-                    if n > hits[address]:
-                        hits[address] = n
+        index = ctx.datastore.index
+        by_size: dict[int, list[str]] = {}
+        blind = []
+        for e in endpoints:
+            if e.kv_events_live:
+                by_size.setdefault(index.block_size(e.address) or self.block_size, []).append(e.address)
+            else:
+                blind.append(e.address)
+        fractions: dict[str, float] = {}
+        for size, live in by_size.items():
+            sized = self._keys(ctx, size)
+            hits = index.prefix_blocks(sized, live) if sized else dict.fromkeys(live, 0)
+            fractions.update((a, n / len(sized) if sized else 0.0) for a, n in hits.items())
+        if by_size and self.recent_window_seconds > 0:
+            # Our own recent picks (recorded in the default block size) bridge the gap before
+            # the engine's BlockStored arrives.
+            live = [a for group in by_size.values() for a in group]
+            recent = self.fallback.prefix_blocks(keys, live, since=ctx.now - self.recent_window_seconds)
+            for address, n in recent.items():
+                fractions[address] = max(fractions[address], n / len(keys))
         if blind:
-            hits.update(self.fallback.prefix_blocks(keys, blind))
-        n = len(keys)
-        return [hits[e.address] / n for e in endpoints]
+            fractions.update((a, n / len(keys)) for a, n in self.fallback.prefix_blocks(keys, blind).items())
+        return [fractions[e.address] for e in endpoints]
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         self.fallback.record(self._keys(ctx), target.address, ctx.now)

@@ -423,3 +423,18 @@ def test_a_new_pod_on_a_departed_endpoints_address_inherits_no_prefixes(
     set_metrics(store, first)
     ctx = ctx_for(store, make_request(prompt + "q3"))
     assert scorer.score(ctx, [store.get(first)]) == [0.0]
+
+
+def test_precise_prefix_scorer_uses_each_engines_own_block_size(store: Datastore) -> None:
+    """Engines started with another --block-size than the scorer's default still score: the size
+    comes from their KV events (before, a fixed 16 matched nothing, silently)."""
+    a, b, c = store.all()
+    for s in (a, b, c):
+        s.kv_events_live = True
+    prompt = "z" * 64
+    tokens = CharTokenizer().encode(prompt)
+    store.index.apply(a.address, [BlockStored(list(range(4)), None, tokens, 16)])  # 4 blocks of 16
+    store.index.apply(b.address, [BlockStored([7], None, tokens[:32], 32)])  # 1 of 2 blocks of 32
+    scorer = scorers.PrecisePrefixCacheScorer(block_size=4, recent_window_seconds=0)
+    assert store.index.block_size(a.address) == 16 and store.index.block_size(c.address) is None
+    assert scorer.score(ctx_for(store, make_request(prompt)), store.all()) == [1.0, 0.5, 0.0]
