@@ -7,9 +7,11 @@ import logging
 import os
 import sys
 
+from kvgate.api.cli_args import add_simulation_group
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
+from kvgate.engine.config import SimulationConfig
 
 HELP = "serve a model over an OpenAI-compatible HTTP API, with vLLM metrics and KV events"
 
@@ -207,36 +209,21 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
 
-    sim = p.add_argument_group("simulation (no model: real scheduler, KV cache, metrics and events)")
-    sim.add_argument("--simulate", action="store_true", help="replace the model by a timing model")
-    sim.add_argument(
-        "--sim-prefill-time-per-token",
-        type=_non_negative_float,
-        default=0.0002,
-        help="seconds per computed prompt token",
-    )
-    sim.add_argument(
-        "--sim-itl", type=_non_negative_float, default=0.010, help="seconds per decode step at batch 1"
-    )
-    sim.add_argument(
-        "--sim-itl-per-seq",
-        type=_non_negative_float,
-        default=0.0005,
-        help="extra seconds per step for each sequence decoding in it",
-    )
-    sim.add_argument(
-        "--sim-kv-blocks", type=_positive_int, default=2048, help="KV blocks of the simulated pool"
-    )
-    sim.add_argument(
-        "--sim-time-scale",
-        type=_non_negative_float,
-        default=1.0,
-        help="multiply every simulated duration (0.1: ten times faster)",
+    sim = SimulationConfig()  # the defaults live there
+    add_simulation_group(
+        p,
+        "simulation (no model: real scheduler, KV cache, metrics and events)",
+        simulate_help="replace the model by a timing model",
+        prefill_time_per_token=sim.prefill_time_per_token,
+        itl=sim.itl_base,
+        itl_per_seq=sim.itl_per_seq,
+        kv_blocks=sim.num_kv_blocks,
+        time_scale=sim.time_scale,
     )
 
 
 def _configs(args: argparse.Namespace) -> tuple[object, object]:
-    from kvgate.engine.config import EngineConfig, SimulationConfig
+    from kvgate.engine.config import EngineConfig
     from kvgate.engine.server.launcher import ServerOptions
 
     config = EngineConfig(

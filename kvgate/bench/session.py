@@ -148,15 +148,7 @@ def on_local_stacks(
         epp_replicas=replicas,
         model=args.engine_model,
         simulate=args.simulate,
-        sim=SimTiming(
-            prefill_time_per_token=args.sim_prefill_time_per_token,
-            itl=args.sim_itl,
-            itl_per_seq=args.sim_itl_per_seq,
-            kv_blocks=args.sim_kv_blocks,
-            time_scale=args.sim_time_scale,
-        )
-        if args.simulate
-        else SimTiming(),
+        sim=SimTiming.from_args(args) if args.simulate else SimTiming(),
         max_num_seqs=args.max_num_seqs,
         envoy_bin=args.envoy_bin,
         log_dir=log_root,

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvgate.api.cli_args import port, positive_int
+from kvgate.api.cli_args import add_simulation_group, port, positive_int
 
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
@@ -80,7 +80,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="per-engine waiting-queue limit; beyond it the engine answers 429",
     )
-    add_sim_flags(p)
+    add_simulation_group(p, "simulated engines (with --simulate)")  # unset: the engine's defaults
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -113,20 +113,6 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sim_flags(p: argparse.ArgumentParser) -> None:
-    """Simulated-engine timing flags, shared with `kvgate bench`."""
-    g = p.add_argument_group("simulated engines (with --simulate)")
-    g.add_argument(
-        "--sim-prefill-time-per-token", type=float, default=None, help="seconds per computed prompt token"
-    )
-    g.add_argument("--sim-itl", type=float, default=None, help="seconds per decode step at batch size 1")
-    g.add_argument(
-        "--sim-itl-per-seq", type=float, default=None, help="extra decode-step seconds per running sequence"
-    )
-    g.add_argument("--sim-kv-blocks", type=int, default=None, help="KV blocks per simulated engine")
-    g.add_argument("--sim-time-scale", type=float, default=None, help="multiply every simulated duration")
-
-
 def _fail(message: str, details: list[str] | None = None) -> int:
     print(f"kvgate up: {message}", file=sys.stderr)
     for line in details or []:
@@ -151,13 +137,7 @@ def run(args: argparse.Namespace) -> int:
         epp_replicas=args.epp_replicas,
         model=args.model,
         simulate=args.simulate,
-        sim=SimTiming(
-            prefill_time_per_token=args.sim_prefill_time_per_token,
-            itl=args.sim_itl,
-            itl_per_seq=args.sim_itl_per_seq,
-            kv_blocks=args.sim_kv_blocks,
-            time_scale=args.sim_time_scale,
-        ),
+        sim=SimTiming.from_args(args),
         profile=args.profile,
         epp_config_file=args.epp_config,
         max_num_seqs=args.max_num_seqs,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -48,6 +48,17 @@ class SimTiming:
     itl_per_seq: float | None = None
     kv_blocks: int | None = None
     time_scale: float | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> SimTiming:
+        """The --sim-* flags (kvgate.api.cli_args.add_simulation_group) of `kvgate up`/`bench`."""
+        return cls(
+            prefill_time_per_token=args.sim_prefill_time_per_token,
+            itl=args.sim_itl,
+            itl_per_seq=args.sim_itl_per_seq,
+            kv_blocks=args.sim_kv_blocks,
+            time_scale=args.sim_time_scale,
+        )
 
 
 @dataclass(frozen=True)
