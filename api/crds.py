@@ -324,6 +324,16 @@ class EngineSpec(K8sModel):
     )
     port: PortNumber = Field(default=8000, description="The engine's HTTP port (OpenAI API, /metrics).")
     kv_events_port: PortNumber = Field(default=5557, description="The engine's ZMQ KV-event publisher port.")
+    kv_events_replay_port: int = Field(
+        default=5558,
+        ge=0,
+        le=65535,
+        description=(
+            "The engine's ZMQ KV-event replay port: a picker that missed events (a restart, a slow "
+            "subscriber) asks for them again instead of guessing. 0: no replay."
+        ),
+        json_schema_extra={"format": "int32"},
+    )
     startup_timeout_seconds: int = Field(
         default=1800,
         ge=30,

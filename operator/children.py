@@ -165,6 +165,11 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
         str(eng.port),
         "--kv-events-endpoint",
         f"tcp://*:{eng.kv_events_port}",
+        *(
+            ["--kv-events-replay-endpoint", f"tcp://*:{eng.kv_events_replay_port}"]
+            if eng.kv_events_replay_port
+            else []
+        ),
         "--shutdown-timeout",
         str(eng.shutdown_timeout_seconds),
     ]
@@ -270,6 +275,11 @@ def engine_deployment(
         "ports": [
             {"name": "http", "containerPort": eng.port, "protocol": "TCP"},
             {"name": "kv-events", "containerPort": eng.kv_events_port, "protocol": "TCP"},
+            *(
+                [{"name": "kv-replay", "containerPort": eng.kv_events_replay_port, "protocol": "TCP"}]
+                if eng.kv_events_replay_port
+                else []
+            ),
         ],
         # Weight loading can take many minutes: only the startup probe waits that long; once it
         # passes, readiness and liveness probe fast.
@@ -446,6 +456,7 @@ class EPPTarget:
     grpc_port: int = EPP_GRPC_PORT
     tokenizer: TokenizerSource | None = None
     kv_events_port: int = 5557  # the engines' KV-event publisher port the EPP subscribes to
+    kv_replay_port: int = 0  # the engines' KV-event replay port (0: none)
     termination_grace_seconds: int = 130
     # The engines' KVGATE_API_KEY env entry (value or secretKeyRef), so the EPP can scrape engines
     # whose /metrics requires the key (`kvgate engine serve --metrics-require-api-key`).
@@ -469,6 +480,7 @@ def epp_target_for_md(
         routing=spec.routing,
         tokenizer=tokenizer,
         kv_events_port=spec.engine.kv_events_port,
+        kv_replay_port=spec.engine.kv_events_replay_port,
         api_key_env=next((e.wire() for e in spec.engine.env if e.name == API_KEY_ENV), None),
         # A request streaming when the EPP restarts must be able to finish through it.
         termination_grace_seconds=spec.engine.drain_seconds + spec.engine.shutdown_timeout_seconds + 10,
@@ -492,6 +504,8 @@ def epp_args(target: EPPTarget) -> list[str]:
     ]
     if target.kv_events_port != 5557:  # the EPP's default
         args += ["--kv-events-port", str(target.kv_events_port)]
+    if target.kv_replay_port:
+        args += ["--kv-replay-port", str(target.kv_replay_port)]
     if not target.routing.secure_serving:
         args.append("--secure-serving=false")
     if target.tokenizer:
@@ -698,7 +712,10 @@ def network_policies(
     engine_rules: list[dict[str, Any]] = [
         {"from": gateway, "ports": _tcp(eng.port)},
         # The picker scrapes /metrics on the serving port and subscribes to KV events.
-        {"from": [{"podSelector": {"matchLabels": epp_pods}}], "ports": _tcp(eng.port, eng.kv_events_port)},
+        {
+            "from": [{"podSelector": {"matchLabels": epp_pods}}],
+            "ports": _tcp(*(p for p in (eng.port, eng.kv_events_port, eng.kv_events_replay_port) if p)),
+        },
     ]
     if metrics:
         epp_rules.append({"from": metrics, "ports": _tcp(EPP_METRICS_PORT)})
