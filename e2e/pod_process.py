@@ -1,0 +1,226 @@
+"""Run a container of a pod manifest the operator writes as a process on this machine, the way
+the kubelet would start it: the exact command and args, the env (values, fieldRefs, Secret and
+ConfigMap keys, plus the image's ENV), every volume mounted at its mountPath (a private mount
+namespace with bind mounts: configMap files, emptyDirs, PVCs, the service-account folder), a
+read-only root filesystem when the container asks for one, and its runAsUser/runAsGroup (when
+this venv's interpreter is usable by that user).
+
+What cannot run here is substituted, and only that: the image is this checkout's venv (its PATH
+replaces /opt/kvgate/bin), the pod network is the host's loopback (the pod IP is 127.0.0.1),
+and a PVC is a folder the test fills.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def namespaces_work() -> bool:
+    """Whether this machine lets us make a private mount namespace (root, or user namespaces)."""
+    probe = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "true"], capture_output=True, timeout=10
+    )
+    return probe.returncode == 0
+
+
+def interpreter_usable_by_others() -> bool:
+    """Whether a non-root user can run this venv's interpreter (a pyenv python under a 0700
+    /root cannot be): if not, containers run as root here and runAsUser is not exercised."""
+    real = Path(sys.executable).resolve()
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [real, *real.parents])
+
+
+def image_env(component: str) -> dict[str, str]:
+    """The ENV of the final stage of docker/<component>.Dockerfile, with this venv as the image."""
+    env: dict[str, str] = {}
+    lines = (REPO / "docker" / f"{component}.Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    for line in lines:
+        if line.startswith("FROM "):
+            env = {}
+        elif line.startswith("ENV "):
+            for item in shlex.split(line[4:]):
+                key, _, value = item.partition("=")
+                env[key] = value.replace("$PATH", HOST_PATH).replace("/opt/kvgate/bin", str(VENV_BIN))
+    env.setdefault("PATH", f"{VENV_BIN}:{HOST_PATH}")
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+@dataclass
+class Pod:
+    """One pod's runtime: its volumes live under `root` and are shared by its containers."""
+
+    spec: dict[str, Any]  # the Deployment's pod template spec
+    root: Path
+    name: str
+    namespace: str
+    image_env: dict[str, str]
+    labels: dict[str, str] = field(default_factory=dict)
+    pod_ip: str = "127.0.0.1"
+    config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)
+    claims: dict[str, Path] = field(default_factory=dict)
+    service_account_dir: Path | None = None
+    service_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_HOST/PORT
+    _volumes: dict[str, Path] = field(default_factory=dict)
+    _made_mount_points: list[Path] = field(default_factory=list)
+    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    # -- volumes -----------------------------------------------------------------------------
+    def volume(self, name: str) -> Path:
+        if name in self._volumes:
+            return self._volumes[name]
+        (spec,) = [v for v in self.spec.get("volumes", []) if v["name"] == name]
+        path = self.root / "volumes" / name
+        if "emptyDir" in spec:
+            path.mkdir(parents=True)
+            path.chmod(0o777)  # what the kubelet gives an emptyDir
+        elif "configMap" in spec:
+            path.mkdir(parents=True)
+            for key, text in self.config_maps[spec["configMap"]["name"]].items():
+                (path / key).write_text(text)
+                (path / key).chmod(0o644)
+            path.chmod(0o755)
+        elif "persistentVolumeClaim" in spec:
+            path = self.claims[spec["persistentVolumeClaim"]["claimName"]]
+        else:
+            raise NotImplementedError(f"volume {name}: {sorted(spec)}")
+        self._volumes[name] = path
+        return path
+
+    def _mounts(self, container: dict[str, Any]) -> list[tuple[Path, str, bool]]:
+        mounts = [
+            (self.volume(m["name"]), m["mountPath"], bool(m.get("readOnly")))
+            for m in container.get("volumeMounts", [])
+        ]
+        if self.service_account_dir is not None and self.spec.get("automountServiceAccountToken", True):
+            mounts.append((self.service_account_dir, SA_MOUNT, True))
+        # A mount whose target hides another mount's source goes last (e.g. /tmp over pytest's tmp).
+        return sorted(mounts, key=lambda m: any(str(o[0]).startswith(m[1] + "/") for o in mounts))
+
+    # -- env ---------------------------------------------------------------------------------
+    def _field(self, path: str) -> str:
+        return {
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "status.podIP": self.pod_ip,
+            "spec.nodeName": "node-1",
+        }[path]
+
+    def env(self, container: dict[str, Any]) -> dict[str, str]:
+        env = {**self.image_env, **self.service_env}
+        for item in container.get("env", []):
+            source = item.get("valueFrom")
+            if source is None:
+                env[item["name"]] = item.get("value", "")
+            elif "fieldRef" in source:
+                env[item["name"]] = self._field(source["fieldRef"]["fieldPath"])
+            elif "secretKeyRef" in source:
+                ref = source["secretKeyRef"]
+                env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
+            elif "configMapKeyRef" in source:
+                ref = source["configMapKeyRef"]
+                env[item["name"]] = self.config_maps[ref["name"]][ref["key"]]
+            else:
+                raise NotImplementedError(f"env {item['name']}: {sorted(source)}")
+        return env
+
+    # -- processes ---------------------------------------------------------------------------
+    def argv(self, container: dict[str, Any]) -> list[str]:
+        script = ["set -e"]
+        for source, target, read_only in self._mounts(container):
+            script.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
+            if read_only:
+                script.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        security = {**(self.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+        if security.get("readOnlyRootFilesystem"):
+            script.append("mount -o remount,bind,ro /")
+        command = [*container["command"], *container.get("args", [])]
+        user = []
+        if "runAsUser" in security and interpreter_usable_by_others():
+            group = security.get("runAsGroup", security["runAsUser"])
+            user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={group}", "--clear-groups"]
+            if security.get("allowPrivilegeEscalation") is False:
+                user.append("--no-new-privs")
+        script.append("exec " + shlex.join([*user, *command]))
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)]
+
+    def _prepare(self, container: dict[str, Any]) -> dict[str, str]:
+        for _, target, _ in self._mounts(container):
+            point = Path(target)
+            if not point.exists():
+                missing = [p for p in [point, *point.parents] if not p.exists()]
+                point.mkdir(parents=True)
+                self._made_mount_points += missing
+        return self.env(container)
+
+    def run(self, container: dict[str, Any], timeout: float) -> subprocess.CompletedProcess[str]:
+        """An init container: runs to completion."""
+        env = self._prepare(container)
+        return subprocess.run(
+            self.argv(container), env=env, capture_output=True, text=True, timeout=timeout, cwd="/"
+        )
+
+    def start(self, container: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
+        env = self._prepare(container)
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                self.argv(container), env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/"
+            )
+        self._procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for point in sorted(set(self._made_mount_points), key=lambda p: len(p.parts), reverse=True):
+            try:
+                point.rmdir()
+            except OSError:
+                pass
+        shutil.rmtree(self.root / "volumes", ignore_errors=True)
+
+    def as_pod_object(self, ready: bool = True) -> dict[str, Any]:
+        """The Pod the API server would list for it."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": self.name, "namespace": self.namespace, "labels": dict(self.labels)},
+            "status": {
+                "phase": "Running",
+                "podIP": self.pod_ip,
+                "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            },
+        }
+
+
+def pod_from_deployment(deployment: dict[str, Any], root: Path, component: str, **kw: Any) -> Pod:
+    template = deployment["spec"]["template"]
+    return Pod(
+        spec=template["spec"],
+        root=root,
+        name=f"{deployment['metadata']['name']}-0",
+        namespace=deployment["metadata"]["namespace"],
+        labels=dict(template["metadata"]["labels"]),
+        image_env=image_env(component),
+        **kw,
+    )
