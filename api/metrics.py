@@ -1,6 +1,8 @@
-"""Metric names shared by the engine (which exports them) and the EPP (which scrapes them).
+"""Metric names and thresholds shared across components: the engine exports vLLM's gauges and
+the EPP scrapes them; the EPP exports GIE's pool gauges and the operator's autoscalers read them.
 
-They are vLLM's names: GIE/llm-d pickers and Grafana dashboards read exactly these.
+They are vLLM's and GIE's names: GIE/llm-d pickers and Grafana dashboards read exactly these.
+Nothing here imports anything, so every component (and its image) can use it.
 """
 
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -22,3 +24,37 @@ E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
 
 LABEL_MODEL_NAME = "model_name"
 LABEL_ENGINE = "engine"
+
+# ---------------------------------------------------------------------------------------------
+# The endpoint picker's pool gauges (GIE's `inference_pool_*` names, label `name` = the pool).
+# The EPP exports them; the operator's autoscalers and status read them from Prometheus.
+# ---------------------------------------------------------------------------------------------
+
+LABEL_POOL_NAME = "name"
+POOL_READY_PODS = "inference_pool_ready_pods"
+POOL_AVERAGE_QUEUE_SIZE = "inference_pool_average_queue_size"
+POOL_AVERAGE_KV_CACHE_UTILIZATION = "inference_pool_average_kv_cache_utilization"
+POOL_PER_POD_QUEUE_SIZE = "inference_pool_per_pod_queue_size"
+LABEL_MODEL_SERVER_POD = "model_server_pod"
+# Not exported by anyone: the External metric an HPA on `saturation` asks a metrics adapter for
+# (a prometheus-adapter rule computing `saturation()` below from the two averages).
+POOL_SATURATION = "kvgate_inference_pool_saturation"
+
+# ---------------------------------------------------------------------------------------------
+# Saturation (DESIGN §3, GIE's saturation-detector defaults): an endpoint is saturated at this
+# many waiting requests or this KV-cache use. The EPP sheds sheddable work past them (its config
+# can move them); the operator's `saturation` autoscaling metric is the same formula.
+# ---------------------------------------------------------------------------------------------
+
+SATURATION_QUEUE_DEPTH = 5.0
+SATURATION_KV_CACHE_UTILIZATION = 0.8
+
+
+def saturation(
+    queue: float,
+    kv_cache_utilization: float,
+    queue_threshold: float = SATURATION_QUEUE_DEPTH,
+    kv_threshold: float = SATURATION_KV_CACHE_UTILIZATION,
+) -> float:
+    """max(queue / queue threshold, KV use / KV threshold): 1.0 or more is saturated."""
+    return max(queue / queue_threshold, kv_cache_utilization / kv_threshold)

@@ -6,6 +6,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvgate.api.metrics import (
+    LABEL_MODEL_SERVER_POD,
+    LABEL_POOL_NAME,
+    POOL_AVERAGE_KV_CACHE_UTILIZATION,
+    POOL_AVERAGE_QUEUE_SIZE,
+    POOL_PER_POD_QUEUE_SIZE,
+    POOL_READY_PODS,
+)
 from kvgate.epp.datastore import Datastore
 
 _LATENCY_BUCKETS = (
@@ -72,29 +80,24 @@ class _PoolCollector(Collector):
     def collect(self):
         states = [s for s in self.datastore.all() if self.datastore.reachable(s)]
         n = len(states)
-        ready = GaugeMetricFamily("inference_pool_ready_pods", "Ready endpoints in the pool", labels=["name"])
+        pool = [LABEL_POOL_NAME]
+        ready = GaugeMetricFamily(POOL_READY_PODS, "Ready endpoints in the pool", labels=pool)
         ready.add_metric([self.pool_name], n)
         kv = GaugeMetricFamily(
-            "inference_pool_average_kv_cache_utilization",
-            "Mean KV-cache use over the pool (0-1)",
-            labels=["name"],
+            POOL_AVERAGE_KV_CACHE_UTILIZATION, "Mean KV-cache use over the pool (0-1)", labels=pool
         )
         kv.add_metric([self.pool_name], sum(s.metrics.kv_usage for s in states) / n if n else 0.0)
-        queue = GaugeMetricFamily(
-            "inference_pool_average_queue_size", "Mean waiting queue over the pool", labels=["name"]
-        )
+        queue = GaugeMetricFamily(POOL_AVERAGE_QUEUE_SIZE, "Mean waiting queue over the pool", labels=pool)
         queue.add_metric([self.pool_name], sum(s.metrics.waiting for s in states) / n if n else 0.0)
         per_pod = GaugeMetricFamily(
-            "inference_pool_per_pod_queue_size",
-            "Waiting queue per endpoint",
-            labels=["name", "model_server_pod"],
+            POOL_PER_POD_QUEUE_SIZE, "Waiting queue per endpoint", labels=[*pool, LABEL_MODEL_SERVER_POD]
         )
         for s in states:
             per_pod.add_metric([self.pool_name, s.endpoint.name or s.address], s.metrics.waiting)
         blocks = GaugeMetricFamily(
             "kvgate_epp_prefix_index_blocks",
             "KV blocks the precise prefix index holds per endpoint (from KV events)",
-            labels=["name", "endpoint", "kv_events_live"],
+            labels=[*pool, "endpoint", "kv_events_live"],
         )
         for s in self.datastore.all():
             blocks.add_metric(

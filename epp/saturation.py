@@ -4,21 +4,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgate.api.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH, saturation
 from kvgate.epp.datastore import EndpointState
+
+METRICS_STALENESS_S = 2.0  # older metrics count as saturated
 
 
 @dataclass
 class SaturationDetector:
-    queue_depth_threshold: float = 5.0
-    kv_cache_util_threshold: float = 0.8
-    metrics_staleness_threshold: float = 2.0  # seconds; older metrics count as saturated
+    queue_depth_threshold: float = SATURATION_QUEUE_DEPTH
+    kv_cache_util_threshold: float = SATURATION_KV_CACHE_UTILIZATION
+    metrics_staleness_threshold: float = METRICS_STALENESS_S  # seconds
 
     def endpoint_saturation(self, state: EndpointState, now: float) -> float:
         """≥ 1.0 means saturated: max(waiting / queue threshold, kv use / kv threshold)."""
         if state.age(now) > self.metrics_staleness_threshold:
             return 1.0
-        m = state.metrics
-        return max(state.queue() / self.queue_depth_threshold, m.kv_usage / self.kv_cache_util_threshold)
+        return saturation(
+            state.queue(), state.metrics.kv_usage, self.queue_depth_threshold, self.kv_cache_util_threshold
+        )
 
     def pool_saturation(self, endpoints: list[EndpointState], now: float) -> float:
         if not endpoints:

@@ -20,10 +20,22 @@ from kvgate.api.crds import (
     POOL_GROUP,
     POOL_VERSION,
     AutoscalingSpec,
+    EndpointPickerRef,
+    InferencePoolSpec,
+    LabelSelector,
     ModelDeploymentSpec,
     ModelSource,
     NetworkPeer,
+    Port,
     RoutingSpec,
+)
+from kvgate.api.metrics import (
+    LABEL_POOL_NAME,
+    POOL_AVERAGE_KV_CACHE_UTILIZATION,
+    POOL_AVERAGE_QUEUE_SIZE,
+    POOL_SATURATION,
+    SATURATION_KV_CACHE_UTILIZATION,
+    SATURATION_QUEUE_DEPTH,
 )
 from kvgate.operator.config import OperatorConfig
 
@@ -44,14 +56,6 @@ EPP_CONFIG_KEY = "epp-config.yaml"
 API_KEY_ENV = "KVGATE_API_KEY"
 MODEL_DIR = "/models"
 MAX_MD_NAME = 59  # `<name>-epp` must stay a 63-character DNS label (it is a Service name)
-
-# The EPP's pool-level gauges (GIE metric names, label `name` = pool).
-POOL_QUEUE_METRIC = "inference_pool_average_queue_size"
-POOL_KV_METRIC = "inference_pool_average_kv_cache_utilization"
-POOL_SATURATION_METRIC = "kvgate_inference_pool_saturation"  # HPA: a prometheus-adapter rule
-# DESIGN §3: an endpoint is saturated at queue 5 or KV use 0.8.
-QUEUE_SATURATION = 5
-KV_SATURATION = 0.8
 
 
 @dataclass(frozen=True)
@@ -374,18 +378,18 @@ def inference_pool(
         "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}",
         "kind": "InferencePool",
         "metadata": _meta(name, owner, labels),
-        "spec": {
-            "selector": {"matchLabels": engine_selector(name)},
-            "targetPorts": [{"number": spec.engine.port}],
-            "appProtocol": "http",
-            "endpointPickerRef": {
-                "group": "",
-                "kind": "Service",
-                "name": epp_name(name),
-                "port": {"number": EPP_GRPC_PORT},
-                "failureMode": spec.routing.failure_mode,
-            },
-        },
+        "spec": InferencePoolSpec(
+            selector=LabelSelector(match_labels=engine_selector(name)),
+            target_ports=[Port(number=spec.engine.port)],
+            app_protocol="http",
+            endpoint_picker_ref=EndpointPickerRef(
+                group="",
+                kind="Service",
+                name=epp_name(name),
+                port=Port(number=EPP_GRPC_PORT),
+                failure_mode=spec.routing.failure_mode,
+            ),
+        ).wire(),
     }
 
 
@@ -743,17 +747,28 @@ def network_policies(
 # ---------------------------------------------------------------------------------------------
 
 
+def pool_gauge(metric: str, pool: str) -> str:
+    """PromQL for one of the EPP's pool gauges (the max over the pool's EPP replicas)."""
+    return f'max({metric}{{{LABEL_POOL_NAME}="{pool}"}})'
+
+
 def autoscaler_query(pool: str, metric: str) -> str:
     """The PromQL the autoscaler scales on: a pool-wide average from the EPP."""
-    queue = f'max({POOL_QUEUE_METRIC}{{name="{pool}"}})'
-    kv = f'max({POOL_KV_METRIC}{{name="{pool}"}})'
+    queue = pool_gauge(POOL_AVERAGE_QUEUE_SIZE, pool)
+    kv = pool_gauge(POOL_AVERAGE_KV_CACHE_UTILIZATION, pool)
     if metric == "queue-size":
         return queue
     if metric == "kv-cache-utilization":
         return kv
-    # saturation = max(queue/5, kv/0.8), written without a binary max: b + clamp_min(a - b, 0)
-    a, b = f"({queue} / {QUEUE_SATURATION})", f"({kv} / {KV_SATURATION})"
+    # api.metrics.saturation() = max(queue/5, kv/0.8), written without a binary max:
+    # b + clamp_min(a - b, 0)
+    a = f"({queue} / {_num(SATURATION_QUEUE_DEPTH)})"
+    b = f"({kv} / {_num(SATURATION_KV_CACHE_UTILIZATION)})"
     return f"{b} + clamp_min({a} - {b}, 0)"
+
+
+def _num(value: float) -> str:
+    return f"{value:g}"
 
 
 def scaled_object(
@@ -788,9 +803,9 @@ def scaled_object(
 
 def _external_metric_name(metric: str) -> str:
     return {
-        "queue-size": POOL_QUEUE_METRIC,
-        "kv-cache-utilization": POOL_KV_METRIC,
-        "saturation": POOL_SATURATION_METRIC,
+        "queue-size": POOL_AVERAGE_QUEUE_SIZE,
+        "kv-cache-utilization": POOL_AVERAGE_KV_CACHE_UTILIZATION,
+        "saturation": POOL_SATURATION,
     }[metric]
 
 
@@ -814,7 +829,7 @@ def horizontal_pod_autoscaler(
                     "external": {
                         "metric": {
                             "name": _external_metric_name(autoscaling.metric),
-                            "selector": {"matchLabels": {"name": name}},
+                            "selector": {"matchLabels": {LABEL_POOL_NAME: name}},
                         },
                         "target": {"type": "Value", "value": autoscaling.target},
                     },

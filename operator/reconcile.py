@@ -17,7 +17,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvgate.api.crds import ModelDeploymentSpec, PoolSignals, RoutingSpec
+from kvgate.api.crds import (
+    EndpointPickerRef,
+    InferencePool,
+    InferencePoolSpec,
+    InferencePoolStatus,
+    ModelDeploymentSpec,
+    PoolSignals,
+    Port,
+    RoutingSpec,
+)
 from kvgate.operator import children as ch
 from kvgate.operator.conditions import Cond, find, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
@@ -156,11 +165,16 @@ def parse_spec(name: str, raw_spec: dict[str, Any] | None) -> ModelDeploymentSpe
     try:
         return ModelDeploymentSpec.model_validate(raw_spec or {})
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
-            problems.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
-        raise SpecError("; ".join(problems)) from None
+        raise SpecError(_problems(exc, "spec")) from None
+
+
+def _problems(exc: ValidationError, root: str = "") -> str:
+    """pydantic's errors as `path.to.field: message; ...`, paths in the wire's camelCase."""
+    problems = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        problems.append(f"{root + '.' if root else ''}{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(problems)
 
 
 class Reconciler:
@@ -370,7 +384,7 @@ class Reconciler:
             "observedGeneration": generation,
             "replicas": int(es.get("replicas") or 0),
             "readyReplicas": ready,
-            "endpoints": ready * len(pool.get("spec", {}).get("targetPorts") or [1]),
+            "endpoints": ready * len(InferencePoolSpec.model_validate(pool["spec"]).target_ports),
             "pool": name,
             "selector": ",".join(f"{k}={v}" for k, v in ch.engine_selector(name).items()),
             "gatewayAccepted": accepted,
@@ -417,14 +431,17 @@ class Reconciler:
         """Deploys a kvgate EPP for a hand-made InferencePool; fills endpointPickerRef if absent."""
         meta = body["metadata"]
         name, namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
-        spec = body.get("spec") or {}
-        ref = spec.get("endpointPickerRef") or {}
-        epp = ref.get("name") or ch.epp_name(name)
+        try:
+            pool = InferencePool.model_validate(body)
+        except ValidationError as exc:
+            return [Event("Warning", "InvalidPool", f"not a valid InferencePool: {_problems(exc)}")]
+        ref = pool.spec.endpoint_picker_ref
+        epp = ref.name if ref else ch.epp_name(name)
         if len(epp) > 63:
             return [Event("Warning", "InvalidPool", f"EPP Service name {epp!r} is longer than 63 characters")]
-        port = (ref.get("port") or {}).get("number") or ch.EPP_GRPC_PORT
+        port = ref.port.number if ref and ref.port else ch.EPP_GRPC_PORT
         owner = ch.pool_owner(name, namespace, uid)
-        routing = RoutingSpec(failure_mode=ref.get("failureMode") or "FailClose")
+        routing = RoutingSpec(failure_mode=ref.failure_mode if ref else "FailClose")
         # The pool's model servers are not ours: their tokenizer has to be named.
         tokenizer = (meta.get("annotations") or {}).get(ch.ANNOTATION_TOKENIZER)
         target = ch.EPPTarget(
@@ -435,28 +452,16 @@ class Reconciler:
             pod_labels={ch.LABEL_POOL: name, ch.LABEL_ROLE: "epp"},
             image=self.config.epp_image,
             routing=routing,
-            grpc_port=int(port),
+            grpc_port=port,
             tokenizer=ch.tokenizer_source(tokenizer) if tokenizer else None,
         )
         events: list[Event] = []
         await self.apply_all(ch.epp_objects(target, self.config), uid)
-        if not ref.get("name"):
+        if ref is None:
             # Without a reference the gateway cannot find the picker we just deployed.
+            filled = EndpointPickerRef(name=epp, port=Port(number=port))
             await self.client.patch(
-                INFERENCE_POOLS,
-                namespace,
-                name,
-                {
-                    "spec": {
-                        "endpointPickerRef": {
-                            "group": "",
-                            "kind": "Service",
-                            "name": epp,
-                            "port": {"number": int(port)},
-                            "failureMode": "FailClose",
-                        }
-                    }
-                },
+                INFERENCE_POOLS, namespace, name, {"spec": {"endpointPickerRef": filled.wire()}}
             )
             events.append(
                 Event("Normal", "EndpointPickerRefSet", f"spec.endpointPickerRef now names Service {epp}.")
@@ -470,20 +475,26 @@ def ch_resource(kind: str):  # type: ignore[no-untyped-def]
 
 def _gateway_accepted(pool: dict[str, Any]) -> tuple[str, Cond]:
     """The gateways' Accepted condition on the pool, read only (the gateway owns it)."""
-    parents = ((pool.get("status") or {}).get("parents")) or []
-    found = [c for c in (find(p.get("conditions"), "Accepted") for p in parents) if c]
+    try:
+        status = InferencePoolStatus.model_validate(pool.get("status") or {})
+    except ValidationError as exc:
+        msg = f"The pool's status (written by its gateways) does not parse: {_problems(exc, 'status')}"
+        return "Unknown", Cond("GatewayAccepted", "Unknown", "InvalidPoolStatus", msg[:1000])
+    found = [
+        next(c for c in p.conditions or [] if c.type == "Accepted")
+        for p in status.parents or []
+        if any(c.type == "Accepted" for c in p.conditions or [])
+    ]
     if not found:
         return "Unknown", Cond(
             "GatewayAccepted", "Unknown", "NoParents", "No gateway reports on this pool yet."
         )
-    worst = next((c for c in found if c.get("status") == "False"), None) or next(
-        (c for c in found if c.get("status") != "True"), None
+    worst = next((c for c in found if c.status == "False"), None) or next(
+        (c for c in found if c.status != "True"), None
     )
     chosen = worst or found[0]
-    status = chosen.get("status", "Unknown")
-    reason = chosen.get("reason") or "Unknown"
-    msg = f"{len(found)} gateway(s); " + (chosen.get("message") or "")
-    return status, Cond("GatewayAccepted", status, reason, msg.strip())
+    msg = f"{len(found)} gateway(s); {chosen.message}"
+    return chosen.status, Cond("GatewayAccepted", chosen.status, chosen.reason, msg.strip())
 
 
 def _failure(

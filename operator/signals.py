@@ -10,7 +10,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvgate.operator.children import KV_SATURATION, POOL_KV_METRIC, POOL_QUEUE_METRIC, QUEUE_SATURATION
+from kvgate.api.metrics import (
+    KV_CACHE_USAGE_PERC,
+    LABEL_MODEL_NAME,
+    NUM_REQUESTS_WAITING,
+    POOL_AVERAGE_KV_CACHE_UTILIZATION,
+    POOL_AVERAGE_QUEUE_SIZE,
+    saturation,
+)
+from kvgate.operator.children import pool_gauge
 
 
 @dataclass(frozen=True)
@@ -21,12 +29,10 @@ class Signals:
 
     @property
     def saturation(self) -> float | None:
-        parts = []
-        if self.queue_size is not None:
-            parts.append(self.queue_size / QUEUE_SATURATION)
-        if self.kv_cache_utilization is not None:
-            parts.append(self.kv_cache_utilization / KV_SATURATION)
-        return max(parts) if parts else None
+        if self.queue_size is None and self.kv_cache_utilization is None:
+            return None
+        # A missing part counts as 0: both parts are non-negative, so the max is the known one.
+        return saturation(self.queue_size or 0.0, self.kv_cache_utilization or 0.0)
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,13 @@ class SignalReader:
             return None
 
     def _read(self, pool: str, served_name: str) -> Signals:
-        queue = self._scalar(f'max({POOL_QUEUE_METRIC}{{name="{pool}"}})')
-        kv = self._scalar(f'max({POOL_KV_METRIC}{{name="{pool}"}})')
+        queue = self._scalar(pool_gauge(POOL_AVERAGE_QUEUE_SIZE, pool))
+        kv = self._scalar(pool_gauge(POOL_AVERAGE_KV_CACHE_UTILIZATION, pool))
         if queue is not None or kv is not None:
             return Signals(queue, kv, "epp")
-        queue = self._scalar(f'avg(vllm:num_requests_waiting{{model_name="{served_name}"}})')
-        kv = self._scalar(f'avg(vllm:kv_cache_usage_perc{{model_name="{served_name}"}})')
+        model = f'{{{LABEL_MODEL_NAME}="{served_name}"}}'
+        queue = self._scalar(f"avg({NUM_REQUESTS_WAITING}{model})")
+        kv = self._scalar(f"avg({KV_CACHE_USAGE_PERC}{model})")
         return Signals(queue, kv, "engines" if queue is not None or kv is not None else "none")
 
     def _check(self, query: str) -> QueryCheck:

@@ -443,6 +443,31 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
     assert cluster.children("6f1c2a9e-0000-4000-8000-0000000000aa") == {}
 
 
+async def test_managed_pool_is_read_with_the_gie_model(cluster: Any, operator: Any) -> None:
+    # The API server would refuse this pool (GIE's schema): kmock stores it, and the operator
+    # reads pools with the same models the CRD is generated from, so it says why and builds nothing.
+    pool_uid = "6f1c2a9e-0000-4000-8000-0000000000bb"
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {
+            "name": "broken",
+            "namespace": NS,
+            "uid": pool_uid,
+            "annotations": {"kvgate.dev/epp": "managed"},
+        },
+        "spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": []},
+    }
+    await cluster.client.create(INFERENCE_POOLS, NS, pool)
+    events = await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "InvalidPool"],
+        what="InvalidPool event",
+    )
+    assert events[0]["type"] == "Warning"
+    assert "spec.targetPorts" in events[0]["message"]
+    assert cluster.children(pool_uid) == {}
+
+
 @pytest.mark.parametrize("keda", [False])
 async def test_without_keda_an_hpa_stands_in_with_a_condition(
     cluster: Any, operator: Any, keda: bool

@@ -689,3 +689,29 @@ def test_epp_config_loads_in_the_real_epp(name: str) -> None:
     cfg = parse_config(yaml.safe_load(ch.epp_config_yaml(spec.routing)), source=name)
     (profile,) = build_profiles(cfg, source=name)
     assert len(profile.scorers) == len(spec.routing.scorers)
+
+
+def test_the_autoscalers_read_what_the_epp_exports_with_its_thresholds() -> None:
+    # One contract (api/metrics.py) on both sides: the names the EPP exports are the ones the
+    # operator's autoscalers query, and the saturation formula uses the EPP's default thresholds.
+    from prometheus_client import generate_latest
+
+    from kvgate.api import metrics as contract
+    from kvgate.epp.datastore import Datastore
+    from kvgate.epp.metrics import EppMetrics
+    from kvgate.epp.saturation import SaturationDetector
+    from kvgate.epp.scheduling.config import SaturationSpec
+
+    exported = generate_latest(EppMetrics(Datastore(), "smol").registry).decode()
+    for name in (contract.POOL_AVERAGE_QUEUE_SIZE, contract.POOL_AVERAGE_KV_CACHE_UTILIZATION):
+        assert f'{name}{{{contract.LABEL_POOL_NAME}="smol"}}' in exported
+        assert f'max({name}{{{contract.LABEL_POOL_NAME}="smol"}})' in ch.autoscaler_query(
+            "smol", "saturation"
+        )
+    detector, spec = SaturationDetector(), SaturationSpec()
+    thresholds = (contract.SATURATION_QUEUE_DEPTH, contract.SATURATION_KV_CACHE_UTILIZATION)
+    assert (detector.queue_depth_threshold, detector.kv_cache_util_threshold) == thresholds
+    assert (spec.queue_depth_threshold, spec.kv_cache_util_threshold) == thresholds
+    query = ch.autoscaler_query("smol", "saturation")
+    assert "/ 5)" in query and "/ 0.8)" in query
+    assert contract.saturation(2.5, 0.2) == 0.5 and contract.saturation(1.0, 0.8) == 1.0
