@@ -3,7 +3,7 @@
 One pass: validate the spec (an invalid one creates nothing), learn what the cluster serves
 (KEDA, Gateway API), create or patch each child only where it differs from what we want,
 delete optional children no longer wanted, then read the children back into status
-conditions. Every pass is idempotent, so the same code serves create, update, resume and the
+conditions (status.py, pure). Every pass is idempotent, so the same code serves create, update, resume and the
 periodic drift check.
 """
 
@@ -20,15 +20,13 @@ from pydantic import ValidationError
 from kvgate.api.crds import (
     EndpointPickerRef,
     InferencePool,
-    InferencePoolSpec,
-    InferencePoolStatus,
     ModelDeploymentSpec,
     PoolSignals,
     Port,
     RoutingSpec,
 )
 from kvgate.operator import children as ch
-from kvgate.operator.conditions import Cond, find, merge_conditions, now_rfc3339
+from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import ApiError, KubeClient
 from kvgate.operator.resources import (
@@ -39,16 +37,10 @@ from kvgate.operator.resources import (
     resource_of,
 )
 from kvgate.operator.signals import SignalReader
+from kvgate.operator.status import Event, model_deployment_status, problems
 
 APPLIED_ANNOTATION = "kvgate.dev/applied"
 log = logging.getLogger("kvgate.operator")
-
-
-@dataclass
-class Event:
-    type: str  # Normal | Warning
-    reason: str
-    message: str
 
 
 @dataclass
@@ -60,6 +52,12 @@ class Outcome:
 # ---------------------------------------------------------------------------------------------
 # Patching helpers (pure)
 # ---------------------------------------------------------------------------------------------
+#
+# A JSON merge patch plus the applied-annotation 3-way diff, not server-side apply: the tests'
+# API server (kmock 0.8's emulator) treats every PATCH as a merge patch whatever its
+# Content-Type, answers 404 instead of creating, and keeps no managedFields, so an apply
+# patch would pass there with merge semantics (no pruning of fields we stopped applying, no
+# conflicts) that a real API server does not have.
 
 
 def is_subset(want: Any, have: Any) -> bool:
@@ -165,16 +163,7 @@ def parse_spec(name: str, raw_spec: dict[str, Any] | None) -> ModelDeploymentSpe
     try:
         return ModelDeploymentSpec.model_validate(raw_spec or {})
     except ValidationError as exc:
-        raise SpecError(_problems(exc, "spec")) from None
-
-
-def _problems(exc: ValidationError, root: str = "") -> str:
-    """pydantic's errors as `path.to.field: message; ...`, paths in the wire's camelCase."""
-    problems = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        problems.append(f"{root + '.' if root else ''}{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(problems)
+        raise SpecError(problems(exc, "spec")) from None
 
 
 class Reconciler:
@@ -283,7 +272,6 @@ class Reconciler:
 
         owner = ch.model_deployment_owner(name, namespace, uid)
         caps = await self.capabilities()
-        events: list[Event] = []
         engine_live = await self.client.get(DEPLOYMENTS, namespace, name)
         manifests = ch.model_deployment_children(
             name, owner, spec, self.config, caps, engine_exists=engine_live is not None
@@ -296,106 +284,23 @@ class Reconciler:
             msg = f"applying children failed: {exc}"
             return _failure(old_conditions, generation, "ApplyFailed", msg, msg)
 
-        engine = live[f"Deployment/{name}"]
-        epp = live[f"Deployment/{ch.epp_name(name)}"]
-        pool = live[f"InferencePool/{name}"]
-        es = engine.get("status") or {}
-        want = (engine.get("spec") or {}).get("replicas", 0) or 0
-        ready = int(es.get("readyReplicas") or 0)
-        updated = int(es.get("updatedReplicas") or 0)
-        epp_ready = int((epp.get("status") or {}).get("readyReplicas") or 0)
-        epp_want = int((epp.get("spec") or {}).get("replicas") or 0)
-        gen_seen = es.get("observedGeneration")
-        rolled = gen_seen is None or gen_seen >= (engine.get("metadata") or {}).get("generation", 0)
-
-        conds: list[Cond] = []
-        if want == 0:
-            conds.append(Cond("Ready", "False", "ScaledToZero", "No engine replicas are wanted right now."))
-        elif ready == 0:
-            conds.append(
-                Cond(
-                    "Ready", "False", "EngineNotReady", f"0/{want} engine replicas ready (loading weights?)."
-                )
-            )
-        elif epp_ready == 0:
-            conds.append(
-                Cond("Ready", "False", "EndpointPickerNotReady", "The endpoint picker is not ready.")
-            )
-        else:
-            # One Ready picker routes the whole pool; fewer than wanted is worth saying, not failing.
-            pickers = f"{epp_ready}/{epp_want} endpoint pickers ready"
-            conds.append(
-                Cond(
-                    "Ready",
-                    "True",
-                    "Available",
-                    f"{ready}/{want} engine replicas ready behind pool {name}; {pickers}.",
-                )
-            )
-        if ready < want or updated < want or not rolled:
-            conds.append(
-                Cond("Progressing", "True", "RollingOut", f"{updated}/{want} updated, {ready}/{want} ready.")
-            )
-        else:
-            conds.append(
-                Cond("Progressing", "False", "Complete", "All engine replicas are updated and ready.")
-            )
-        deadline = find(es.get("conditions"), "Progressing")
-        failure = find(es.get("conditions"), "ReplicaFailure")
-        if deadline and deadline.get("reason") == "ProgressDeadlineExceeded":
-            conds.append(Cond("Degraded", "True", "ProgressDeadlineExceeded", deadline.get("message", "")))
-        elif failure and failure.get("status") == "True":
-            conds.append(Cond("Degraded", "True", "ReplicaFailure", failure.get("message", "")))
-        else:
-            conds.append(Cond("Degraded", "False", "AsExpected", "No problems seen."))
-
-        scaler = ch.autoscaler_kind(spec.autoscaling, caps)
-        query = ch.autoscaler_query(name, spec.autoscaling.metric) if scaler else None
-        if scaler is None:
-            conds.append(Cond("Autoscaling", "False", "Disabled", "spec.autoscaling.backend is off."))
-        elif spec.autoscaling.backend == "keda" and scaler == "HorizontalPodAutoscaler":
-            msg = (
-                "KEDA's ScaledObject API is not served in this cluster; an autoscaling/v2 "
-                "HorizontalPodAutoscaler on the External metric "
-                f"{ch._external_metric_name(spec.autoscaling.metric)} is used instead (needs a metrics adapter)."
-            )
-            conds.append(Cond("Autoscaling", "True", "HPAFallback", msg))
-            if (find(old_conditions, "Autoscaling") or {}).get("reason") != "HPAFallback":
-                events.append(Event("Warning", "HPAFallback", msg))
-        elif scaler == "ScaledObject":
-            conds.append(Cond("Autoscaling", "True", "KEDA", f"KEDA ScaledObject {name} scales on: {query}"))
-        else:
-            conds.append(
-                Cond("Autoscaling", "True", "HPA", f"HorizontalPodAutoscaler {name} (External metric).")
-            )
-        if spec.http_route is not None and not caps.gateway_api:
-            conds.append(
-                Cond("Routed", "False", "GatewayAPIMissing", "HTTPRoute is not served; no route was created.")
-            )
-        elif spec.http_route is not None:
-            conds.append(
-                Cond("Routed", "True", "HTTPRouteApplied", f"HTTPRoute {name} points at pool {name}.")
-            )
-
-        accepted, accepted_cond = _gateway_accepted(pool)
-        conds.append(accepted_cond)
-
-        status: dict[str, Any] = {
-            "observedGeneration": generation,
-            "replicas": int(es.get("replicas") or 0),
-            "readyReplicas": ready,
-            "endpoints": ready * len(InferencePoolSpec.model_validate(pool["spec"]).target_ports),
-            "pool": name,
-            "selector": ",".join(f"{k}={v}" for k, v in ch.engine_selector(name).items()),
-            "gatewayAccepted": accepted,
-            "autoscaler": {"kind": scaler or "none", "query": query},
-        }
+        report = model_deployment_status(
+            name,
+            spec,
+            caps,
+            engine=live[f"Deployment/{name}"],
+            epp=live[f"Deployment/{ch.epp_name(name)}"],
+            pool=live[f"InferencePool/{name}"],
+            old_conditions=old_conditions,
+        )
+        status: dict[str, Any] = {"observedGeneration": generation, **report.fields}
+        conds = report.conditions
         if self.signals is not None:
-            status["signals"], metrics_cond, has_data = await self._signals(name, spec, query)
+            status["signals"], metrics_cond, has_data = await self._signals(name, spec, report.query)
             status["autoscaler"]["hasData"] = has_data
             conds.append(metrics_cond)
         status["conditions"] = merge_conditions(old_conditions, conds, generation)
-        return Outcome(_drop_none(status), events)
+        return Outcome(_drop_none(status), report.events)
 
     async def _signals(
         self, pool: str, spec: ModelDeploymentSpec, query: str | None
@@ -434,7 +339,7 @@ class Reconciler:
         try:
             pool = InferencePool.model_validate(body)
         except ValidationError as exc:
-            return [Event("Warning", "InvalidPool", f"not a valid InferencePool: {_problems(exc)}")]
+            return [Event("Warning", "InvalidPool", f"not a valid InferencePool: {problems(exc)}")]
         ref = pool.spec.endpoint_picker_ref
         epp = ref.name if ref else ch.epp_name(name)
         if len(epp) > 63:
@@ -471,30 +376,6 @@ class Reconciler:
 
 def ch_resource(kind: str):  # type: ignore[no-untyped-def]
     return resource_of({"kind": kind})
-
-
-def _gateway_accepted(pool: dict[str, Any]) -> tuple[str, Cond]:
-    """The gateways' Accepted condition on the pool, read only (the gateway owns it)."""
-    try:
-        status = InferencePoolStatus.model_validate(pool.get("status") or {})
-    except ValidationError as exc:
-        msg = f"The pool's status (written by its gateways) does not parse: {_problems(exc, 'status')}"
-        return "Unknown", Cond("GatewayAccepted", "Unknown", "InvalidPoolStatus", msg[:1000])
-    found = [
-        next(c for c in p.conditions or [] if c.type == "Accepted")
-        for p in status.parents or []
-        if any(c.type == "Accepted" for c in p.conditions or [])
-    ]
-    if not found:
-        return "Unknown", Cond(
-            "GatewayAccepted", "Unknown", "NoParents", "No gateway reports on this pool yet."
-        )
-    worst = next((c for c in found if c.status == "False"), None) or next(
-        (c for c in found if c.status != "True"), None
-    )
-    chosen = worst or found[0]
-    msg = f"{len(found)} gateway(s); {chosen.message}"
-    return chosen.status, Cond("GatewayAccepted", chosen.status, chosen.reason, msg.strip())
 
 
 def _failure(
