@@ -17,6 +17,8 @@ PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
 KVGATE_DRAINING = "kvgate:draining"  # kvgate's own gauge; not a vLLM name
+# kvgate's own gauge: prompt tokens still to prefill (queued and running), cache hits excluded
+KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"

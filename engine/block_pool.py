@@ -1,9 +1,13 @@
-"""A pool of fixed-size KV blocks: reference counts, an LRU free queue and the prefix-cache map.
+"""A pool of fixed-size KV blocks: reference counts, free queues and the prefix-cache map.
 
 A block whose last user freed it keeps its hash and stays findable by prefix lookups until the
-pool needs it for something else. Eviction takes the least recently freed block first; blocks
-that hold nothing cacheable go to the front of the queue so they are reused before any cached
-block is evicted. Every change to the cached set is recorded as a KV event.
+pool needs it for something else. Eviction is LRU in two tiers (segmented LRU): blocks never
+reused from the cache (a user's own question, a prompt seen once) are evicted before blocks a
+later request has hit (a shared system prompt), least recently freed first within each tier.
+Plain LRU lets a stream of one-off prompt tails push out the prefixes that every request of a
+group shares, whenever that group is quieter than the tails are many; with the two tiers the
+tails go first. Blocks that hold nothing cacheable are reused before any cached block is
+evicted. Every change to the cached set is recorded as a KV event.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None  # set while the block is registered in the prefix cache
+    hits: int = 0  # times a prefix lookup reused it since it was cached
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -54,22 +59,29 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # block_id -> block; order = eviction order (front first). OrderedDict gives O(1)
-        # removal from the middle when a prefix hit revives a free cached block.
+        # removal from the middle when a prefix hit revives a free cached block. `_free` holds
+        # uncached blocks and cached ones nobody reused; `_free_reused` the reused ones, taken
+        # only once `_free` is empty.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._free_reused: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
         self._events: list[KVEvent] = []
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_reused)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def is_free(self, block: KVBlock) -> bool:
+        """In a free queue (either tier): no request holds it."""
+        return block.block_id in self._free or block.block_id in self._free_reused
 
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self._cached.get(block_hash)
@@ -77,12 +89,13 @@ class BlockPool:
     # -- allocation ----------------------------------------------------------------------
     def take(self, n: int) -> list[KVBlock]:
         """Take `n` blocks off the front of the free queue, evicting their cached contents."""
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out: list[KVBlock] = []
         evicted: list[int] = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            _, block = (self._free or self._free_reused).popitem(last=False)
+            block.hits = 0
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
@@ -97,14 +110,18 @@ class BlockPool:
         """Add a reference to prefix-cache hits, reviving any that sat in the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                (self._free_reused if block.hits else self._free).pop(block.block_id)
             block.ref_cnt += 1
+            block.hits += 1
 
     def release(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; pass them tail-first so tails get evicted first."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if block.hits and block.block_hash is not None:
+                    self._free_reused[block.block_id] = block
+                    continue
                 self._free[block.block_id] = block
                 if block.block_hash is None:
                     # Nothing to keep: reuse it before evicting any cached block.
@@ -169,7 +186,13 @@ class BlockPool:
         """Forget every hash. Blocks in use stay with their requests, just no longer findable."""
         for block in self._cached.values():
             block.block_hash = None
+            block.hits = 0
         self._cached.clear()
+        # Nothing is worth keeping any more: reuse these before the rest of the queue.
+        while self._free_reused:
+            block_id, block = self._free_reused.popitem()
+            self._free[block_id] = block
+            self._free.move_to_end(block_id, last=False)
         self._events.append(AllBlocksCleared())
 
     def drain_events(self) -> list[KVEvent]:

@@ -37,6 +37,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     max_model_len: int = 0
+    prefill_tokens_pending: int = 0
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -271,6 +272,7 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             max_model_len=self.max_model_len,
+            prefill_tokens_pending=self.scheduler.pending_prefill_tokens(),
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

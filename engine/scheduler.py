@@ -47,6 +47,9 @@ class Scheduler:
         request.seq_no = self._next_seq_no
         self._next_seq_no += 1
         request.status = RequestStatus.WAITING
+        # What its prefill will cost as things stand now (a router reads the sum, see
+        # pending_prefill_tokens); the lookup hashes the prompt once, which scheduling reuses.
+        request.expected_cached_tokens = self.kv.get_computed_blocks(request)[1]
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -81,6 +84,18 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def pending_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, queued and running: the prefill work ahead of a new
+        request, in the engine's own accounting (cache hits known at admission excluded)."""
+        total = 0
+        for request in self.running:
+            total += max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
+        for request in self.waiting:
+            total += max(
+                0, request.num_tokens - max(request.expected_cached_tokens, request.num_computed_tokens)
+            )
+        return total
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

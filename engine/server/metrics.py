@@ -142,6 +142,7 @@ class StatsSnapshot:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_preemptions_total: int = 0
+    prefill_tokens_pending: int = 0
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -154,6 +155,7 @@ class StatsSnapshot:
             prefix_cache_queries_total=int(getattr(stats, "prefix_cache_queries_total", 0)),
             prefix_cache_hits_total=int(getattr(stats, "prefix_cache_hits_total", 0)),
             num_preemptions_total=int(getattr(stats, "num_preemptions_total", 0)),
+            prefill_tokens_pending=int(getattr(stats, "prefill_tokens_pending", 0)),
         )
 
 
@@ -249,6 +251,12 @@ class EngineMetrics:
             "gauge",
             "1 while the server is shutting down: route new requests elsewhere.",
         )
+        # kvgate's own: the prefill work ahead of a new request (a router's latency estimate)
+        self.prefill_pending = scalar(
+            names.KVGATE_PREFILL_TOKENS_PENDING,
+            "gauge",
+            "Prompt tokens still to compute, queued and running (prefix-cache hits excluded).",
+        )
         self._lora = Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.")
         self._families.append(self._lora)
         self._lora_labels: dict[str, str] | None = None
@@ -279,6 +287,7 @@ class EngineMetrics:
         self.waiting.set(snap.num_waiting)
         self.kv_usage.set(snap.kv_cache_usage)
         self.gpu_usage.set(snap.kv_cache_usage)
+        self.prefill_pending.set(snap.prefill_tokens_pending)
         last = self._last
         for counter, new, old in (
             (self.prompt_tokens, snap.prompt_tokens_total, last.prompt_tokens_total),

@@ -45,7 +45,7 @@ def _check(engine: LLMEngine, cached_by_events: set[int]) -> None:
             holders[block.block_id] += 1
     for block in pool.blocks:
         assert block.ref_cnt == holders[block.block_id]
-        assert (block.block_id in pool._free) == (block.ref_cnt == 0)
+        assert pool.is_free(block) == (block.ref_cnt == 0)
         if block.block_hash is not None:
             assert pool._cached[block.block_hash] is block
     assert len(pool._cached) == sum(b.block_hash is not None for b in pool.blocks)

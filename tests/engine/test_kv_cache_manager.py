@@ -208,3 +208,34 @@ def test_blocks_being_computed_this_step_are_findable_at_once() -> None:
     b = _req("b", [*range(8), 77])
     hits, n = kv.get_computed_blocks(b)  # admitted later in the same step
     assert n == 8 and [h.block_id for h in hits] == a.block_ids[:2]
+
+
+def test_a_shared_prefix_outlives_newer_one_off_prompts() -> None:
+    """Segmented LRU: a prefix two requests used survives a stream of newer prompts nobody
+    reused; under plain LRU (before) the older shared prefix was evicted first."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    prefix = list(range(100, 108))  # 2 blocks
+    first, second = _req("a", [*prefix, 1, 2]), _req("b", [*prefix, 3, 4])
+    _prefill(kv, first)
+    assert _prefill(kv, second) == 8  # reused: both prefix blocks hit
+    kv.free(first)
+    kv.free(second)
+    for i in range(6):  # one-off prompts, each released after the prefix was
+        r = _req(f"x{i}", [200 + 10 * i + j for j in range(9)])  # 2 full blocks + 1 partial
+        _prefill(kv, r)
+        kv.free(r)
+    assert _prefill(kv, _req("c", [*prefix, 5, 6])) == 8  # still cached
+    # ... while the oldest one-off prompts were the ones evicted
+    assert _prefill(kv, _req("d", [200 + j for j in range(9)])) == 0
+
+
+def test_reset_prefix_cache_frees_reused_blocks_for_reuse_first() -> None:
+    kv = KVCacheManager(num_blocks=6, block_size=BS)
+    a, b = _req("a", list(range(9))), _req("b", list(range(9)))
+    _prefill(kv, a)
+    _prefill(kv, b)
+    kv.free(a)
+    kv.free(b)
+    assert kv.reset_prefix_cache()
+    assert kv.num_free_blocks == 6
+    assert _prefill(kv, _req("c", list(range(9)))) == 0  # nothing findable any more

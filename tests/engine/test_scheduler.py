@@ -191,3 +191,20 @@ def test_stop_on_eos_stop_token_and_max_model_len() -> None:
     sched.add_request(long)
     _drain(sched, runner)
     assert long.num_tokens == 256 and long.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_pending_prefill_tokens_counts_queued_and_running_prefill_less_cache_hits() -> None:
+    """What kvgate:prefill_tokens_pending exports (a router's latency estimate reads it)."""
+    sched, runner = _setup(max_tokens=32)
+    first = _add(sched, "a", 40)
+    assert sched.pending_prefill_tokens() == 40
+    _step(sched, runner)  # 32 of a's 40 computed, the rest in the next step
+    assert sched.pending_prefill_tokens() == 8
+    _drain(sched, runner)
+    assert sched.pending_prefill_tokens() == 0
+    # the same prompt again: 9 of its 10 blocks are cached and are no work (the block holding
+    # the last token is computed again, so the model has something to sample from)
+    again = Request("b", list(first.prompt_token_ids), SamplingParams(max_tokens=4))
+    sched.add_request(again)
+    assert sched.pending_prefill_tokens() == 40 - again.expected_cached_tokens
+    assert again.expected_cached_tokens == 36
