@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,15 +8,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import processes as harness
 
 ROOT = Path(__file__).resolve().parents[1]
 HELM = ROOT / ".tools" / "bin" / "helm"
@@ -64,7 +62,7 @@ def test_chart_gateway_validates_and_is_hardened(sets: tuple[str, ...], tmp_path
     path = tmp_path / "envoy.json"
     path.write_text(json.dumps(cfg))
     result = subprocess.run(
-        [harness.ENVOY, "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
+        [harness.envoy_bin(), "--mode", "validate", "-c", str(path), "--use-dynamic-base-id"],
         capture_output=True,
         text=True,
     )
@@ -97,16 +95,7 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
         cfg["admin"]["address"]["socket_address"]["port_value"] = admin
         path = tmp_path / "chart-envoy.json"
         path.write_text(json.dumps(cfg))
-        argv = [
-            harness.ENVOY,
-            "-c",
-            str(path),
-            "--log-level",
-            "warn",
-            "--concurrency",
-            "1",
-            "--use-dynamic-base-id",
-        ]
+        argv = harness.envoy_argv(path)
         envoy = harness.Envoy(
             harness.Process("chart-envoy", argv, tmp_path / "chart-envoy.log").start(), port, admin
         )

@@ -4,16 +4,14 @@ the EPP stops routing to it within about one scrape interval and no request fail
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import eventually
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(120)
 UPSTREAM = "x-kvgate-upstream"
@@ -58,15 +56,13 @@ def test_sigterm_under_load_loses_no_request(tmp_path) -> None:
         threads = [threading.Thread(target=client, args=(n,)) for n in range(4)]
         for t in threads:
             t.start()
-        harness.wait_until(
-            lambda: any(up == victim.address for _, _, up, _ in results), 10, "traffic on the victim"
-        )
+        eventually(lambda: any(up == victim.address for _, _, up, _ in results), 10, "traffic on the victim")
         victim.proc.popen.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # past the grace period, into the refusing phase and the engine's exit
-        harness.wait_until(lambda: not victim.proc.alive(), 20, "victim exits")
+        eventually(lambda: not victim.proc.alive(), 20, "victim exits")
         assert victim.proc.popen.returncode == 0
-        harness.wait_until(lambda: time.monotonic() > signalled + GRACE + 0.5, 5, "after the grace period")
+        eventually(lambda: time.monotonic() > signalled + GRACE + 0.5, 5, "after the grace period")
         stop.set()
         for t in threads:
             t.join(15)

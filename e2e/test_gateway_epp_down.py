@@ -6,14 +6,12 @@ own reply for a failed ext_proc stream is a bodiless 500; the gateway turns it i
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(60)
 

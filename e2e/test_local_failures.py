@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +15,8 @@ import openai
 import pytest
 
 from kvgate.local.ports import port_is_free
-
-sys.path.insert(0, str(Path(__file__).parent))
-from local_up_process import UpProcess, pid_alive, start_up, stop_up
+from kvgate.testing.local_up import UpProcess, start_up, stop_up
+from kvgate.testing.processes import pid_alive
 
 
 @pytest.fixture(scope="module")

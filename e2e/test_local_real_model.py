@@ -7,14 +7,11 @@ import importlib.util
 import json
 import shlex
 import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from local_up_process import UpProcess, start_up, stop_up
+from kvgate.testing.local_up import UpProcess, start_up, stop_up
 
 pytestmark = [
     pytest.mark.slow,

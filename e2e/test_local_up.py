@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from local_up_process import ROOT, UpProcess, engine_gauges, pid_alive, start_up, stop_up
+from kvgate.testing.local_up import ROOT, UpProcess, engine_gauges, start_up, stop_up
+from kvgate.testing.processes import pid_alive
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The engine and EPP pods exactly as the operator writes them, run as processes: command line,
 env, Secrets, volumes at their mount paths, read-only root filesystem and non-root user (see
-pod_process.py for what is substituted). The model comes from a gated Hub repo (the init
+kvgate/testing/pods.py for what is substituted). The model comes from a gated Hub repo (the init
 container downloads it; the picker fetches only the tokenizer), the picker discovers the engine
 through the in-cluster API (kmock behind TLS, service-account token), turns ready, and a real
 Envoy routes an OpenAI request through it to the engine.
@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import fake_hub
-import harness
-import kube_api
-import pod_process
-
 from kvgate.api.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
 from kvgate.operator.config import OperatorConfig
+from kvgate.testing import eventually_async, fake_hub, kube_api
+from kvgate.testing import pods as pod_process
+from kvgate.testing import processes as harness
 
 pytestmark = [
     pytest.mark.timeout(420),
@@ -80,23 +75,6 @@ def spec(source: str, **model: Any) -> ModelDeploymentSpec:
             },
         }
     )
-
-
-async def until(check, within: float, what: str, procs: dict[str, Any]) -> None:
-    deadline = time.monotonic() + within
-    while True:
-        for name, (proc, log) in procs.items():
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if await check():
-                return
-        except (httpx.HTTPError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            tails = "\n".join(f"--- {n}:\n{log.read_text()[-2000:]}" for n, (_, log) in procs.items())
-            raise AssertionError(f"{what}: not within {within} s\n{tails}")
-        await asyncio.sleep(0.2)
 
 
 async def epp_ready() -> bool:
@@ -169,13 +147,13 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
                 if source == "hf":
                     assert "model.safetensors" in hub.downloaded()
                 (container,) = engine.spec["containers"]
-                procs = {"engine": (engine.start(container, logs / "engine.log"), logs / "engine.log")}
+                running = [engine.start(container, logs / "engine.log")]
 
                 async def engine_healthy() -> bool:
                     async with httpx.AsyncClient() as c:
                         return (await c.get(f"http://127.0.0.1:{md.engine.port}/health")).status_code == 200
 
-                await until(engine_healthy, 180, "engine /health", procs)
+                await eventually_async(engine_healthy, 180, "engine /health", interval=0.2, watch=running)
                 # Blocks cached before any picker subscribed reach it only through KV-event replay.
                 async with httpx.AsyncClient(timeout=60) as c:
                     early = await c.post(
@@ -198,8 +176,8 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
                 )
                 pods.append(epp)
                 (container,) = epp.spec["containers"]
-                procs["epp"] = (epp.start(container, logs / "epp.log"), logs / "epp.log")
-                await until(epp_ready, 120, "EPP readiness", procs)
+                running.append(epp.start(container, logs / "epp.log"))
+                await eventually_async(epp_ready, 120, "EPP readiness", interval=0.2, watch=running)
                 async with httpx.AsyncClient() as c:
                     text = (await c.get(f"http://127.0.0.1:{ch.EPP_METRICS_PORT}/metrics")).text
                 held = [

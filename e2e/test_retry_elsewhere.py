@@ -9,16 +9,13 @@ any byte. Without the retry about half the requests fail; with it none does.
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(120)
 

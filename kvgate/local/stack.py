@@ -101,14 +101,14 @@ def find_envoy(explicit: str | None = None) -> str:
     return found
 
 
-def _kvgate_argv(*args: str) -> list[str]:
+def kvgate_argv(*args: str) -> list[str]:
     # -P: never put the working directory on sys.path (a repo-root `operator/` would shadow stdlib).
     return [sys.executable, "-P", "-m", "kvgate", *args]
 
 
 def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     p = cfg.ports
-    argv = _kvgate_argv(
+    argv = kvgate_argv(
         "engine",
         "serve",
         "--host",
@@ -152,7 +152,7 @@ def epp_name(cfg: StackConfig, r: int) -> str:
 def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
     p = cfg.ports
     ports = p.epps[r]
-    argv = _kvgate_argv(
+    argv = kvgate_argv(
         "epp",
         "serve",
         "--endpoints",
@@ -439,10 +439,10 @@ def _http_ok(url: str) -> Callable[[httpx.Client], bool]:
 
 
 def _grpc_ok(target: str) -> Callable[[httpx.Client], bool]:
-    return lambda _client: _grpc_serving(target)
+    return lambda _client: grpc_serving(target)
 
 
-def _grpc_serving(target: str, service: str = "readiness") -> bool:
+def grpc_serving(target: str, service: str = "readiness") -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, str(Path(__file__).parent))
 
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
@@ -190,12 +189,11 @@ def test_model_with_triton_attention_matches_torch_backend(tmp_path: Path) -> No
     """The runner's Triton path end to end (metadata without the torch plan, KV store, the mixed
     kernel for prefill+decode steps, the split-KV kernel for all-decode steps), interpreted on CPU."""
     transformers = pytest.importorskip("transformers")
-    from runner_driver import drive
-
     from kvgate.engine.config import EngineConfig
     from kvgate.engine.layers.attention import Attention, TritonAttentionBackend
     from kvgate.engine.model_runner import TorchModelRunner
     from kvgate.engine.sampling_params import SamplingParams
+    from kvgate.testing.runner_driver import drive
 
     config = transformers.LlamaConfig(
         vocab_size=128,

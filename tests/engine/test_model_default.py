@@ -7,22 +7,18 @@ could differ), and greedy decoding agrees token for token up to EOS.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from runner_driver import drive
 
 from kvgate.api.tokenizer import resolve_model
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.layers.attention import build_attention_metadata
 from kvgate.engine.model_runner import TorchModelRunner
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.testing.runner_driver import drive
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -6,19 +6,16 @@ Tolerance: logits within 1e-4 absolute (fp32; only the summation order of matmul
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runner_driver import drive
-
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.layers.attention import build_attention_metadata
 from kvgate.engine.model_runner import TorchModelRunner
+from kvgate.testing.runner_driver import drive
 
 transformers = pytest.importorskip("transformers")
 

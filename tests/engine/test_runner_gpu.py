@@ -7,18 +7,15 @@ produce the same tokens as the CPU runner (peaked random weights keep argmax mar
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from runner_driver import drive
-
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.model_runner import TorchModelRunner
+from kvgate.testing.runner_driver import drive
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

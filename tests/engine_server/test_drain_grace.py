@@ -5,20 +5,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 
-from .conftest import EngineProcess
+from kvgate.testing import eventually
+from kvgate.testing.engine_server import EngineProcess
 
 DRAINING = "kvgate:draining"
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"condition not reached in {timeout}s"
-        time.sleep(0.01)
 
 
 def _complete(eng: EngineProcess) -> httpx.Response:
@@ -40,10 +33,12 @@ def test_draining_is_announced_at_once_and_requests_still_succeed_in_the_grace_p
         target=lambda: long.append(httpx.post(f"{eng.base_url}/v1/completions", json=body, timeout=30))
     )
     worker.start()
-    _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 1)
+    eventually(lambda: eng.metrics()["vllm:num_requests_running"] == 1, 5, "the long request running")
     eng.proc.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
-    _wait_for(lambda: httpx.get(f"{eng.base_url}/health").status_code == 503, timeout=1)
+    eventually(
+        lambda: httpx.get(f"{eng.base_url}/health").status_code == 503, 1, "draining announced", interval=0.01
+    )
     assert eng.metrics()[DRAINING] == 1
     health = httpx.get(f"{eng.base_url}/health")
     assert health.json()["error"]["code"] == "draining"
@@ -52,7 +47,7 @@ def test_draining_is_announced_at_once_and_requests_still_succeed_in_the_grace_p
     assert time.monotonic() - signalled < 1.5, "too slow to test inside the grace period"
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     # after the grace period: refused with an OpenAI error, then a clean exit
-    _wait_for(lambda: _complete(eng).status_code == 503, timeout=5)
+    eventually(lambda: _complete(eng).status_code == 503, 5, "refusing after the grace period", interval=0.01)
     refused = _complete(eng)
     assert refused.json()["error"]["code"] == "draining"
     assert time.monotonic() - signalled >= 1.5

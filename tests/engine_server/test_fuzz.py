@@ -11,8 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
-
-from .conftest import EngineProcess, launch
+from kvgate.testing.engine_server import EngineProcess, launch
 
 FIELDS = sorted(
     set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields) | set(TokenizeRequest.model_fields)
@@ -49,9 +48,16 @@ routes = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize"
 
 
 @pytest.fixture(scope="module")
-def fuzz_engine() -> Iterator[EngineProcess]:
+def fuzz_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     eng = launch(
-        "--simulate", "--sim-time-scale", "0", "--max-model-len", "128", "--served-model-name", "sim"
+        tmp_path_factory.mktemp("fuzz-engine"),
+        "--simulate",
+        "--sim-time-scale",
+        "0",
+        "--max-model-len",
+        "128",
+        "--served-model-name",
+        "sim",
     )
     yield eng
     eng.stop()

@@ -9,7 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import API_KEY, SIM_ARGS, EngineProcess
+from kvgate.testing import eventually
+from kvgate.testing.engine_server import EngineProcess, launch
+from kvgate.testing.processes import children_of
+
+from .conftest import API_KEY, SIM_ARGS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BIG_STRING = "{% set s = 'x' * 1000000000 %}{{ s|length }}"
@@ -65,10 +69,8 @@ def test_request_template_refused_without_the_flag(sim_engine: EngineProcess, wh
 
 
 @pytest.fixture(scope="module")
-def trusting_engine() -> EngineProcess:
-    from .conftest import launch
-
-    eng = launch(*SIM_ARGS, "--trust-request-chat-template")
+def trusting_engine(tmp_path_factory: pytest.TempPathFactory) -> EngineProcess:
+    eng = launch(tmp_path_factory.mktemp("trusting-engine"), *SIM_ARGS, "--trust-request-chat-template")
     yield eng
     eng.stop()
 
@@ -101,10 +103,13 @@ def test_bystanders_served_while_a_template_renders(trusting_engine: EngineProce
     import threading
 
     result: list[httpx.Response] = []
+    pid = trusting_engine.proc.pid
+    before = children_of(pid)
     attack = threading.Thread(target=lambda: result.append(chat(trusting_engine, body_with(NESTED_LOOPS))))
     attack.start()
     try:
-        time.sleep(0.3)
+        # the template renders in a child interpreter of the engine
+        eventually(lambda: children_of(pid) - before, 10, "the template rendering", interval=0.01)
         for _ in range(5):
             t0 = time.monotonic()
             assert chat(trusting_engine, body_with()).status_code == 200

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -22,6 +21,7 @@ from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError
 from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics, StatsSnapshot
 from kvgate.engine.server.serving import ModelInfo, OpenAIServing
 from kvgate.engine.sim_runner import SimulatedRunner
+from kvgate.testing import eventually_async
 
 
 class DeviceLost(SimulatedRunner):
@@ -52,19 +52,6 @@ class Stepper(SimulatedRunner):
     def run_free(self) -> None:
         self.free = True
         self.grants.release()
-
-
-async def _eventually(check: Callable[[], bool | Awaitable[bool]], what: str, within: float = 10.0) -> None:
-    """Polls `check` (sync or async) until it is true: no fixed sleep before an assert."""
-    deadline = time.monotonic() + within
-    while True:
-        ok = check()
-        if isinstance(ok, Awaitable):
-            ok = await ok
-        if ok:
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +154,9 @@ async def _fill_queue_and_check(
     async def admit(rid: str) -> None:
         """Queue one more request: the held loop takes it in when the current step ends."""
         task = asyncio.ensure_future(async_engine.submit(rid, [(prompt, params)]))
-        await _eventually(lambda: async_engine.num_in_flight == len(handles) + 1, f"{rid} submitted")
+        await eventually_async(
+            lambda: async_engine.num_in_flight == len(handles) + 1, 10, f"{rid} submitted", interval=0.01
+        )
         runner.grants.release()
         handles.append(await task)
 
@@ -182,7 +171,7 @@ async def _fill_queue_and_check(
     assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
     await admit("waiting-2")
     runner.grants.release()  # one more step, so the metrics show the queue
-    await _eventually(queue_shown, "/metrics showing 1 running and 2 waiting")
+    await eventually_async(queue_shown, 10, "/metrics showing 1 running and 2 waiting", interval=0.01)
 
     r = await client.post("/v1/completions", json={"prompt": "one more", "max_tokens": 1})
     assert r.status_code == 429
@@ -195,7 +184,7 @@ async def _fill_queue_and_check(
     for h in handles:
         h.close()
     runner.run_free()
-    await _eventually(lambda: not engine.has_unfinished_requests(), "the aborts")
+    await eventually_async(lambda: not engine.has_unfinished_requests(), 10, "the aborts", interval=0.01)
 
 
 async def test_failure_header_is_ignored_unless_enabled(tokenizer) -> None:  # type: ignore[no-untyped-def]

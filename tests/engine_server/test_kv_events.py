@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import itertools
 import struct
-import time
 import uuid
 
 import httpx
 import msgpack
 import zmq
 
-from .conftest import API_KEY, EngineProcess
+from kvgate.testing import eventually
+from kvgate.testing.engine_server import EngineProcess
+
+from .conftest import API_KEY
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 BLOCK = 16
@@ -29,11 +31,15 @@ def _subscribe(eng: EngineProcess) -> zmq.Socket:
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(eng.kv_endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+
     # PUB drops messages until the subscription has propagated: poke the engine until one arrives.
-    deadline = time.monotonic() + 10
-    while not sub.poll(100):
-        assert time.monotonic() < deadline, "no KV events arrive"
+    def arrived() -> bool:
+        if sub.poll(100):
+            return True
         _complete(eng, f"warm up {uuid.uuid4().hex} " * 4)
+        return False
+
+    eventually(arrived, 10, "KV events arriving", interval=0)
     while sub.poll(200):
         sub.recv_multipart()
     return sub
@@ -135,13 +141,17 @@ def test_connect_mode_pushes_to_a_binding_subscriber(engine_factory) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
     eng = engine_factory("--simulate", "--kv-events-endpoint", endpoint, "--kv-events-connect")
-    deadline = time.monotonic() + 10
-    while not sub.poll(100):
-        assert time.monotonic() < deadline, "no KV events pushed"
+
+    def pushed() -> bool:
+        if sub.poll(100):
+            return True
         r = httpx.post(
             f"{eng.base_url}/v1/completions", json={"prompt": uuid.uuid4().hex * 8, "max_tokens": 1}
         )
         assert r.status_code == 200
+        return False
+
+    eventually(pushed, 10, "KV events pushed", interval=0)
     topic, _, events = _decode(sub.recv_multipart())
     assert topic.startswith("kv@127.0.0.1:") and topic.endswith("@default")
     assert events and events[0][0] == "BlockStored"

@@ -6,23 +6,18 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 from openai import OpenAI
 
-from .conftest import API_KEY, EngineProcess
+from kvgate.testing import eventually
+from kvgate.testing.engine_server import EngineProcess
+
+from .conftest import API_KEY
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
-
-
-def _wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"condition not reached in {timeout}s"
-        time.sleep(0.02)
 
 
 def _idle(eng: EngineProcess) -> bool:
@@ -43,7 +38,7 @@ ABORTED = 'vllm:request_success_total{engine="0",finished_reason="abort",model_n
 
 
 def test_disconnect_mid_stream_frees_blocks(sim_engine: EngineProcess) -> None:
-    _wait_for(lambda: _idle(sim_engine))
+    eventually(lambda: _idle(sim_engine), 5, "an idle engine")
     aborted = sim_engine.metrics()[ABORTED]
     body = {"prompt": "tell me a long story " * 10, "max_tokens": 900, "ignore_eos": True, "stream": True}
     with (
@@ -57,19 +52,23 @@ def test_disconnect_mid_stream_frees_blocks(sim_engine: EngineProcess) -> None:
         assert _busy(sim_engine)
         tokens_before = sim_engine.metrics()["vllm:generation_tokens_total"]
     # 900 tokens at 2 ms each would take ~2 s; the abort must free everything well before that.
-    _wait_for(lambda: _idle(sim_engine), timeout=1.0)
-    time.sleep(0.1)
-    after = sim_engine.metrics()
+    eventually(lambda: _idle(sim_engine), 1.0, "the aborted request's blocks freed", interval=0.02)
+
+    def abort_counted() -> dict[str, float] | None:
+        m = sim_engine.metrics()
+        return m if m[ABORTED] > aborted else None
+
+    after = eventually(abort_counted, 5, "the abort counted")
     assert after["vllm:generation_tokens_total"] - tokens_before < 300
     assert after[ABORTED] == aborted + 1
 
 
 def test_disconnect_non_streaming_frees_blocks(sim_engine: EngineProcess) -> None:
-    _wait_for(lambda: _idle(sim_engine))
+    eventually(lambda: _idle(sim_engine), 5, "an idle engine")
     body = {"prompt": "a long answer please " * 10, "max_tokens": 900, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{sim_engine.base_url}/v1/completions", json=body, headers=AUTH, timeout=0.4)
-    _wait_for(lambda: _idle(sim_engine), timeout=1.0)
+    eventually(lambda: _idle(sim_engine), 1.0, "the timed-out request's blocks freed", interval=0.02)
 
 
 def _stream_in_thread(base: str, max_tokens: int, results: list, **extra) -> threading.Thread:
@@ -102,9 +101,9 @@ def test_sigterm_drains_in_flight_and_refuses_new(engine_factory) -> None:
     threads += [threading.Thread(target=non_streaming) for _ in range(2)]
     for t in threads[4:]:
         t.start()
-    _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 6)
+    eventually(lambda: eng.metrics()["vllm:num_requests_running"] == 6, 5, "6 requests running")
     eng.proc.send_signal(signal.SIGTERM)
-    _wait_for(lambda: httpx.get(f"{eng.base_url}/health").status_code == 503, timeout=2)
+    eventually(lambda: httpx.get(f"{eng.base_url}/health").status_code == 503, 2, "draining", interval=0.02)
     refused = httpx.post(f"{eng.base_url}/v1/completions", json={"prompt": "late"})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     for t in threads:
@@ -126,7 +125,7 @@ def test_sigterm_timeout_ends_stragglers_and_exits_zero(engine_factory) -> None:
     )
     results: list = []
     t = _stream_in_thread(eng.base_url, 5000, results)
-    _wait_for(lambda: eng.metrics()["vllm:num_requests_running"] == 1)
+    eventually(lambda: eng.metrics()["vllm:num_requests_running"] == 1, 5, "the straggler running")
     started = time.monotonic()
     eng.proc.send_signal(signal.SIGTERM)
     assert eng.proc.wait(10) == 0

@@ -9,8 +9,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.api import metrics as names
+from kvgate.testing.engine_server import EngineProcess
 
-from .conftest import API_KEY, EngineProcess
+from .conftest import API_KEY
 
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 BASE_LABELS = {"model_name": "sim-model", "engine": "0"}

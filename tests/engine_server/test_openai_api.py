@@ -9,7 +9,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from .conftest import API_KEY, EngineProcess
+from kvgate.testing.engine_server import EngineProcess
+
+from .conftest import API_KEY
 
 MODEL = "sim-model"
 

@@ -7,11 +7,11 @@ import asyncio
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 
-from .conftest import EngineProcess, launch
+from kvgate.testing.engine_server import EngineProcess, launch, spawn, wait_started
 
 # Measured latencies may exceed the model by loop/HTTP overhead on a busy 2-core machine,
 # never undercut it.
@@ -39,11 +39,16 @@ async def _stream(
     return first or 0.0, tokens, time.monotonic() - started
 
 
-def test_eight_engines_start_in_10s_and_serve_100_streams() -> None:
+def test_eight_engines_start_in_10s_and_serve_100_streams(tmp_path: Path) -> None:
     load = os.getloadavg()[0]
     started = time.monotonic()
-    with ThreadPoolExecutor(8) as pool:
-        engines = list(pool.map(lambda _: launch("--simulate"), range(8)))
+    engines = [spawn(tmp_path, "--simulate") for _ in range(8)]
+    try:
+        wait_started(*engines)
+    except BaseException:
+        for eng in engines:
+            eng.stop()
+        raise
     startup = time.monotonic() - started
     cpu = sum(e.cpu_at_ready for e in engines)
     try:
@@ -83,9 +88,10 @@ def _histogram_mean(before: dict, after: dict, name: str) -> float:
     return (after[f"{name}_sum"] - before.get(f"{name}_sum", 0)) / count
 
 
-def test_ttft_and_itl_follow_the_timing_model() -> None:
+def test_ttft_and_itl_follow_the_timing_model(tmp_path: Path) -> None:
     itl, per_seq, per_token = 0.02, 0.002, 0.0005
     eng: EngineProcess = launch(
+        tmp_path,
         "--simulate",
         "--sim-itl", str(itl),
         "--sim-itl-per-seq", str(per_seq),

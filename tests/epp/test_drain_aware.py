@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,20 +17,16 @@ from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
 from kvgate.epp.scheduling.config import build_profiles, load_config
 from kvgate.epp.scraper import MAPPINGS, MetricsScraper, parse_metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the shared process harness
-import harness
+from kvgate.testing import eventually_async
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(60)
 INTERVAL = 0.05
 
 
-async def wait_for(check: Callable[[], bool], seconds: float = 5.0) -> float:
-    """Polls until ``check()``; returns the monotonic time it first held."""
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+async def held_at(check: Callable[[], bool], within: float, what: str) -> float:
+    """The monotonic time ``check()`` was first seen to hold (polled every 5 ms)."""
+    await eventually_async(check, within, what, interval=0.005)
     return time.monotonic()
 
 
@@ -73,7 +67,7 @@ async def scraped(engines) -> AsyncIterator[tuple[Datastore, Director]]:
     cfg = load_config(None, "precise-prefix")
     director = Director(ds, build_profiles(cfg)[0], SaturationDetector())
     try:
-        await wait_for(lambda: all(ds.reachable(s) for s in ds.all()))
+        await eventually_async(lambda: all(ds.reachable(s) for s in ds.all()), 5, "both engines scraped")
         yield ds, director
     finally:
         await scraper.close()
@@ -91,7 +85,7 @@ async def test_sigterm_takes_engine_out_within_a_scrape_while_it_still_serves(en
     victim = engines[0]
     victim.proc.popen.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    dropped = await wait_for(lambda: not ds.reachable(ds.get(victim.address)), seconds=2)
+    dropped = await held_at(lambda: not ds.reachable(ds.get(victim.address)), 2, "the victim dropped")
     print(f"SIGTERM -> dropped from candidates: {(dropped - sent) * 1000:.0f} ms")
     # one scrape interval plus the engine's signal handling, with room for a loaded machine
     assert dropped - sent < 0.5
@@ -131,10 +125,10 @@ async def test_picks_count_until_a_scrape_shows_them_without_response_phase(engi
             shown = sum(st.metrics.running + st.metrics.waiting for st in states)
             return all(st.pending == 0 for st in states) and shown == 8
 
-        await wait_for(engines_show_all, seconds=3)
+        await eventually_async(engines_show_all, 3, "the engines' own counts", interval=0.005)
         assert sum(st.load() for st in ds.all()) == 8
         assert all(r.status_code == 200 for r in await asyncio.gather(*sent))
-    await wait_for(lambda: sum(s.load() for s in ds.all()) == 0, seconds=10)
+    await eventually_async(lambda: sum(s.load() for s in ds.all()) == 0, 10, "no load left")
     assert not ds.inflight_tracked and all(s.inflight > 0 for s in ds.all())  # stale, ignored
 
 
@@ -149,9 +143,13 @@ async def test_engine_requiring_api_key_on_metrics_is_scraped_with_it(tmp_path) 
             try:
                 state = ds.get(eng.address)
                 if ok:
-                    await wait_for(lambda: ds.reachable(state), seconds=3)  # noqa: B023
+                    await eventually_async(lambda: ds.reachable(state), 3, f"scraped with {key!r}")  # noqa: B023
                 else:
-                    await wait_for(lambda: state.metrics.consecutive_failures >= 2, seconds=3)  # noqa: B023
+                    await eventually_async(
+                        lambda: state.metrics.consecutive_failures >= 2,  # noqa: B023
+                        3,
+                        f"scrapes refused with {key!r}",
+                    )
                     assert not ds.reachable(state)
             finally:
                 await scraper.close()
@@ -165,10 +163,10 @@ async def test_hung_engine_leaves_the_candidate_set_and_returns(engines, scraped
     victim.proc.popen.send_signal(signal.SIGSTOP)  # hangs: accepts connections, answers nothing
     try:
         stopped = time.monotonic()
-        gone = await wait_for(lambda: not ds.reachable(ds.get(victim.address)), seconds=8)
+        gone = await held_at(lambda: not ds.reachable(ds.get(victim.address)), 8, "the hung engine dropped")
         print(f"SIGSTOP -> dropped from candidates: {gone - stopped:.1f} s")
         picks = {director.pick(request(chr(ord("a") + i) * 20)).targets[0] for i in range(10)}
         assert picks == {engines[1].address}
     finally:
         victim.proc.popen.send_signal(signal.SIGCONT)
-    await wait_for(lambda: ds.reachable(ds.get(victim.address)), seconds=5)
+    await eventually_async(lambda: ds.reachable(ds.get(victim.address)), 5, "the engine back")

@@ -4,8 +4,6 @@ with Ready pods, without restarts."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import httpx
 import kmock
@@ -13,8 +11,9 @@ import pytest
 
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s import PoolWatcher, endpoints_for, pool_spec
+from kvgate.testing import eventually_async
+from kvgate.testing import processes as harness
 
-E2E_DIR = str(Path(__file__).resolve().parents[2] / "e2e")  # the shared process harness
 NS = "models"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
 PODS = f"/api/v1/namespaces/{NS}/pods"
@@ -67,14 +66,6 @@ async def patch(api: httpx.AsyncClient, path: str, obj: dict) -> None:
     resp.raise_for_status()
 
 
-async def wait_for(check, seconds: float = 5.0) -> None:
-    for _ in range(int(seconds / 0.05)):
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 @pytest.mark.timeout(30)
 async def test_pool_watch_follows_pods_without_restart() -> None:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
@@ -95,15 +86,20 @@ async def test_pool_watch_follows_pods_without_restart() -> None:
             )
             task = asyncio.create_task(watcher.run())
             try:
-                await asyncio.sleep(0.3)
+                await eventually_async(
+                    lambda: any(r.resource and r.resource.plural == "inferencepools" for r in emulator),
+                    what="the watcher looked for its pool",
+                )
                 assert not ds.synced  # no pool yet: not ready
                 (await api.post(POOLS, json=POOL)).raise_for_status()
-                await wait_for(lambda: ds.synced and [s.address for s in ds.all()] == ["10.0.0.1:8000"])
+                await eventually_async(
+                    lambda: ds.synced and [s.address for s in ds.all()] == ["10.0.0.1:8000"]
+                )
                 assert ds.get("10.0.0.1:8000").endpoint.kv_events == "tcp://10.0.0.1:5557"
                 # a new Ready pod appears; the unready one becomes ready
                 (await api.post(PODS, json=pod("c", "10.0.0.3"))).raise_for_status()
                 await patch(api, f"{PODS}/b", pod("b", "10.0.0.2"))
-                await wait_for(
+                await eventually_async(
                     lambda: (
                         sorted(s.address for s in ds.all())
                         == ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
@@ -112,11 +108,11 @@ async def test_pool_watch_follows_pods_without_restart() -> None:
                 # one is deleted, one goes unready
                 (await api.delete(f"{PODS}/a")).raise_for_status()
                 await patch(api, f"{PODS}/c", pod("c", "10.0.0.3", ready=False))
-                await wait_for(lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000"])
+                await eventually_async(lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000"])
                 # the pool's target port changes
                 changed = {**POOL, "spec": {**POOL["spec"], "targetPorts": [{"number": 9000}]}}
                 await patch(api, f"{POOLS}/pool", changed)
-                await wait_for(lambda: [s.address for s in ds.all()] == ["10.0.0.2:9000"])
+                await eventually_async(lambda: [s.address for s in ds.all()] == ["10.0.0.2:9000"])
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -128,9 +124,6 @@ async def test_epp_process_discovers_pool_and_turns_ready(tmp_path) -> None:
     exists, then its endpoints follow the pods."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    sys.path.insert(0, E2E_DIR)
-    import harness
 
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
         for key, kind in (
@@ -166,29 +159,30 @@ async def test_epp_process_discovers_pool_and_turns_ready(tmp_path) -> None:
             )
 
         try:
-            for _ in range(200):
-                try:
-                    status = await readiness()
-                    break
-                except grpc.aio.AioRpcError:
-                    assert proc.alive(), proc.log_tail()
-                    await asyncio.sleep(0.1)
+
+            async def answer() -> tuple[int]:
+                return (await readiness(),)  # whatever the status (UNKNOWN is 0)
+
+            (status,) = await eventually_async(answer, 20, "the EPP's gRPC health", watch=[proc])
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # no pool yet
             async with httpx.AsyncClient(base_url=str(server.url)) as api:
                 (await api.post(PODS, json=pod("a", "10.0.0.1"))).raise_for_status()
                 (await api.post(POOLS, json=POOL)).raise_for_status()
-                for _ in range(100):
-                    if await readiness() == health_pb2.HealthCheckResponse.SERVING and await endpoints():
-                        break
-                    await asyncio.sleep(0.1)
+
+                async def serving() -> bool:
+                    return await readiness() == health_pb2.HealthCheckResponse.SERVING and bool(
+                        await endpoints()
+                    )
+
+                await eventually_async(serving, 10, "ready with endpoints", watch=[proc])
                 assert await endpoints() == ["10.0.0.1:8000"]
                 (await api.post(PODS, json=pod("b", "10.0.0.2"))).raise_for_status()
                 await patch(api, f"{PODS}/a", pod("a", "10.0.0.1", ready=False))
-                for _ in range(100):
-                    if await endpoints() == ["10.0.0.2:8000"]:
-                        break
-                    await asyncio.sleep(0.1)
-                assert await endpoints() == ["10.0.0.2:8000"]
+
+                async def only_b() -> bool:
+                    return await endpoints() == ["10.0.0.2:8000"]
+
+                await eventually_async(only_b, 10, "the endpoints following the pods", watch=[proc])
                 assert proc.alive()  # no restart needed
         finally:
             proc.stop()

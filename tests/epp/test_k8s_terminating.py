@@ -11,6 +11,7 @@ import pytest
 
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s import PoolWatcher
+from kvgate.testing import eventually_async
 
 NS = "models"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
@@ -30,13 +31,6 @@ def pod(name: str, ip: str) -> dict:
         "metadata": {"name": name, "namespace": NS, "labels": {"app": "llm"}},
         "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]},
     }
-
-
-async def wait_for(check, seconds: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + seconds
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.timeout(30)
@@ -61,8 +55,9 @@ async def test_terminating_pod_leaves_while_still_ready() -> None:
             )
             task = asyncio.create_task(watcher.run())
             try:
-                await wait_for(
-                    lambda: sorted(s.address for s in ds.all()) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+                await eventually_async(
+                    lambda: sorted(s.address for s in ds.all()) == ["10.0.0.1:8000", "10.0.0.2:8000"],
+                    what="both pods",
                 )
                 # what the API server does on `kubectl delete` while the pod runs its preStop hook:
                 # the pod stays, Ready, with a deletionTimestamp
@@ -73,7 +68,10 @@ async def test_terminating_pod_leaves_while_still_ready() -> None:
                 )
                 resp.raise_for_status()
                 assert resp.json()["metadata"].get("deletionTimestamp")  # kmock kept it
-                await wait_for(lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000"])
+                await eventually_async(
+                    lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000"],
+                    what="the terminating pod gone",
+                )
             finally:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

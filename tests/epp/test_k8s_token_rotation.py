@@ -5,16 +5,13 @@ is a minute old, and at once on a 401. Against kmock behind TLS, accepting only 
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
-import kube_api
-
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s import PoolWatcher, ServiceAccountToken
+from kvgate.testing import eventually_async, kube_api
 
 NS = "models"
 POOLS = f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools"
@@ -33,14 +30,6 @@ POD = {
 }
 
 
-async def eventually(check, within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.timeout(60)
 async def test_discovery_survives_a_rotated_and_revoked_token(monkeypatch: pytest.MonkeyPatch) -> None:
     async with kube_api.api_server(NS) as api, api.client() as admin:
@@ -54,7 +43,7 @@ async def test_discovery_survives_a_rotated_and_revoked_token(monkeypatch: pytes
         watcher = PoolWatcher(ds, "pool", NS, retry_seconds=0.1, service_account_dir=api.sa_dir)
         task = asyncio.create_task(watcher.run())
         try:
-            await eventually(lambda: [s.address for s in ds.all()] == ["10.0.0.1:8000"])
+            await eventually_async(lambda: [s.address for s in ds.all()] == ["10.0.0.1:8000"], what="pod a")
             assert api.emulator.refused == 0
 
             api.rotate("token-2")  # the old token is revoked at once
@@ -72,7 +61,10 @@ async def test_discovery_survives_a_rotated_and_revoked_token(monkeypatch: pytes
             # The pool watch stream was opened with the old token and keeps flowing; the pods of
             # the new selector come only from a new list request: refused once, then sent again
             # with the new token.
-            await eventually(lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000", "10.0.0.3:8000"])
+            await eventually_async(
+                lambda: [s.address for s in ds.all()] == ["10.0.0.2:8000", "10.0.0.3:8000"],
+                what="the pods of the new selector",
+            )
             assert api.emulator.refused >= 1
         finally:
             task.cancel()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -13,19 +11,22 @@ import pytest
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.health import EppHealth
 from kvgate.epp.kv_subscriber import KVEventSubscribers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the shared process harness
-import harness
+from kvgate.testing import eventually_async
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def ready_after(health: EppHealth, seconds: float) -> float:
+    """Seconds until the EPP's readiness holds."""
     t0 = time.monotonic()
-    while not health.ready:
-        assert time.monotonic() - t0 < seconds, "not ready in time"
-        await health.refresh()
-        await asyncio.sleep(0.01)
+
+    async def ready() -> bool:
+        if not health.ready:
+            await health.refresh()
+        return health.ready
+
+    await eventually_async(ready, seconds, "EPP readiness", interval=0.01)
     return time.monotonic() - t0
 
 

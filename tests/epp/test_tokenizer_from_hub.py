@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))
-import fake_hub
-
 from kvgate.api.hub import TOKENIZER_FILES, parse_hub_ref
 from kvgate.api.tokenizer import load_tokenizer
+from kvgate.testing import fake_hub
 
 pytestmark = pytest.mark.timeout(120)
 

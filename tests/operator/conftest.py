@@ -8,11 +8,9 @@ import copy
 import functools
 import itertools
 import re
-import sys
 import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +36,7 @@ from kvgate.operator.resources import (
     SCALED_OBJECTS,
     Resource,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-import foreign_schemas  # a sibling module (tests are imported in importlib mode)
+from kvgate.testing import eventually_async, foreign_schemas
 
 NS = "models"
 RESYNC_S = 0.4
@@ -109,11 +105,11 @@ class Cluster:
             seen = {r.resource.plural for r in self.emulator if r.action == kmock.action.WATCH and r.resource}
             return set(plurals) <= seen
 
-        await eventually(watching, 10, f"watch-streams on {plurals}")
+        await eventually_async(watching, 10, f"watch-streams on {plurals}")
 
     @staticmethod
     async def eventually(check: Callable[[], Any], within: float = 10.0, what: str = "condition") -> Any:
-        return await eventually(check, within, what)
+        return await eventually_async(check, within, what)
 
     def objects(self, res: Resource, namespace: str = NS) -> dict[str, dict[str, Any]]:
         out = {}
@@ -151,23 +147,6 @@ class Cluster:
                 await self.client.delete(res, ns, name)
                 deleted += 1
         return deleted
-
-
-async def eventually(check: Callable[[], Any], within: float = 10.0, what: str = "condition") -> Any:
-    """Polls `check` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if isinstance(last, Awaitable):
-                last = await last
-            if last:
-                return last
-        except (AssertionError, KeyError, TypeError) as exc:
-            last = exc
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 @pytest.fixture

@@ -94,8 +94,8 @@ async def api_server(namespace: str = "default", token: str = "token-1") -> Asyn
         (sa_dir / "tls.key").unlink()  # a pod's service-account folder holds no key
         emulator = TokenCheckingEmulator()
         emulator.valid_tokens, emulator.refused = set(), 0
-        for key, kind in RESOURCES:
-            emulator.resources[key] = kmock.ResourceInfo(
+        for resource, kind in RESOURCES:
+            emulator.resources[resource] = kmock.ResourceInfo(
                 kind=kind,
                 namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},

@@ -1,6 +1,7 @@
 """Runs `kvgate up` as a user would: a subprocess whose output is collected line by line.
 
-Shared by e2e/test_local_*.py.
+Not a `Process` of `kvgate.testing.processes`: this is the CLI under test, run from a terminal's
+point of view (its own session, Ctrl-C as SIGINT, its console output read as it comes).
 """
 
 from __future__ import annotations
@@ -12,15 +13,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from kvgate.bench.engine_metrics import parse_samples
+from kvgate.testing.polling import NotReached, eventually
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
 
 
@@ -33,20 +34,37 @@ class UpProcess:
     lines: list[str] = field(default_factory=list)
     reader: threading.Thread | None = None
 
+    name = "kvgate up"
+
+    def alive(self) -> bool:
+        """Running, or its last lines not read yet."""
+        return self.popen.poll() is None or (self.reader is not None and self.reader.is_alive())
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.lines[-n:])
+
     def wait_for_line(self, pattern: str, timeout: float = READY_TIMEOUT_S) -> str:
+        """The first line matching ``pattern`` (searched from the start of its output)."""
         rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
         seen = 0
-        while time.monotonic() < deadline:
+
+        def match() -> str | None:
+            nonlocal seen
             while seen < len(self.lines):
                 line = self.lines[seen]
                 seen += 1
                 if rx.search(line):
                     return line
-            if self.popen.poll() is not None and seen >= len(self.lines):
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no line matching {pattern!r}; output so far:\n" + "\n".join(self.lines[-40:]))
+            return None
+
+        try:
+            line = eventually(match, timeout, f"a line matching {pattern!r}", watch=[self])
+        except NotReached:
+            line = match()  # written just before it exited?
+            if line is None:
+                raise
+        assert line is not None
+        return line
 
     @property
     def stack(self) -> dict:
@@ -103,18 +121,6 @@ def stop_up(up: UpProcess) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(up.popen.pid, signal.SIGKILL)
             up.popen.wait(timeout=10)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it holds no ports and will be reaped by init.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def engine_gauges(engine_url: str) -> dict[str, float]:

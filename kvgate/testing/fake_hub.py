@@ -95,6 +95,7 @@ def _handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
                 repo = self._repo(repo_id, revision, head)
                 if repo is None:
                     return
+                info: object
                 if parts[4] == "revision":
                     info = {
                         "id": repo_id,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -56,6 +56,24 @@ def image_env(component: str) -> dict[str, str]:
     env.setdefault("PATH", f"{VENV_BIN}:{HOST_PATH}")
     env.pop("VIRTUAL_ENV", None)
     return env
+
+
+@dataclass
+class Container:
+    """A running container: its process and log (what `eventually` watches while waiting)."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
 
 
 @dataclass
@@ -173,14 +191,14 @@ class Pod:
             self.argv(container), env=env, capture_output=True, text=True, timeout=timeout, cwd="/"
         )
 
-    def start(self, container: dict[str, Any], log: Path) -> subprocess.Popen[bytes]:
+    def start(self, container: dict[str, Any], log: Path) -> Container:
         env = self._prepare(container)
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 self.argv(container), env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/"
             )
         self._procs.append(proc)
-        return proc
+        return Container(f"{self.name}/{container['name']}", proc, log)
 
     def stop(self) -> None:
         for proc in self._procs:
