@@ -182,6 +182,8 @@ class AsyncEngine:
                 self._routes[rid] = (handle, index)
                 self._adds.append(_Add(rid, prompt, params, arrival, lora_id, fut))
             self._cv.notify()
+        with self.metrics.lock:
+            self.metrics.note_submitted(len(ids), sum(len(prompt) for prompt, _ in items))
         self._handles.add(handle)
         self._idle_event.clear()
         try:
@@ -264,6 +266,10 @@ class AsyncEngine:
                         stats = engine.get_stats()
                         self._waiting = self._queued(stats.num_waiting, stats.num_running)
                 if adds:
+                    # The engine's own counts now include them (cache hits known): publish
+                    # before the step, which may be long.
+                    with self.metrics.lock:
+                        self.metrics.update(StatsSnapshot.from_engine_stats(stats))
                     # Answer admissions before the (possibly long) step so errors return at once.
                     self._post(self._deliver, result)
                     result = _StepResult()

@@ -302,6 +302,15 @@ class EngineMetrics:
             self._version += 1
         self._last = snap
 
+    def note_submitted(self, requests: int, prompt_tokens: int) -> None:
+        """Requests the server accepted that the engine thread has not taken in yet (it does so
+        between steps, and a step can take most of a second): counted as waiting now, so a
+        router scraping meanwhile sees them. Caller holds `lock`. The next `update` replaces
+        these estimates with the engine's own counts."""
+        self.waiting.set(self.waiting.value + requests)
+        self.prefill_pending.set(self.prefill_pending.value + prompt_tokens)
+        self._version += 1
+
     def set_draining(self, draining: bool) -> None:
         with self.lock:
             self.draining.set(1.0 if draining else 0.0)

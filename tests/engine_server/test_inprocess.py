@@ -238,3 +238,46 @@ def test_renderer_cache_tracks_changes() -> None:
 
 def test_engine_dead_error_carries_status() -> None:
     assert EngineDeadError("x", 503).status == 503
+
+
+async def test_a_request_shows_as_waiting_while_the_engine_is_inside_a_step(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A router scraping /metrics must see a request the server accepted at once, not after the
+    engine's current step and the next one (each can take most of a second on a long prefill).
+    Before: waiting stayed 0 until the held step ended."""
+    engine = _engine(tokenizer, Stepper)
+    prompt = tokenizer.encode("hello there, a prompt of some length")
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    async for client, async_engine in _server(engine):
+        runner = engine.runner
+        assert isinstance(runner, Stepper)
+        first = await async_engine.submit("first", [(prompt, params)])  # held inside step 1
+        runner.grants.release()  # step 1 ends; the engine is held inside step 2, first running
+        await eventually_async(
+            lambda ae=async_engine: _gauges_now(ae) == (1, 0),
+            10,
+            "first running, none waiting",
+            interval=0.01,
+        )
+        task = asyncio.ensure_future(async_engine.submit("second", [(prompt, params)]))
+        await eventually_async(
+            lambda ae=async_engine: _gauges_now(ae) == (1, 1),
+            10,
+            "the second counted mid-step",
+            interval=0.01,
+        )
+        text = (await client.get("/metrics")).text
+        served = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
+        assert served["vllm:num_requests_waiting"] == 1
+        assert served["kvgate:prefill_tokens_pending"] >= len(prompt)
+        assert not task.done()  # the engine thread has not taken it in
+        runner.run_free()
+        second = await task
+        for h in (first, second):
+            h.close()
+        await eventually_async(lambda: not engine.has_unfinished_requests(), 10, "the aborts", interval=0.01)
+
+
+def _gauges_now(async_engine: AsyncEngine) -> tuple[float, float]:
+    m = async_engine.metrics
+    with m.lock:
+        return m.running.value, m.waiting.value
