@@ -4,18 +4,16 @@ bad requests, model rewrite, load shedding."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-import harness
+from kvgate.testing import eventually
+from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -174,8 +172,21 @@ def test_model_name_rewrite(stack, client, tmp_path) -> None:
         harness.stop_all(envoy.proc)
 
 
-def test_sheddable_gets_429_when_saturated_while_critical_is_served(stack, client) -> None:
+@dataclass
+class Saturation:
+    """What the gateway answered while 45 long critical requests saturated the pool, and after."""
+
+    shed: httpx.Response  # sheddable work while the EPP's scrape showed the pool saturated
+    critical: httpx.Response  # critical work at the same time
+    background: list[int]  # the statuses of the 45 critical requests
+    again: httpx.Response  # sheddable work once the pool drained
+
+
+@pytest.fixture(scope="module")
+def saturation(stack) -> Saturation:
+    """Saturates the pool once per module (every test that needs a 429 seen shares it)."""
     _engines, epp, envoy = stack
+    client = httpx.Client(base_url=envoy.url, timeout=30)
     results: list[int] = []
 
     def background(i: int) -> None:
@@ -183,68 +194,79 @@ def test_sheddable_gets_429_when_saturated_while_critical_is_served(stack, clien
             r = completion(c, f"long critical job {i}", max_tokens=120, ignore_eos=True)
             results.append(r.status_code)
 
-    threads = [threading.Thread(target=background, args=(i,)) for i in range(45)]
-    for t in threads:
-        t.start()
-    try:
-        # while the EPP's own scrape shows the pool saturated (mean waiting ≥ 5 with 4 running
-        # each), sheddable work is refused; the queue drains as we go, so check and send together
-        shed = None
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if _gauge(epp.metrics_text(), "inference_pool_average_queue_size") < 6.0:
-                time.sleep(0.05)
-                continue
-            shed = client.post(
-                "/v1/completions",
-                json={"model": "default", "prompt": "sheddable work", "max_tokens": 2},
-                headers={"x-gateway-inference-objective": "batch"},
-            )
-            if shed.status_code == 429:
-                break
-        assert shed is not None, "the pool never saturated"
-        assert shed.status_code == 429, shed.text
-        assert shed.json()["error"]["type"] == "rate_limit_exceeded"
-        critical = client.post(
+    def sheddable(prompt: str) -> httpx.Response:
+        return client.post(
             "/v1/completions",
-            json={"model": "default", "prompt": "critical work", "max_tokens": 2},
-            headers={"x-gateway-inference-objective": "interactive"},
+            json={"model": "default", "prompt": prompt, "max_tokens": 2},
+            headers={"x-gateway-inference-objective": "batch"},
         )
-        assert critical.status_code == 200, critical.text
-    finally:
+
+    def shed_while_saturated() -> httpx.Response:
+        # while the EPP's own scrape shows the pool saturated (mean waiting >= 5 with 4 running
+        # each), sheddable work is refused; the queue drains as we go, so check and send together
+        queue = _gauge(epp.metrics_text(), "inference_pool_average_queue_size")
+        assert queue >= 6.0, f"mean queue {queue}: not saturated yet"
+        shed = sheddable("sheddable work")
+        assert shed.status_code == 429, shed.text
+        return shed
+
+    threads = [threading.Thread(target=background, args=(i,)) for i in range(45)]
+    with client:
         for t in threads:
-            t.join(60)
-    assert results.count(200) == len(threads)
-    # once the pool drains, sheddable traffic is admitted again
-    harness.wait_until(
-        lambda: _gauge(epp.metrics_text(), "inference_pool_average_queue_size") < 1.0, 10, "drain"
-    )
-    again = client.post(
-        "/v1/completions",
-        json={"model": "default", "prompt": "sheddable later", "max_tokens": 2},
-        headers={"x-gateway-inference-objective": "batch"},
-    )
-    assert again.status_code == 200
+            t.start()
+        try:
+            shed = eventually(shed_while_saturated, 20, "a sheddable request refused while saturated")
+            critical = client.post(
+                "/v1/completions",
+                json={"model": "default", "prompt": "critical work", "max_tokens": 2},
+                headers={"x-gateway-inference-objective": "interactive"},
+            )
+        finally:
+            for t in threads:
+                t.join(60)
+        # once the pool drains, sheddable traffic is admitted again
+        eventually(lambda: _gauge(epp.metrics_text(), "inference_pool_average_queue_size") < 1.0, 10, "drain")
+        again = sheddable("sheddable later")
+    return Saturation(shed, critical, results, again)
 
 
-def test_epp_exports_gie_metrics(stack) -> None:
+def test_sheddable_gets_429_when_saturated_while_critical_is_served(saturation: Saturation) -> None:
+    assert saturation.shed.status_code == 429, saturation.shed.text
+    assert saturation.shed.json()["error"]["type"] == "rate_limit_exceeded"
+    assert saturation.critical.status_code == 200, saturation.critical.text
+    assert saturation.background == [200] * 45
+    assert saturation.again.status_code == 200, saturation.again.text
+
+
+GIE_METRICS = (
+    "inference_objective_request_total",
+    "inference_objective_request_error_total",
+    "inference_objective_request_duration_seconds_bucket",
+    "inference_extension_scheduler_e2e_duration_seconds_bucket",
+    "inference_extension_plugin_duration_seconds_bucket",
+    "inference_pool_average_kv_cache_utilization",
+)
+PRECISE_SCORER = 'extension_point="Scorer",plugin_name="precise-prefix-cache-scorer",plugin_type="precise-prefix-cache-scorer"'
+
+
+def test_epp_exports_gie_metrics(stack, client, saturation: Saturation) -> None:
+    """The EPP's own answers (a 400 here, the 429 of `saturation`) and routed requests show up
+    in GIE's metric families; runs alone as well as after the other tests."""
     _, epp, _ = stack
-    text = epp.metrics_text()
+    assert saturation.shed.status_code == 429
+    assert client.post("/v1/completions", content=b"{not json").status_code == 400
+    assert completion(client, "a routed request").status_code == 200
+
+    def exported() -> str:
+        text = epp.metrics_text()
+        missing = [n for n in GIE_METRICS if n not in text]
+        missing += [c for c in ('error_code="400"', 'error_code="429"', PRECISE_SCORER) if c not in text]
+        assert not missing, f"not exported (yet): {missing}"
+        return text
+
+    # the duration of a request is recorded when its exchange with Envoy ends, after the reply
+    text = eventually(exported, 10, "the GIE metrics")
     assert _gauge(text, "inference_pool_ready_pods") == 3
-    for name in (
-        "inference_objective_request_total",
-        "inference_objective_request_error_total",
-        "inference_objective_request_duration_seconds_bucket",
-        "inference_extension_scheduler_e2e_duration_seconds_bucket",
-        "inference_extension_plugin_duration_seconds_bucket",
-        "inference_pool_average_kv_cache_utilization",
-    ):
-        assert name in text, name
-    assert 'error_code="400"' in text and 'error_code="429"' in text
-    assert (
-        'extension_point="Scorer",plugin_name="precise-prefix-cache-scorer",plugin_type="precise-prefix-cache-scorer"'
-        in text
-    )
 
 
 def _gauge(text: str, name: str) -> float:
@@ -261,6 +283,10 @@ def test_log_lines_carry_request_id_and_reason(stack, client) -> None:
         json={"model": "default", "prompt": "trace me", "max_tokens": 2},
         headers={"x-request-id": "trace-123"},
     )
-    time.sleep(0.2)
-    lines = [json.loads(line) for line in epp.proc.log_path.read_text().splitlines() if "trace-123" in line]
-    assert lines and lines[0]["request_id"] == "trace-123" and "profile=precise-prefix" in lines[0]["msg"]
+
+    def traced() -> list[dict]:
+        text = epp.proc.log_path.read_text()
+        return [json.loads(line) for line in text.splitlines() if "trace-123" in line]
+
+    lines = eventually(traced, 5, "the EPP's log line for trace-123")
+    assert lines[0]["request_id"] == "trace-123" and "profile=precise-prefix" in lines[0]["msg"]

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from kvgate.local.ports import port_is_free
-from kvgate.testing.local_up import UpProcess, start_up, stop_up
+from kvgate.testing import eventually
+from kvgate.testing.local_up import UpProcess, engine_gauges, start_up, stop_up
 from kvgate.testing.processes import pid_alive
 
 
@@ -76,10 +77,16 @@ def test_killed_engine_loses_no_request_that_had_not_started_streaming(stack: Up
             o.error = f"{type(exc).__name__}: {exc}"
             o.error_after_s = time.monotonic() - t0
 
+    admitted_before = _admitted(info)
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(outcomes))]
     for t in threads:
         t.start()
-    time.sleep(0.6)  # everything admitted: some streaming, some queued behind max-num-seqs
+    # everything admitted: some streaming, some queued behind max-num-seqs
+    eventually(
+        lambda: _admitted(info) - admitted_before >= len(outcomes),
+        30,
+        f"{len(outcomes)} requests at the engines",
+    )
     victim = info["engine_pids"][0]
     os.kill(victim, signal.SIGKILL)
     for t in threads:
@@ -100,11 +107,12 @@ def test_killed_engine_loses_no_request_that_had_not_started_streaming(stack: Up
     # Every request is served meanwhile, and the restarted engine, back on its port, rejoins
     # the pool (the EPP's scraper re-adds it once its /metrics answer again).
     dead = info["engine_urls"][0].removeprefix("http://")
-    upstreams: set[str] = set()
-    deadline = time.monotonic() + 30
+    upstreams: list[str] = []
+    failed: list[str] = []
     with httpx.Client(timeout=30) as c:
-        i = 0
-        while dead not in upstreams and time.monotonic() < deadline:
+
+        def served_by_the_restarted_engine() -> bool:
+            i = len(upstreams) + len(failed)
             r = c.post(
                 info["gateway_url"] + "/v1/chat/completions",
                 json={
@@ -113,10 +121,27 @@ def test_killed_engine_loses_no_request_that_had_not_started_streaming(stack: Up
                     "max_tokens": 4,
                 },
             )
-            assert r.status_code == 200, r.text
-            upstreams.add(r.headers["x-kvgate-upstream"])
-            i += 1
-    assert dead in upstreams, f"the restarted engine never served again: {upstreams}"
+            if r.status_code != 200:
+                failed.append(f"{r.status_code}: {r.text}")
+                return True  # stop: asserted below
+            upstreams.append(r.headers["x-kvgate-upstream"])
+            return upstreams[-1] == dead
+
+        eventually(
+            served_by_the_restarted_engine, 30, f"the restarted engine {dead} serving again", interval=0
+        )
+    assert not failed, failed
+
+
+def _admitted(info: dict) -> float:
+    """Requests the engines ever took in: finished, running or waiting."""
+    total = 0.0
+    for url in info["engine_urls"]:
+        g = engine_gauges(url)
+        total += (
+            g["vllm:request_success_total"] + g["vllm:num_requests_running"] + g["vllm:num_requests_waiting"]
+        )
+    return total
 
 
 def test_ctrl_c_stops_everything_and_frees_every_port(stack: UpProcess) -> None:

@@ -10,6 +10,7 @@ import pytest
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError
 from kvgate.epp.scraper import MAPPINGS, MetricMapping, MetricSpec, MetricsScraper, parse_metrics
+from kvgate.testing import eventually_async
 
 VLLM = """# HELP vllm:num_requests_waiting Number of requests waiting.
 # TYPE vllm:num_requests_waiting gauge
@@ -121,16 +122,18 @@ async def test_scraper_updates_datastore_and_drops_dead_endpoints() -> None:
     server, port = await _serve(handler)
     ds = Datastore()
     scraper = MetricsScraper(ds, MAPPINGS["vllm"], interval=0.02)
+    t0 = time.monotonic()
     ds.set_endpoints([Endpoint(f"127.0.0.1:{port}")])
-    await asyncio.sleep(0.3)
     state = ds.all()[0]
-    assert ds.reachable(state) and state.metrics.waiting == 5
-    assert time.monotonic() - state.metrics.updated_at < 0.5
+    await eventually_async(lambda: ds.reachable(state) and state.metrics.waiting == 5, 5, "first scrape")
+    first = state.metrics.updated_at
+    assert t0 <= first <= time.monotonic()  # stamped (monotonic clock) when it was scraped
+    # it keeps scraping: the metrics stay fresh
+    await eventually_async(lambda: state.metrics.updated_at > first, 5, "a later scrape")
     server.close()  # the engine dies: listener and kept-alive connections go
     for w in writers:
         w.close()
-    await asyncio.sleep(0.5)
-    assert not ds.reachable(state)
+    await eventually_async(lambda: not ds.reachable(state), 5, "the dead endpoint dropped")
     ds.set_endpoints([])
     await scraper.close()
 
