@@ -34,6 +34,15 @@ class EndpointMetrics:
     consecutive_failures: int = 0
     draining: bool = False  # the engine says it is shutting down (kvgate:draining 1)
     sent_at: float = 0.0  # monotonic time the scrape request was sent; 0 = unknown (= updated_at)
+    # Prompt tokens the engine still has to prefill (kvgate:prefill_tokens_pending); None when the
+    # engine does not say (vLLM): estimated from its waiting count instead.
+    prefill_tokens_pending: int | None = None
+    kv_blocks_total: int | None = None  # the engine's KV pool (vllm:cache_config_info num_gpu_blocks)
+    # Counters the latency model learns engine speed from (None: not exported).
+    prompt_tokens_total: float | None = None  # vllm:prompt_tokens_total
+    prefix_hits_total: float | None = None  # vllm:prefix_cache_hits_total (tokens)
+    itl_seconds_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
+    itl_count: float | None = None  # vllm:inter_token_latency_seconds_count
 
 
 # A pick shows in the engine's own counts only once Envoy has forwarded the request and the
@@ -55,6 +64,8 @@ class EndpointState:
     # needs no response phase and stays right with several EPP replicas (each adds only its own
     # picks to the engine-reported counts every replica sees).
     pending_picks: deque[float] = field(default_factory=deque)
+    # The prefill tokens each of those picks brings (aligned with pending_picks; 0 = unknown).
+    pending_tokens: deque[int] = field(default_factory=deque)
     health_unavailable: bool = False  # the last /health probe answered 503
     kv_events_live: bool = False  # the subscriber is connected and in sequence
     kv_synced: bool = False  # the KV-event subscription finished (or gave up) its initial replay
@@ -78,18 +89,25 @@ class EndpointState:
     def pending(self) -> int:
         return len(self.pending_picks)
 
-    def note_pick(self, now: float) -> None:
-        picks = self.pending_picks
+    def note_pick(self, now: float, prefill_tokens: int = 0) -> None:
+        picks, tokens = self.pending_picks, self.pending_tokens
         picks.append(now)
+        tokens.append(prefill_tokens)
         while picks and picks[0] < now - PICK_MAX_AGE_SECONDS:
             picks.popleft()
+            tokens.popleft()
 
     def confirm_picks(self, scrape_sent: float) -> None:
         """A scrape sent at ``scrape_sent`` counts every pick made a settle time before it."""
-        picks = self.pending_picks
+        picks, tokens = self.pending_picks, self.pending_tokens
         cutoff = scrape_sent - PICK_SETTLE_SECONDS
         while picks and picks[0] <= cutoff:
             picks.popleft()
+            tokens.popleft()
+
+    def pending_prefill_tokens(self) -> int:
+        """Prefill tokens of this replica's picks that no scrape shows yet."""
+        return sum(self.pending_tokens)
 
     def queue(self) -> int:
         """Waiting requests: the engine's queue plus our picks it cannot show yet."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
-from kvgate.epp.scheduling.framework import SchedulingContext, SchedulingProfile
+from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext, SchedulingProfile
 
 log = logging.getLogger("kvgate.epp.director")
 
@@ -34,7 +35,9 @@ class Director:
         datastore: Datastore,
         profile: SchedulingProfile,
         saturation: SaturationDetector,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.clock = clock  # a virtual one in the routing simulator (kvgate.bench.virtual_pool)
         self.datastore = datastore
         self.profile = profile
         self.saturation = saturation
@@ -59,7 +62,7 @@ class Director:
 
     def pick(self, request: InferenceRequest) -> Decision:
         t0 = time.perf_counter()
-        now = time.monotonic()
+        now = self.clock()
         candidates = self.candidates(request)
         if not candidates:
             if request.subset is not None:
@@ -86,7 +89,7 @@ class Director:
             )
         chosen = result.targets[0]
         self.profile.pre_request(ctx, chosen)
-        chosen.note_pick(now)
+        chosen.note_pick(now, ctx.cache.get(PREFILL_TOKENS, {}).get(chosen.address, 0))
         chosen.inflight += 1
         elapsed = time.perf_counter() - t0
         scores = result.breakdown.get(chosen.address, {})

@@ -38,6 +38,9 @@ SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+# llm-d's per-request latency objectives (milliseconds), read by the predicted-latency scorer.
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 REQUEST_ID_HEADER = "x-request-id"
 MAX_CHUNK = 62_000  # Envoy's ext_proc keeps streamed body messages under its 64 KiB gRPC frame
@@ -248,6 +251,8 @@ class EndpointPickerHandler:
             objective=objective,
             priority=self.objectives.get(objective, 0) if objective else 0,
             fairness_id=headers.get(FAIRNESS_HEADER) or None,
+            slo_ttft_s=_milliseconds(headers.get(SLO_TTFT_HEADER)),
+            slo_tpot_s=_milliseconds(headers.get(SLO_TPOT_HEADER)),
             path=headers.get(":path", ""),
             subset=x.subset,
             tokenizer=self.tokenizer,
@@ -489,3 +494,15 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     return
         finally:
             handler.finish(x)
+
+
+def _milliseconds(value: str | None) -> float | None:
+    """A header's millisecond count as seconds; anything else (absent, junk, <= 0, inf) is None:
+    an objective a client garbles must not change routing."""
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        return None
+    return ms / 1000 if 0 < ms < 1e9 else None

@@ -45,6 +45,8 @@ class InferenceRequest:
     objective: str | None = None
     priority: int = 0
     fairness_id: str | None = None
+    slo_ttft_s: float | None = None  # x-slo-ttft-ms: the client's time-to-first-token objective
+    slo_tpot_s: float | None = None  # x-slo-tpot-ms: its time-per-output-token objective
     path: str = ""
     subset: list[str] | None = None  # Envoy's subset hint; None = no hint
     tokenizer: Tokenizer | None = None

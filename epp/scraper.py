@@ -68,13 +68,28 @@ MAPPINGS: dict[str, MetricMapping] = {
     ),
 }
 
+# Counters the latency model learns each engine's speed from (summed over series).
+_COUNTERS = (
+    vllm.PROMPT_TOKENS_TOTAL,
+    vllm.PREFIX_CACHE_HITS_TOTAL,
+    vllm.INTER_TOKEN_LATENCY_SECONDS + "_sum",
+    vllm.INTER_TOKEN_LATENCY_SECONDS + "_count",
+)
+
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float = 0.0) -> EndpointMetrics:
     """Reads only the series the mapping names; sums counts, takes the max of utilisation."""
-    wanted = {mapping.waiting.name, mapping.running.name, mapping.kv_usage.name, vllm.KVGATE_DRAINING}
+    wanted = {
+        mapping.waiting.name,
+        mapping.running.name,
+        mapping.kv_usage.name,
+        vllm.KVGATE_DRAINING,
+        vllm.KVGATE_PREFILL_TOKENS_PENDING,
+        *_COUNTERS,
+    }
     if mapping.lora_info:
         wanted.add(mapping.lora_info.name)
     waiting = running = 0.0
@@ -83,12 +98,21 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
     lora: dict[str, str] = {}
     found_kv = False
     draining = False
-    prefixes = tuple(wanted)
+    prefill_pending: float | None = None
+    counters: dict[str, float] = {}
+    blocks_total: int | None = None
+    prefixes = (*wanted, vllm.CACHE_CONFIG_INFO)
     for line in text.splitlines():
         if not line.startswith(prefixes):
             continue
         m = _LINE.match(line)
-        if m is None or m.group(1) not in wanted:
+        if m is None:
+            continue
+        if m.group(1) == vllm.CACHE_CONFIG_INFO:
+            found = re.search(r'num_gpu_blocks="(\d+)"', m.group(2) or "")
+            blocks_total = int(found.group(1)) if found else blocks_total
+            continue
+        if m.group(1) not in wanted:
             continue
         name, raw_labels, raw_value = m.groups()
         try:
@@ -97,6 +121,12 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
             continue
         if name == vllm.KVGATE_DRAINING:
             draining = draining or value > 0
+            continue
+        if name == vllm.KVGATE_PREFILL_TOKENS_PENDING:
+            prefill_pending = (prefill_pending or 0.0) + max(0.0, value)
+            continue
+        if name in _COUNTERS:
+            counters[name] = counters.get(name, 0.0) + value
             continue
         labels = dict(_LABEL.findall(raw_labels or ""))
         for spec, kind in ((mapping.waiting, "w"), (mapping.running, "r"), (mapping.kv_usage, "k")):
@@ -134,6 +164,12 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         updated_at=now,
         draining=draining,
         sent_at=sent_at,
+        prefill_tokens_pending=None if prefill_pending is None else int(prefill_pending),
+        kv_blocks_total=blocks_total,
+        prompt_tokens_total=counters.get(vllm.PROMPT_TOKENS_TOTAL),
+        prefix_hits_total=counters.get(vllm.PREFIX_CACHE_HITS_TOTAL),
+        itl_seconds_sum=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_sum"),
+        itl_count=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_count"),
     )
 
 

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvgate.epp.saturation import SaturationDetector
-from kvgate.epp.scheduling import filters, pickers, scorers
+from kvgate.epp.scheduling import filters, latency, pickers, scorers
 from kvgate.epp.scheduling.framework import Filter, Picker, Plugin, SchedulingProfile, Scorer
 
 API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
@@ -30,6 +30,7 @@ PLUGIN_TYPES: dict[str, type] = {
         scorers.LoraAffinityScorer,
         scorers.PrefixCacheScorer,
         scorers.PrecisePrefixCacheScorer,
+        latency.PredictedLatencyScorer,
         pickers.MaxScorePicker,
         pickers.RandomPicker,
         pickers.WeightedRandomPicker,
@@ -137,6 +138,22 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
                     {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
                     {"pluginRef": "load-aware-scorer", "weight": 4},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
+    # kvgate: the lowest predicted time to first token (prefix held, work queued, engine speed).
+    "predicted-latency": {
+        "plugins": [
+            {"type": "predicted-latency-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "predicted-latency",
+                "plugins": [
+                    {"pluginRef": "predicted-latency-scorer", "weight": 1},
                     {"pluginRef": "max-score-picker"},
                 ],
             }

@@ -9,6 +9,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from kvgate.epp.datastore import Datastore, EndpointState
 from kvgate.epp.request import InferenceRequest
 
+# ctx.cache key: {address: prompt tokens the request would have to prefill there}, published by
+# the prefix-aware scorers; the director records the chosen one's with the pick (load estimates).
+PREFILL_TOKENS = "prefill-tokens"
+
 
 @dataclass
 class SchedulingContext:

@@ -161,10 +161,20 @@ class PrecisePrefixCacheScorer:
             ctx.cache[cache_key] = keys
         return keys
 
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+    def block_keys_for(self, ctx: SchedulingContext) -> list[int]:
+        """The request's block keys in the default block size."""
+        return self._keys(ctx)
+
+    def cached_fractions(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[str, float]:
+        """Per endpoint: the fraction of the prompt's full blocks it holds, from the start.
+        Computed once per request and shared (the latency scorer reads it too)."""
+        cache_key = f"{self.name}:fractions"
+        done: dict[str, float] | None = ctx.cache.get(cache_key)
+        if done is not None and all(e.address in done for e in endpoints):
+            return done
         keys = self._keys(ctx)
         if not keys:
-            return [0.0] * len(endpoints)
+            return dict.fromkeys((e.address for e in endpoints), 0.0)
         index = ctx.datastore.index
         by_size: dict[int, list[str]] = {}
         blind = []
@@ -187,6 +197,11 @@ class PrecisePrefixCacheScorer:
                 fractions[address] = max(fractions[address], n / len(keys))
         if blind:
             fractions.update((a, n / len(keys)) for a, n in self.fallback.prefix_blocks(keys, blind).items())
+        ctx.cache[cache_key] = fractions
+        return fractions
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        fractions = self.cached_fractions(ctx, endpoints)
         return [fractions[e.address] for e in endpoints]
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:

@@ -1,0 +1,287 @@
+"""Routing on a predicted time to first token, llm-d style, with the EPP's own signals.
+
+For each candidate the scorer estimates when this request's first token would come out there:
+the prefill work already ahead of it (the engine's own count, `kvgate:prefill_tokens_pending`,
+plus this replica's picks no scrape shows yet), the prompt tokens it would have to compute
+there (the precise prefix index says what is cached), and that engine's speed — seconds per
+prefill token and per engine step, learnt online from its own counters (see LatencyModel).
+
+Greedy TTFT alone scatters under pressure: a request that leaves a busy holder pays a long
+prefill on a cold engine, which then looks busy, evicts that engine's prefixes, and the cascade
+repeats. So the cost of a pick also charges what it takes from the pool: its own prefill work
+again (`work_penalty`: the requests queued behind it there wait for it too), and the blocks it
+would push out of an engine whose recent working set (what this replica routed there in the
+last `working_set_seconds`) already fills its KV pool (`eviction_penalty`). A prefix then stays
+where it lives until waiting there costs more than recomputing it and what the recompute
+displaces; a hot prefix spills to a second engine on purpose, which the precise index then
+shows as a second holder, instead of scattering. Lowest cost wins.
+
+Per-request SLOs (llm-d's `x-slo-ttft-ms` header, read into the request) only reorder among
+endpoints that meet them: any endpoint predicted to meet the SLO beats one that is not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from kvgate.epp.datastore import EndpointState
+from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
+from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
+
+DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is assumed to generate
+
+
+def _max_tokens(body: dict | None) -> int:
+    value = (body or {}).get("max_tokens", (body or {}).get("max_completion_tokens"))
+    return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_TOKENS
+
+
+@dataclass
+class EndpointSpeed:
+    """One engine's learnt speed."""
+
+    seconds_per_token: float  # prefill work drained per second while busy, inverted
+    seconds_per_step: float  # one decode step (the wait for the first token after prefill)
+    samples: int = 0  # prefill-speed samples folded in
+    step_samples: int = 0
+    # the previous scrape's counters, to take differences
+    last_at: float = 0.0
+    last_computed: float | None = None
+    last_busy: bool = False
+    last_itl: tuple[float, float] | None = None
+    window_tokens: float = 0.0
+    window_seconds: float = 0.0
+    recent_uncached: deque[int] = field(default_factory=lambda: deque(maxlen=32))
+
+    def mean_uncached(self, default: int) -> float:
+        return sum(self.recent_uncached) / len(self.recent_uncached) if self.recent_uncached else default
+
+
+@dataclass
+class LatencyModel:
+    """Per-endpoint speed, fitted as the pool runs from counters every vLLM-style engine exports.
+
+    Prefill: between two scrapes that both find the engine busy (prefill work pending, or for an
+    engine that does not say, requests waiting), the prompt tokens it computed — the growth of
+    `vllm:prompt_tokens_total` less that of `vllm:prefix_cache_hits_total` — over the seconds
+    between them is how fast it drains prefill work under its real decode load. Samples pool
+    into windows of at least `window_seconds` (a long prefill step can outlast several scrapes)
+    and feed an EMA. Decode: the mean inter-token latency over each scrape interval
+    (`vllm:inter_token_latency_seconds` sum/count). Until an engine has samples, the pool's mean
+    (or the prior) stands in.
+    """
+
+    prior_seconds_per_token: float = 1 / 4000
+    prior_seconds_per_step: float = 0.025
+    window_seconds: float = 2.0
+    smoothing: float = 0.3
+    speeds: dict[str, EndpointSpeed] = field(default_factory=dict)
+
+    def speed(self, address: str) -> EndpointSpeed:
+        found = self.speeds.get(address)
+        if found is None:
+            learnt = [s for s in self.speeds.values() if s.samples]
+            per_token = (
+                sum(s.seconds_per_token for s in learnt) / len(learnt)
+                if learnt
+                else self.prior_seconds_per_token
+            )
+            per_step = (
+                sum(s.seconds_per_step for s in learnt) / len(learnt)
+                if learnt
+                else self.prior_seconds_per_step
+            )
+            found = self.speeds[address] = EndpointSpeed(per_token, per_step)
+        return found
+
+    def observe(self, state: EndpointState) -> EndpointSpeed:
+        """Fold in the endpoint's latest scrape, once; returns its speed."""
+        speed = self.speed(state.address)
+        m = state.metrics
+        if m.updated_at <= speed.last_at:
+            return speed
+        busy = (m.prefill_tokens_pending or 0) > 0 if m.prefill_tokens_pending is not None else m.waiting > 0
+        computed = None
+        if m.prompt_tokens_total is not None:
+            computed = m.prompt_tokens_total - (m.prefix_hits_total or 0.0)
+        if computed is not None and speed.last_computed is not None and busy and speed.last_busy:
+            dt, done = m.updated_at - speed.last_at, computed - speed.last_computed
+            if dt > 0 and done >= 0:
+                speed.window_seconds += dt
+                speed.window_tokens += done
+                if speed.window_seconds >= self.window_seconds and speed.window_tokens > 0:
+                    a = self.smoothing if speed.samples else 1.0
+                    sample = speed.window_seconds / speed.window_tokens
+                    speed.seconds_per_token += a * (sample - speed.seconds_per_token)
+                    speed.samples += 1
+                    speed.window_tokens = speed.window_seconds = 0.0
+        elif not busy:
+            speed.window_tokens = speed.window_seconds = 0.0
+        if m.itl_seconds_sum is not None and m.itl_count is not None:
+            if speed.last_itl is not None and m.itl_count > speed.last_itl[1]:
+                per_step = (m.itl_seconds_sum - speed.last_itl[0]) / (m.itl_count - speed.last_itl[1])
+                if per_step > 0:
+                    a = self.smoothing if speed.step_samples else 1.0
+                    speed.seconds_per_step += a * (per_step - speed.seconds_per_step)
+                    speed.step_samples += 1
+            speed.last_itl = (m.itl_seconds_sum, m.itl_count)
+        speed.last_at, speed.last_computed, speed.last_busy = m.updated_at, computed, busy
+        return speed
+
+    def forget(self, address: str) -> None:
+        self.speeds.pop(address, None)
+
+
+class WorkingSets:
+    """Per endpoint: the distinct KV blocks (prefix-chain keys) of the requests this replica
+    sent there within the last `window` seconds — what its cache must hold to keep serving
+    them from cache. Incremental: each key costs O(1) to add and to expire."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._last: dict[str, dict[int, float]] = {}
+        self._order: dict[str, deque[tuple[float, int]]] = {}
+
+    def touch(self, address: str, keys: list[int], now: float) -> None:
+        last = self._last.setdefault(address, {})
+        order = self._order.setdefault(address, deque())
+        for key in keys:
+            last[key] = now
+            order.append((now, key))
+        self._expire(address, now)
+
+    def _expire(self, address: str, now: float) -> None:
+        last, order = self._last.get(address), self._order.get(address)
+        if last is None or order is None:
+            return
+        cutoff = now - self.window
+        while order and order[0][0] < cutoff:
+            when, key = order.popleft()
+            if last.get(key) == when:
+                del last[key]
+
+    def blocks(self, address: str, now: float) -> int:
+        self._expire(address, now)
+        return len(self._last.get(address, ()))
+
+    def holds(self, address: str, keys: list[int]) -> int:
+        """How many of `keys` are already in the endpoint's working set."""
+        last = self._last.get(address)
+        return sum(1 for k in keys if k in last) if last else 0
+
+    def forget(self, address: str) -> None:
+        self._last.pop(address, None)
+        self._order.pop(address, None)
+
+
+@dataclass
+class PredictedLatencyScorer:
+    """Score = fastest predicted TTFT among the candidates / this endpoint's predicted TTFT."""
+
+    type_name: ClassVar[str] = "predicted-latency-scorer"
+    name: str = type_name
+    block_size: int = 16  # as the precise prefix scorer's: the default until events say
+    recent_window_seconds: float = 2.0
+    prior_seconds_per_token: float = 1 / 4000
+    prior_seconds_per_step: float = 0.025
+    # What a pick costs others, in multiples of its own prefill work: computing a prefix the
+    # pool already holds elsewhere delays every request queued behind it there.
+    work_penalty: float = 3.0
+    # Cached blocks a pick would evict on a full engine, as future recompute work.
+    eviction_penalty: float = 3.0
+    # How long a prefix this replica routed somewhere counts as that engine's to keep cached.
+    working_set_seconds: float = 20.0
+    # Weight of a predicted wait for KV room (0, the default: ignored). Charging it spread
+    # groups over more engines and did worse in the virtual pool (more distinct prefixes pinned
+    # per engine); kept as a knob for pools where KV admission is the bottleneck.
+    kv_wait: float = 0.0
+    prefix: PrecisePrefixCacheScorer = field(init=False)
+    working_sets: WorkingSets = field(init=False)
+    model: LatencyModel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefix = PrecisePrefixCacheScorer(
+            name=f"{self.name}/prefix",
+            block_size=self.block_size,
+            recent_window_seconds=self.recent_window_seconds,
+        )
+        self.model = LatencyModel(self.prior_seconds_per_token, self.prior_seconds_per_step)
+        self.working_sets = WorkingSets(self.working_set_seconds)
+
+    def predict(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[str, float]:
+        """Predicted seconds to first token per endpoint (also left in ctx.cache)."""
+        fractions = self.prefix.cached_fractions(ctx, endpoints)
+        n = len(ctx.request.token_ids)
+        full = n - n % self.block_size
+        out_tokens = _max_tokens(ctx.request.body)
+        uncached = ctx.cache.setdefault(PREFILL_TOKENS, {})
+        out: dict[str, float] = {}
+        ttft_only: dict[str, float] = ctx.cache.setdefault(f"{self.name}:ttft-only", {})
+        for e in endpoints:
+            mine = n - int(fractions[e.address] * full)
+            uncached[e.address] = mine
+            speed = self.model.observe(e)
+            m = e.metrics
+            ahead: float
+            if m.prefill_tokens_pending is not None:
+                ahead = m.prefill_tokens_pending + e.pending_prefill_tokens()
+            else:
+                ahead = (m.waiting + e.pending) * speed.mean_uncached(mine)
+            work = ahead + mine
+            # The learnt per-token time already carries the decode steps interleaved with
+            # prefill; the first token then takes one more step.
+            ttft = work * speed.seconds_per_token + speed.seconds_per_step
+            if self.kv_wait and m.kv_blocks_total:
+                # KV admission: the engine admits a request only when its blocks fit beside the
+                # running ones'; short of room it waits for running requests to finish.
+                bs = self.block_size
+                need = -(-(mine + out_tokens) // bs) + -(-ahead // bs)
+                free = m.kv_blocks_total * (1.0 - m.kv_usage)
+                deficit = need - free
+                if deficit > 0:
+                    ttft += deficit / m.kv_blocks_total * out_tokens * speed.seconds_per_step * self.kv_wait
+            extra = self.work_penalty * mine
+            if self.eviction_penalty and m.kv_blocks_total:
+                # Blocks this request adds to what the engine must keep cached; past its
+                # capacity, each one pushes out a block a recent request will want again.
+                keys = self.prefix.block_keys_for(ctx)
+                new = len(keys) - self.working_sets.holds(e.address, keys)
+                overflow = self.working_sets.blocks(e.address, ctx.now) + new - m.kv_blocks_total
+                extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
+            ttft_only[e.address] = ttft
+            out[e.address] = ttft + extra * speed.seconds_per_token
+        ctx.cache[f"{self.name}:ttft"] = out
+        return out
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        if not endpoints:
+            return []
+        predicted = self.predict(ctx, endpoints)
+        best = min(predicted.values())
+        scores = [best / predicted[e.address] if predicted[e.address] > 0 else 1.0 for e in endpoints]
+        slo = ctx.request.slo_ttft_s
+        if slo is not None:
+            # Headroom first, as llm-d does: an endpoint predicted to meet the objective always
+            # outranks one predicted to miss it; the order within each side stays.
+            meets = [self._ttft(ctx, e) <= slo for e in endpoints]
+            if any(meets):
+                scores = [0.5 + s / 2 if ok else s / 2 for s, ok in zip(scores, meets, strict=True)]
+        return scores
+
+    def _ttft(self, ctx: SchedulingContext, e: EndpointState) -> float:
+        """The predicted TTFT alone, without the costs charged to the pool."""
+        return ctx.cache[f"{self.name}:ttft-only"][e.address]
+
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
+        self.prefix.pre_request(ctx, target)
+        self.working_sets.touch(target.address, self.prefix.block_keys_for(ctx), ctx.now)
+        tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(target.address)
+        if tokens is not None:
+            self.model.speed(target.address).recent_uncached.append(tokens)
+
+    def forget_endpoint(self, address: str) -> None:
+        self.prefix.forget_endpoint(address)
+        self.model.forget(address)
+        self.working_sets.forget(address)

@@ -1,0 +1,204 @@
+"""The predicted-latency scorer's estimator, without timing: what it predicts for a cold engine,
+a busy prefix holder and an idle one, how its own unconfirmed picks count, and how it learns an
+engine's speed from the counters a scrape brings."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.api.kv_events import BlockStored
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.request import InferenceRequest
+from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
+from kvgate.epp.scheduling.latency import LatencyModel, PredictedLatencyScorer
+
+PER_TOKEN = 0.001  # seconds per prefill token, the prior every test starts from
+STEP = 0.02
+NOW = 100.0
+
+
+class Tokens:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def request(prompt: str, max_tokens: int = 10) -> InferenceRequest:
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens}
+    return InferenceRequest("r", "m", "m", body, tokenizer=Tokens())  # type: ignore[arg-type]
+
+
+def pool(pending: dict[str, int]) -> Datastore:
+    store = Datastore()
+    store.set_endpoints([Endpoint(a, kv_events=f"tcp://{a}") for a in pending])
+    for state in store.all():
+        state.kv_events_live = True
+        store.update_metrics(
+            state.address,
+            EndpointMetrics(updated_at=NOW, sent_at=NOW, prefill_tokens_pending=pending[state.address]),
+        )
+    return store
+
+
+def scorer(**kw: float) -> PredictedLatencyScorer:
+    defaults = {"work_penalty": 0.0, "eviction_penalty": 0.0, "recent_window_seconds": 0.0}
+    return PredictedLatencyScorer(
+        block_size=4, prior_seconds_per_token=PER_TOKEN, prior_seconds_per_step=STEP, **{**defaults, **kw}
+    )
+
+
+def hold(store: Datastore, address: str, prompt: str) -> None:
+    """The endpoint's KV events say it caches every full block of `prompt`."""
+    tokens = Tokens().encode(prompt)
+    n = len(tokens) // 4
+    store.index.apply(address, [BlockStored(list(range(1, n + 1)), None, tokens[: 4 * n], 4)])
+
+
+PROMPT = "s" * 400 + "q" * 40  # a 400-token shared prefix, a 40-token question
+
+
+def predict(s: PredictedLatencyScorer, store: Datastore, prompt: str = PROMPT) -> dict[str, float]:
+    ctx = SchedulingContext(request(prompt), store, NOW)
+    return s.predict(ctx, store.all())
+
+
+def test_an_idle_holder_beats_an_idle_cold_engine() -> None:
+    store = pool({"holder:1": 0, "cold:1": 0})
+    hold(store, "holder:1", PROMPT[:400])
+    got = predict(scorer(), store)
+    assert got["holder:1"] == pytest.approx(40 * PER_TOKEN + STEP)  # only the question is computed
+    assert got["cold:1"] == pytest.approx(440 * PER_TOKEN + STEP)
+
+
+def test_a_busy_holder_keeps_the_request_while_waiting_is_cheaper_than_recomputing() -> None:
+    store = pool({"holder:1": 300, "cold:1": 0})  # 300 tokens queued < the 400 it would recompute
+    hold(store, "holder:1", PROMPT[:400])
+    got = predict(scorer(), store)
+    assert got["holder:1"] < got["cold:1"]
+
+
+def test_a_holder_whose_queue_costs_more_than_recomputing_loses() -> None:
+    store = pool({"holder:1": 500, "cold:1": 0})
+    hold(store, "holder:1", PROMPT[:400])
+    got = predict(scorer(), store)
+    assert got["cold:1"] < got["holder:1"]
+    # ... unless computing the prefix again is charged for the work it takes from the pool
+    # (the requests queued behind it there): then the holder keeps it.
+    assert (
+        predict(scorer(work_penalty=1.0), store)["holder:1"]
+        < predict(scorer(work_penalty=1.0), store)["cold:1"]
+    )
+
+
+def test_this_replicas_unconfirmed_picks_count_as_queued_work() -> None:
+    store = pool({"a:1": 0, "b:1": 0})
+    store.get("a:1").note_pick(NOW + 0.01, 1000)  # sent there, no scrape shows it yet
+    s = scorer()
+    ctx = SchedulingContext(request(PROMPT), store, NOW + 0.02)
+    got = s.predict(ctx, store.all())
+    assert got["a:1"] - got["b:1"] == pytest.approx(1000 * PER_TOKEN)
+    assert ctx.cache[PREFILL_TOKENS] == {"a:1": 440, "b:1": 440}  # what the director records
+    assert s.score(ctx, store.all()) == [pytest.approx(got["b:1"] / got["a:1"]), 1.0]
+
+
+def test_without_the_engines_pending_count_waiting_requests_stand_in() -> None:
+    store = pool({"vllm:1": 0})
+    store.update_metrics("vllm:1", EndpointMetrics(updated_at=NOW, sent_at=NOW, waiting=3))
+    got = predict(scorer(), store)
+    assert got["vllm:1"] == pytest.approx((3 * 440 + 440) * PER_TOKEN + STEP)
+
+
+def test_engine_speed_is_learnt_from_its_counters() -> None:
+    """An engine that really drains 2,000 prefill tokens/s (0.5 ms each) while busy, with a
+    30 ms decode step: the model moves from its 1 ms prior to what the counters say."""
+    model = LatencyModel(prior_seconds_per_token=PER_TOKEN, prior_seconds_per_step=STEP, window_seconds=1.0)
+    store = pool({"e:1": 5000})
+    state = store.get("e:1")
+    assert state is not None
+    prompt = hits = itl_sum = itl_count = 0.0
+    for i in range(1, 41):  # 10 s of scrapes every 0.25 s, busy throughout
+        prompt += 600  # 500 computed + 100 served from cache
+        hits += 100
+        itl_sum += 8 * 0.03
+        itl_count += 8
+        state.metrics = EndpointMetrics(
+            updated_at=NOW + 0.25 * i,
+            prefill_tokens_pending=5000,
+            prompt_tokens_total=prompt,
+            prefix_hits_total=hits,
+            itl_seconds_sum=itl_sum,
+            itl_count=itl_count,
+        )
+        speed = model.observe(state)
+    assert speed.seconds_per_token == pytest.approx(0.0005, rel=0.02)
+    assert speed.seconds_per_step == pytest.approx(0.03, rel=0.02)
+    # an engine never seen starts from what the pool has learnt, not the prior
+    assert model.speed("new:1").seconds_per_token == pytest.approx(speed.seconds_per_token)
+
+
+def test_an_idle_engine_teaches_nothing_about_prefill_speed() -> None:
+    model = LatencyModel(prior_seconds_per_token=PER_TOKEN, window_seconds=1.0)
+    store = pool({"e:1": 0})
+    state = store.get("e:1")
+    assert state is not None
+    for i in range(1, 20):  # prompts trickle in, nothing ever queues
+        state.metrics = EndpointMetrics(
+            updated_at=NOW + 0.25 * i, prefill_tokens_pending=0, prompt_tokens_total=10.0 * i
+        )
+        speed = model.observe(state)
+    assert speed.seconds_per_token == PER_TOKEN
+
+
+def test_an_slo_puts_endpoints_that_meet_it_first() -> None:
+    """llm-d's x-slo-ttft-ms: the cheaper-for-the-pool holder (predicted 0.56 s) loses to a cold
+    engine predicted to meet a 0.5 s objective (0.46 s); without the objective it wins."""
+    store = pool({"holder:1": 500, "cold:1": 0})
+    hold(store, "holder:1", PROMPT[:400])
+    s = scorer(work_penalty=1.0)
+    plain = s.score(SchedulingContext(request(PROMPT), store, NOW), store.all())
+    assert plain[0] > plain[1]  # holder first
+    with_slo = request(PROMPT)
+    with_slo.slo_ttft_s = 0.5
+    scores = s.score(SchedulingContext(with_slo, store, NOW), store.all())
+    assert scores[1] > scores[0]
+    impossible = request(PROMPT)
+    impossible.slo_ttft_s = 0.01  # nobody can: the plain order stands
+    assert s.score(SchedulingContext(impossible, store, NOW), store.all()) == plain
+
+
+@pytest.mark.parametrize(
+    ("header", "seconds"),
+    [("250", 0.25), ("1.5", 0.0015), ("", None), ("soon", None), ("-5", None), ("inf", None), ("nan", None)],
+)
+def test_slo_headers_parse_or_are_ignored(header: str, seconds: float | None) -> None:
+    from kvgate.epp.extproc import _milliseconds
+
+    assert _milliseconds(header) == seconds
+
+
+def test_the_scraper_reads_what_the_model_learns_from() -> None:
+    """vLLM's exposition (and kvgate's own pending-prefill gauge) → the fields the model reads."""
+    from kvgate.epp.scraper import MAPPINGS, parse_metrics
+
+    text = "\n".join(
+        [
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+            'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1800"} 1.0',
+            'vllm:prompt_tokens_total{engine="0",model_name="m"} 12000.0',
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 9000.0',
+            'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 4.5',
+            'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 150.0',
+            'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 3.0',
+            'kvgate:prefill_tokens_pending{engine="0",model_name="m"} 2400.0',
+        ]
+    )
+    m = parse_metrics(text, MAPPINGS["vllm"], now=5.0)
+    assert (m.waiting, m.running, m.kv_usage, m.kv_blocks_total) == (2, 3, 0.5, 1800)
+    assert (m.prompt_tokens_total, m.prefix_hits_total) == (12000.0, 9000.0)
+    assert (m.itl_seconds_sum, m.itl_count, m.prefill_tokens_pending) == (4.5, 150.0, 2400)
+    # a plain vLLM says nothing of pending prefill work: None, not 0 (the model then estimates)
+    vllm_only = parse_metrics(text.replace("kvgate:prefill_tokens_pending", "x"), MAPPINGS["vllm"], now=5.0)
+    assert vllm_only.prefill_tokens_pending is None
