@@ -78,6 +78,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
     w = p.add_argument_group("workload")
+    from kvgate.bench.presets import PRESETS
+
+    w.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a named benchmark shape; fills the flags you leave at their defaults: "
+        + "; ".join(f"{name}: {preset.summary}" for name, preset in sorted(PRESETS.items())),
+    )
     w.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix", help="request shape")
     w.add_argument("--seed", type=int, default=0, help="seed for prompts, group choice and arrivals")
     w.add_argument("--groups", type=int, default=16, help="shared-prefix: system-prompt groups")
@@ -139,6 +148,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="component logs of started stacks (default: bench/results/logs-<time>)",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # What "left at its default" means for --preset.
+    p.set_defaults(flag_defaults={a.dest: a.default for a in p._actions if a.dest != "help"})
 
 
 def _fail(message: str) -> int:
@@ -172,6 +183,14 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.bench.stats import Slo
     from kvgate.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, WorkloadSpec
 
+    if args.preset:
+        from kvgate.bench.presets import apply_preset
+
+        applied = apply_preset(args, args.preset, args.flag_defaults)
+        print(
+            f"[bench] preset {args.preset}: {' '.join(applied) or '(every flag given explicitly)'}",
+            file=sys.stderr,
+        )
     try:
         workload = WorkloadSpec(
             kind=args.workload,

@@ -58,6 +58,48 @@ def text_table(summaries: Sequence[Summary]) -> str:
     return "\n".join(out)
 
 
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}×" if a is not None and b else "-"
+
+
+def ratio_table(summaries: Sequence[Summary], candidate: str = "precise-prefix") -> str | None:
+    """Per request rate: the candidate's TTFT p50/p90 and output throughput as multiples of each
+    other strategy's at that same rate (< 1× is better for TTFT, > 1× for throughput)."""
+    by_rate: dict[float | None, list[Summary]] = {}
+    for s in summaries:
+        by_rate.setdefault(s.request_rate, []).append(s)
+    headers = ["req/s", "vs", "TTFT p50", "TTFT p90", "out tok/s", "prefix hit"]
+    body: list[list[str]] = []
+    for rate, rows in by_rate.items():
+        mine = next((s for s in rows if s.strategy == candidate), None)
+        if mine is None:
+            continue
+        for other in rows:
+            if other is mine:
+                continue
+            body.append(
+                [
+                    "inf" if rate is None else f"{rate:g}",
+                    other.strategy,
+                    _ratio(mine.ttft_p50_s, other.ttft_p50_s),
+                    _ratio(mine.ttft_p90_s, other.ttft_p90_s),
+                    _ratio(mine.output_tok_s, other.output_tok_s),
+                    _ratio(mine.prefix_hit_rate, other.prefix_hit_rate),
+                ]
+            )
+    if not body:
+        return None
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    title = f"{candidate} as a multiple of each other strategy at the same rate"
+    return "\n".join([title, line(headers), line(["-" * w for w in widths]), *(line(r) for r in body)])
+
+
 def markdown_table(summaries: Sequence[Summary]) -> str:
     headers, body = rows(summaries)
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]

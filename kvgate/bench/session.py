@@ -180,29 +180,37 @@ def on_local_stacks(
 
 
 def verdict_lines(summaries: Sequence[Summary], candidate: str = "precise-prefix") -> list[str]:
-    """How the candidate strategy did against each other one, in the same run."""
-    mine = next((s for s in summaries if s.strategy == candidate), None)
-    if mine is None or len(summaries) < 2:
-        return []
-    lines = []
-    for other in summaries:
-        if other is mine:
+    """How the candidate strategy did against each other one at the same request rate.
+
+    A sweep holds one row per strategy and rate; comparing across rates (the candidate at 4
+    req/s against another at 24) says nothing, so every ratio pairs rows of one rate."""
+    by_rate: dict[float | None, list[Summary]] = {}
+    for s in summaries:
+        by_rate.setdefault(s.request_rate, []).append(s)
+    lines: list[str] = []
+    for rate, rows in by_rate.items():
+        mine = next((s for s in rows if s.strategy == candidate), None)
+        others = [s for s in rows if s is not mine]
+        if mine is None or not others:
             continue
-        if mine.ttft_p90_s is not None and other.ttft_p90_s:
-            lines.append(
-                f"{candidate} TTFT p90 = {mine.ttft_p90_s / other.ttft_p90_s:.2f}× {other.strategy}'s "
-                f"({mine.ttft_p90_s * 1000:.0f} ms vs {other.ttft_p90_s * 1000:.0f} ms)"
-            )
-    best_other_tp = max((s.output_tok_s for s in summaries if s is not mine), default=0.0)
-    lines.append(
-        f"{candidate} output throughput {mine.output_tok_s:.1f} tok/s vs best other {best_other_tp:.1f} tok/s"
-    )
-    if mine.prefix_hit_rate is not None and mine.ideal_prefix_hit_rate:
+        at = f" at {rate:g} req/s" if rate else ""
+        for other in others:
+            if mine.ttft_p90_s is not None and other.ttft_p90_s:
+                lines.append(
+                    f"{candidate}{at}: TTFT p90 = {mine.ttft_p90_s / other.ttft_p90_s:.2f}× {other.strategy}'s "
+                    f"({mine.ttft_p90_s * 1000:.0f} ms vs {other.ttft_p90_s * 1000:.0f} ms)"
+                )
+        best = max(others, key=lambda s: s.output_tok_s)
         lines.append(
-            f"{candidate} prefix hit rate {mine.prefix_hit_rate * 100:.1f}% = "
-            f"{mine.prefix_hit_rate / mine.ideal_prefix_hit_rate * 100:.0f}% of the best achievable "
-            f"{mine.ideal_prefix_hit_rate * 100:.1f}%"
+            f"{candidate}{at}: output {mine.output_tok_s:.1f} tok/s vs best other {best.output_tok_s:.1f} "
+            f"({best.strategy})"
         )
+        if mine.prefix_hit_rate is not None and mine.ideal_prefix_hit_rate:
+            lines.append(
+                f"{candidate}{at}: prefix hit rate {mine.prefix_hit_rate * 100:.1f}% = "
+                f"{mine.prefix_hit_rate / mine.ideal_prefix_hit_rate * 100:.0f}% of the best achievable "
+                f"{mine.ideal_prefix_hit_rate * 100:.1f}%"
+            )
     return lines
 
 
@@ -217,6 +225,9 @@ def print_report(args: argparse.Namespace, result: BenchResult, started: str) ->
         )
     if (sizing := _working_set_line(result.settings)) is not None:
         print(sizing)
+    if (ratios := report.ratio_table(summaries)) is not None:
+        print()
+        print(ratios)
     for line in verdict_lines(summaries):
         print(line)
     if args.markdown:

@@ -8,4 +8,5 @@ STRATEGIES: dict[str, str] = {
     "random": "random",
     "gie-default": "default",  # GIE's default: queue 2, kv-cache 2, approximate prefix 3
     "precise-prefix": "precise-prefix",  # kvgate: KV-event-exact prefix + load
+    "predicted-latency": "predicted-latency",  # kvgate: lowest predicted TTFT (prefix, queue, KV)
 }

@@ -102,3 +102,23 @@ def test_charts_are_written_as_png(tmp_path: Path) -> None:
     ]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_compares_strategies_at_the_same_rate_only() -> None:
+    """Before: the first rate's candidate row was compared with every other row, its own rows at
+    other rates included, and 'best other' could be a row at another rate."""
+    rows = []
+    for rate, rr_ttft, pp_ttft in ((4.0, 0.8, 0.4), (24.0, 8.0, 1.0)):
+        rr, _ = _summary("round-robin", rr_ttft)
+        pp, _ = _summary("precise-prefix", pp_ttft)
+        rr.request_rate = pp.request_rate = rate
+        rows += [rr, pp]
+    lines = verdict_lines(rows)
+    assert not any("precise-prefix's" in line for line in lines)  # never against itself
+    at_24 = [line for line in lines if "at 24 req/s" in line]
+    assert any("0.12× round-robin" in line for line in at_24), lines  # 1.0 / 8.0 at one rate
+    table = report.ratio_table(rows)
+    assert table is not None
+    body = table.splitlines()[3:]
+    assert [r.split()[:2] for r in body] == [["4", "round-robin"], ["24", "round-robin"]]
+    assert body[1].split()[3] == "0.12×"  # TTFT p90 at 24 req/s

@@ -1,0 +1,68 @@
+"""Named bench shapes: flag values that stand for a published benchmark, so a comparison can be
+reproduced by name. A preset only fills flags the command line leaves at their defaults.
+
+Kept import-free so `kvgate --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    summary: str
+    values: dict[str, object]
+
+
+PRESETS: dict[str, Preset] = {
+    # llm-d's precise-prefix routing benchmark shape: many long system prompts shared by users
+    # who each add a long unique question, on engines whose KV cache cannot hold every prefix
+    # everywhere, swept from below round-robin's saturation to well above it.
+    "llm-d-shared-prefix": Preset(
+        "64 system prompts of 6,000 tokens, 1,200-token questions, 100-token answers; 16 simulated "
+        "engines of 1,800 KV blocks (4 prefixes each); 4, 8, 16 and 24 req/s",
+        {
+            "workload": "shared-prefix",
+            "groups": 64,
+            "prefix_tokens": 6000,
+            "suffix_tokens": 1200,
+            "output_tokens": 100,
+            "engines": 16,
+            "sim_kv_blocks": 1800,
+            "request_rate": "4,8,16,24",
+            "num_requests": 200,
+            "warmup_requests": 64,
+        },
+    ),
+    # Chat sessions that resend their growing history every turn (a coding assistant, an agent):
+    # a turn is only sent once the previous one of its conversation has answered.
+    "multi-turn-chat": Preset(
+        "32 conversations of 8 turns: 2,000-token system prompt, 200-token user turns, 200-token "
+        "answers folded back into the history; 8 simulated engines; 4 and 8 req/s",
+        {
+            "workload": "multi-turn",
+            "conversations": 32,
+            "turns": 8,
+            "first_turn_tokens": 2000,
+            "user_turn_tokens": 200,
+            "output_tokens": 200,
+            "engines": 8,
+            "request_rate": "4,8",
+            "num_requests": 200,
+            "warmup_requests": 32,
+        },
+    ),
+}
+
+
+def apply_preset(args: object, name: str, defaults: dict[str, object]) -> list[str]:
+    """Set the preset's values on `args` where the user kept the parser's default; returns the
+    flags it set (for the report)."""
+    preset = PRESETS[name]
+    applied = []
+    for key, value in preset.values.items():
+        if getattr(args, key) == defaults.get(key):
+            setattr(args, key, value)
+            applied.append(f"--{key.replace('_', '-')} {value}")
+    return applied

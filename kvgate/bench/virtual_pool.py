@@ -1,0 +1,333 @@
+"""A routing simulator on a virtual clock: the real EPP (Director, profiles, datastore, precise
+index) in front of real engine schedulers and KV cache managers (the `--simulate` runner), with
+time advanced event by event instead of slept.
+
+The process bench (`kvgate bench --simulate`) is the truth, with Envoy, HTTP and every process;
+on this machine it takes minutes per rate and its Python overheads blur fast timescales. This
+runs the same routing decisions against the same engine scheduling in seconds, deterministically,
+so a scorer can be studied across many rates and seeds — and the process bench then confirms.
+
+What is modelled: Poisson arrivals; each engine steps whenever it has work, a step taking the
+simulated runner's duration; the EPP scrapes every engine every `scrape_interval` (waiting,
+running, KV use — what the real scraper reads) and receives each step's KV events
+`kv_event_delay` later; several EPP replicas can share the pool (arrivals alternate between
+them, as Envoy balances). What is not: network and process overheads, HTTP streaming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.bench.workloads import BenchRequest, WorkloadSpec, generate
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.sim_runner import SimulatedRunner
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.director import Director
+from kvgate.epp.request import InferenceRequest
+from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
+
+MODEL = "sim"
+START = 1.0  # virtual time of the first scrape (0.0 means "never scraped" to the datastore)
+
+
+def word_token(word: str, vocab: int = 49152) -> int:
+    """A stable token id per workload word (the bench's words are one token each)."""
+    digest = hashlib.blake2b(word.encode(), digest_size=4).digest()
+    return 1000 + int.from_bytes(digest, "little") % (vocab - 1000)
+
+
+@dataclass
+class PoolSpec:
+    engines: int = 16
+    block_size: int = 16
+    kv_blocks: int = 1800
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    sim: SimulationConfig = field(
+        default_factory=lambda: SimulationConfig(
+            prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005
+        )
+    )
+    scrape_interval: float = 0.05
+    kv_event_delay: float = 0.005
+    epp_replicas: int = 1
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    group: str
+    endpoint: str
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    scheduled: float | None = None  # start of the step that first ran it (its queue time ends)
+
+    @property
+    def ttft(self) -> float:
+        assert self.first_token is not None
+        return self.first_token - self.arrival
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    rate: float
+    records: list[RequestRecord]
+    duration: float  # first arrival to last finish, virtual seconds
+    pick_seconds: list[float]
+    preemptions: int = 0
+
+    def done(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.finished is not None]
+
+    def ttft(self, q: float) -> float:
+        values = sorted(r.ttft for r in self.done())
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    @property
+    def output_tok_s(self) -> float:
+        done = self.done()
+        return sum(r.output_tokens for r in done) / self.duration if self.duration > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        done = self.done()
+        total = sum(r.prompt_tokens for r in done)
+        return sum(r.cached_tokens for r in done) / total if total else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "rate": self.rate,
+            "requests": len(self.done()),
+            "ttft_p50": self.ttft(0.5),
+            "ttft_p90": self.ttft(0.9),
+            "output_tok_s": self.output_tok_s,
+            "prefix_hit": self.hit_rate,
+            "pick_ms_p50": 1000 * statistics.median(self.pick_seconds) if self.pick_seconds else 0.0,
+            "preemptions": self.preemptions,
+        }
+
+
+class _Engine:
+    def __init__(self, address: str, pool: PoolSpec, tokenizer: Any) -> None:
+        self.address = address
+        self.clock = 0.0
+        self.last_step = 0.0
+        config = EngineConfig(
+            model=MODEL,
+            simulate=True,
+            block_size=pool.block_size,
+            num_kv_blocks=pool.kv_blocks,
+            max_num_seqs=pool.max_num_seqs,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            # no larger than the pool holds, so the engine does not warn that it caps it
+            max_model_len=min(8192, pool.kv_blocks * pool.block_size),
+            simulation=pool.sim,
+        )
+        config.simulation.num_kv_blocks = pool.kv_blocks
+        runner = SimulatedRunner(config, tokenizer, eos_token_id=None, sleep=self._sleep)
+        self.engine = LLMEngine(config, runner=runner, tokenizer=tokenizer)
+        self.busy = False
+
+    def _sleep(self, seconds: float) -> None:
+        self.last_step = seconds
+
+
+class VirtualPool:
+    """One run: a fresh pool of engines and EPP replicas on a virtual clock."""
+
+    def __init__(self, pool: PoolSpec, strategy: str, config_yaml: dict[str, Any] | None = None) -> None:
+        from kvgate.api.tokenizer import load_tokenizer
+
+        self.pool = pool
+        self.strategy = strategy
+        self.now = START
+        tokenizer = load_tokenizer("default")
+        self.engines = {
+            f"10.0.0.{i + 1}:8000": _Engine(f"10.0.0.{i + 1}:8000", pool, tokenizer)
+            for i in range(pool.engines)
+        }
+        endpoints = [Endpoint(a, kv_events=f"tcp://{a}") for a in self.engines]
+        self.replicas: list[tuple[Datastore, Director]] = []
+        for _ in range(pool.epp_replicas):
+            cfg = load_config(None, strategy) if config_yaml is None else _parse(config_yaml)
+            store = Datastore()
+            store.set_endpoints(endpoints)
+            for state in store.all():
+                state.kv_events_live = True
+                state.served_models = frozenset({MODEL})
+            profile = build_profiles(cfg)[0]
+            self.replicas.append(
+                (store, Director(store, profile, saturation_detector(cfg), clock=self._clock))
+            )
+        self._events: list[tuple[float, int, str, Any]] = []
+        self._seq = itertools.count()
+        self.records: dict[str, RequestRecord] = {}
+        self.pick_seconds: list[float] = []
+        self._scrape_all()
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _at(self, when: float, kind: str, payload: Any = None) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), kind, payload))
+
+    def _scrape_all(self) -> None:
+        for address, eng in self.engines.items():
+            stats = eng.engine.get_stats()
+            for store, _ in self.replicas:
+                store.update_metrics(
+                    address,
+                    EndpointMetrics(
+                        waiting=stats.num_waiting,
+                        running=stats.num_running,
+                        kv_usage=stats.kv_cache_usage,
+                        prefill_tokens_pending=stats.prefill_tokens_pending,
+                        kv_blocks_total=stats.num_kv_blocks,
+                        prompt_tokens_total=stats.prompt_tokens_total,
+                        prefix_hits_total=stats.prefix_cache_hits_total,
+                        updated_at=self.now,
+                        sent_at=self.now,
+                    ),
+                )
+
+    def _arrive(self, req: BenchRequest, tokens: list[int]) -> None:
+        _, director = self.replicas[req.index % len(self.replicas)]
+        text = " ".join(req.nominal_words)
+        body = {"model": MODEL, "prompt": text, "max_tokens": req.max_tokens}
+        request = InferenceRequest(
+            request_id=f"r{req.index}",
+            model=MODEL,
+            target_model=MODEL,
+            body=body,
+            _token_ids=tokens,
+            _prompt_text=text,
+        )
+        decision = director.pick(request)
+        self.pick_seconds.append(decision.scheduler_seconds)
+        if not decision.routed:
+            raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
+        address = decision.targets[0]
+        self.records[request.request_id] = RequestRecord(
+            req.index, req.group, address, self.now, len(tokens), req.max_tokens
+        )
+        eng = self.engines[address]
+        eng.engine.add_request(
+            request.request_id,
+            tokens,
+            SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0),
+            arrival_time=self.now,
+        )
+        if not eng.busy:
+            eng.busy = True
+            self._at(self.now, "step", address)
+
+    def _step(self, address: str) -> None:
+        eng = self.engines[address]
+        if not eng.engine.has_unfinished_requests():
+            eng.busy = False
+            return
+        eng.last_step = 0.0
+        outputs = eng.engine.step()
+        for request in eng.engine.scheduler.running:
+            rec = self.records.get(request.request_id)
+            if rec is not None and rec.scheduled is None:
+                rec.scheduled = self.now
+        end = self.now + eng.last_step
+        for out in outputs:
+            rec = self.records[out.request_id]
+            if rec.first_token is None and out.token_ids:
+                rec.first_token = end
+                rec.cached_tokens = out.num_cached_tokens
+            if out.finished:
+                rec.finished = end
+                self._finished(out.request_id, end)
+        events = eng.engine.drain_kv_events()
+        if events:
+            self._at(end + self.pool.kv_event_delay, "kv", (address, events))
+        self._at(end if end > self.now else self.now + 1e-4, "step", address)
+
+    def _finished(self, request_id: str, when: float) -> None:
+        for dependent in self._waiting_on.pop(int(request_id[1:]), []):
+            self._at(when, "arrive", dependent)
+
+    def run(self, requests: Iterable[tuple[float, BenchRequest, list[int]]]) -> RunResult:
+        self._waiting_on: dict[int, list[tuple[BenchRequest, list[int]]]] = {}
+        first = None
+        for when, req, tokens in requests:
+            first = when if first is None else first
+            if req.depends_on is not None:
+                self._waiting_on.setdefault(req.depends_on, []).append((req, tokens))
+            else:
+                self._at(START + when, "arrive", (req, tokens))
+        self._at(START + self.pool.scrape_interval, "scrape")
+        while self._events:
+            when, _, kind, payload = heapq.heappop(self._events)
+            self.now = when
+            if kind == "arrive":
+                self._arrive(*payload)
+            elif kind == "step":
+                self._step(payload)
+            elif kind == "kv":
+                address, events = payload
+                for store, _ in self.replicas:
+                    store.index.apply(address, events)
+            elif kind == "scrape":
+                self._scrape_all()
+                if self._events or self._waiting_on:  # something will still happen
+                    self._at(self.now + self.pool.scrape_interval, "scrape")
+        records = list(self.records.values())
+        last = max((r.finished or 0.0) for r in records) if records else 0.0
+        preempted = sum(e.engine.get_stats().num_preemptions_total for e in self.engines.values())
+        return RunResult(self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted)
+
+
+def _parse(raw: dict[str, Any]) -> Any:
+    from kvgate.epp.scheduling.config import parse_config
+
+    return parse_config(raw, source="virtual pool")
+
+
+def poisson_requests(
+    spec: WorkloadSpec, rate: float, count: int, seed: int = 0
+) -> list[tuple[float, BenchRequest, list[int]]]:
+    """`count` requests of the workload with Poisson arrivals at `rate` per second."""
+    rng = random.Random(f"{seed}:arrivals")
+    out = []
+    t = 0.0
+    for req in itertools.islice(generate(spec), count):
+        t += rng.expovariate(rate)
+        out.append((t, req, [word_token(w) for w in req.nominal_words]))
+    return out
+
+
+def simulate(
+    strategy: str,
+    spec: WorkloadSpec,
+    rate: float,
+    count: int,
+    warmup: int = 0,
+    pool: PoolSpec | None = None,
+    config: dict[str, Any] | None = None,
+) -> RunResult:
+    """One strategy at one rate; the first `warmup` requests are sent but not counted."""
+    vp = VirtualPool(pool or PoolSpec(), strategy, config)
+    result = vp.run(poisson_requests(spec, rate, warmup + count, seed=spec.seed))
+    counted = [r for r in result.records if r.index >= warmup]
+    start = min((r.arrival for r in counted), default=0.0)
+    end = max((r.finished or 0.0 for r in counted), default=0.0)
+    return RunResult(strategy, rate, counted, end - start, result.pick_seconds[warmup:], result.preemptions)
