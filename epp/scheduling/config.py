@@ -9,7 +9,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvgate.epp.saturation import SaturationDetector
+from kvgate.api.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH
+from kvgate.epp.saturation import METRICS_STALENESS_S, SaturationDetector
 from kvgate.epp.scheduling import filters, latency, pickers, scorers
 from kvgate.epp.scheduling.framework import Filter, Picker, Plugin, SchedulingProfile, Scorer
 
@@ -64,9 +65,11 @@ class ProfileSpec(BaseModel):
 
 class SaturationSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    queue_depth_threshold: float = Field(5.0, alias="queueDepthThreshold", gt=0)
-    kv_cache_util_threshold: float = Field(0.8, alias="kvCacheUtilThreshold", gt=0)
-    metrics_staleness_threshold: float = Field(2.0, alias="metricsStalenessThreshold", gt=0)
+    queue_depth_threshold: float = Field(SATURATION_QUEUE_DEPTH, alias="queueDepthThreshold", gt=0)
+    kv_cache_util_threshold: float = Field(
+        SATURATION_KV_CACHE_UTILIZATION, alias="kvCacheUtilThreshold", gt=0
+    )
+    metrics_staleness_threshold: float = Field(METRICS_STALENESS_S, alias="metricsStalenessThreshold", gt=0)
 
     @field_validator("metrics_staleness_threshold", mode="before")
     @classmethod
