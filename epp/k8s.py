@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from kvgate.api.crds import InferencePoolSpec
 from kvgate.epp.datastore import Datastore, Endpoint
 
 log = logging.getLogger("kvgate.epp.k8s")
@@ -36,15 +37,11 @@ class PoolSpec:
 
 
 def pool_spec(pool: dict[str, Any]) -> PoolSpec:
-    spec = pool.get("spec") or {}
-    selector = spec.get("selector") or {}
-    labels = selector.get("matchLabels", selector) if isinstance(selector, dict) else {}
-    ports = tuple(
-        int(p["number"]) for p in spec.get("targetPorts") or [] if isinstance(p, dict) and "number" in p
-    )
-    if not ports and "targetPortNumber" in spec:  # v1alpha2 spelling
-        ports = (int(spec["targetPortNumber"]),)
-    return PoolSpec({str(k): str(v) for k, v in (labels or {}).items()}, ports)
+    """The selector and target ports of a GIE v1 InferencePool, read with the same pydantic model
+    the CRD is generated from. Raises ValueError (pydantic's ValidationError) for a pool that
+    does not parse: routing by a half-read pool would send traffic to the wrong pods."""
+    spec = InferencePoolSpec.model_validate((pool or {}).get("spec") or {})
+    return PoolSpec(dict(spec.selector.match_labels), tuple(p.number for p in spec.target_ports))
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
@@ -202,7 +199,17 @@ class PoolWatcher:
             await asyncio.sleep(self.retry_seconds)
 
     def _set_spec(self, pool: dict[str, Any]) -> None:
-        spec = pool_spec(pool)
+        try:
+            spec = pool_spec(pool)
+        except ValueError as exc:
+            # Keep routing by the last good spec (or not at all) rather than by a guess.
+            log.warning(
+                "InferencePool %s/%s is not a valid v1 pool; ignoring this version: %s",
+                self.namespace,
+                self.pool_name,
+                str(exc).replace("\n", " "),
+            )
+            return
         if spec != self.spec:
             log.info(
                 "InferencePool %s/%s: selector %s ports %s",
