@@ -16,6 +16,7 @@ import uuid
 import httpx
 import pytest
 
+from kvgate.testing import eventually
 from kvgate.testing import processes as harness
 
 pytestmark = pytest.mark.timeout(240)
@@ -191,7 +192,8 @@ def test_bystanders_unhurt_by_a_maximal_prompt(stack) -> None:
     for t in threads:
         t.start()
     try:
-        time.sleep(0.3)
+        # the attack is under way: a first large prompt has gone through
+        eventually(lambda: big_times, 60, "a first large prompt served")
         busy = bystander_latencies(20)
     finally:
         stop.set()

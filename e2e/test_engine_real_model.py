@@ -5,76 +5,38 @@ Slow (the model loads in ~10-30 s on 2 CPU cores), so one server serves the whol
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import struct
-import subprocess
-import sys
-import threading
-import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
 import msgpack
 import pytest
-import zmq
 from openai import OpenAI
+
+from kvgate.testing import eventually
+from kvgate.testing.engine_server import EngineProcess, launch, subscribe_kv_events
 
 pytestmark = pytest.mark.slow
 
-STARTED = re.compile(r"kvgate engine serving \S+.* on http://(\S+?)(?:,|$)")
-KV = re.compile(r"kv events (\S+)")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-class Server:
-    def __init__(self) -> None:
-        cmd = [
-            sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--port", "0",
-            "--kv-events-endpoint", "tcp://127.0.0.1:*", "--max-model-len", "2048",
-        ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
-        )
-        self.lines: list[str] = []
-        self.base_url = ""
-        self.kv_endpoint = ""
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stderr is not None
-            for line in self.proc.stderr:
-                self.lines.append(line)
-                if m := STARTED.search(line):
-                    self.base_url = f"http://{m.group(1)}"
-                    self.kv_endpoint = KV.search(line).group(1)  # type: ignore[union-attr]
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(180) or not self.base_url:
-            self.proc.kill()
-            raise RuntimeError("engine did not start:\n" + "".join(self.lines[-30:]))
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
-            if line.startswith(name + "{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server()
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
+    srv = launch(
+        tmp_path_factory.mktemp("real-engine"),
+        "--kv-events-endpoint", "tcp://127.0.0.1:*",
+        "--max-model-len", "2048",
+        timeout=180,
+    )  # fmt: skip
     yield srv
-    srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(30) == 0
+    assert srv.stop(signal.SIGTERM, timeout=30) == 0
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> OpenAI:
+def client(server: EngineProcess) -> OpenAI:
     return OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
@@ -116,12 +78,14 @@ def test_logprobs_and_stop_string(client: OpenAI) -> None:
     assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_kv_events_carry_the_tokenized_prompt(server: Server, client: OpenAI) -> None:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(server.kv_endpoint)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.5)  # let the subscription reach the publisher
+def test_kv_events_carry_the_tokenized_prompt(server: EngineProcess, client: OpenAI) -> None:
+    assert server.kv_endpoint is not None
+
+    def poke() -> None:  # a new block of its own: shares nothing with the chat below
+        prompt = f"{uuid.uuid4().hex} " * 8
+        httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60)
+
+    sub = subscribe_kv_events(server.kv_endpoint, poke, topic=b"")
     messages = [{"role": "user", "content": "Explain the water cycle in simple words, step by step, please."}]
     ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
     r = client.chat.completions.create(model="default", messages=messages, max_tokens=2, temperature=0)
@@ -141,7 +105,7 @@ def test_kv_events_carry_the_tokenized_prompt(server: Server, client: OpenAI) ->
     sub.close()
 
 
-def test_disconnect_frees_blocks(server: Server) -> None:
+def test_disconnect_frees_blocks(server: EngineProcess) -> None:
     body = {
         "prompt": "Write a long essay about the sea.",
         "max_tokens": 400,
@@ -152,8 +116,10 @@ def test_disconnect_frees_blocks(server: Server) -> None:
         lines = r.iter_lines()
         for _ in range(4):
             next(lines)
-        assert server.metric("vllm:kv_cache_usage_perc") > 0
-    deadline = time.monotonic() + 10
-    while server.metric("vllm:num_requests_running") or server.metric("vllm:kv_cache_usage_perc"):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        assert server.metrics()["vllm:kv_cache_usage_perc"] > 0
+
+    def freed() -> bool:
+        m = server.metrics()
+        return m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+
+    eventually(freed, 10, "the disconnected request's blocks freed")

@@ -4,7 +4,6 @@ orphans even when the supervisor itself is killed with SIGKILL."""
 from __future__ import annotations
 
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import pytest
 
 from kvgate.local.ports import PortBusyError, plan_ports
 from kvgate.local.supervisor import ProcessSpec, Restarter, RestartPolicy, Supervisor, describe_exit
+from kvgate.testing import eventually
+from kvgate.testing.processes import pid_alive
 
 # A child that prints, spawns a grandchild into its own group, reports the grandchild's pid,
 # and then sleeps (ignoring nothing: SIGTERM ends it).
@@ -30,26 +31,6 @@ PARENT = textwrap.dedent(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _grandchild(lines: list[str]) -> int:
     return int(next(line for line in lines if "grandchild" in line).split()[-1])
 
@@ -58,15 +39,13 @@ def test_logs_are_prefixed_and_stop_all_ends_the_whole_group(tmp_path: Path) -> 
     echo = io.StringIO()
     sup = Supervisor(tmp_path, echo=echo)
     proc = sup.start(ProcessSpec(name="engine-0", argv=[sys.executable, "-c", PARENT]))
-    deadline = time.monotonic() + 15
-    while "grandchild" not in echo.getvalue() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: "grandchild" in echo.getvalue(), 15, "the grandchild's pid in the log")
     lines = echo.getvalue().splitlines()
     assert lines[0].startswith("[engine-0]") and lines[0].endswith("hello from the child")
     grandchild = _grandchild(lines)
     sup.stop_all(timeout_s=5)
     assert proc.exit_code() is not None
-    assert _wait_gone(grandchild), "the grandchild outlived stop_all"
+    eventually(lambda: not pid_alive(grandchild), 10, "the grandchild gone after stop_all")
     assert "hello from the child" in (tmp_path / "engine-0.log").read_text()
     assert proc.tail()[0] == "hello from the child"
 
@@ -75,9 +54,7 @@ def test_a_child_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"
     proc = sup.start(ProcessSpec(name="stubborn", argv=[sys.executable, "-c", stubborn]))
-    deadline = time.monotonic() + 15
-    while "up" not in (tmp_path / "stubborn.log").read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    eventually(lambda: "up" in (tmp_path / "stubborn.log").read_text(), 15, "the stubborn child up")
     t0 = time.monotonic()
     sup.stop_all(timeout_s=1)
     assert proc.exit_code() == -signal.SIGKILL
@@ -101,10 +78,10 @@ def test_children_die_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
     outer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert outer.stdout is not None
     child = int(outer.stdout.readline())
-    assert _alive(child)
+    assert pid_alive(child)
     outer.kill()
     outer.wait(timeout=10)
-    assert _wait_gone(child), "the child was orphaned"
+    eventually(lambda: not pid_alive(child), 10, "the child gone with its supervisor (not orphaned)")
 
 
 def test_port_plan_is_consecutive_from_the_base_and_names_busy_ports() -> None:

@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from kvgate.testing import eventually
 from kvgate.testing.local_up import ROOT, UpProcess, engine_gauges, start_up, stop_up
 from kvgate.testing.processes import pid_alive
 
@@ -163,14 +164,15 @@ def test_client_cancel_frees_engine_capacity(stack: UpProcess) -> None:
             cm.__exit__(None, None, None)
         for c in clients:
             c.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def engines_idle() -> bool:
         gauges = [engine_gauges(u) for u in info["engine_urls"]]
-        if all(g["vllm:num_requests_running"] == 0 and g["vllm:num_requests_waiting"] == 0 for g in gauges):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"engines still busy after the clients left: {gauges}")
+        assert all(
+            g["vllm:num_requests_running"] == 0 and g["vllm:num_requests_waiting"] == 0 for g in gauges
+        ), f"busy: {gauges}"
+        return True
+
+    eventually(engines_idle, 10, "the engines idle after the clients left", interval=0.1)
     # The freed capacity serves new work at once.
     t0 = time.monotonic()
     reply = client_for(stack).chat.completions.create(

@@ -6,8 +6,10 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -81,6 +83,36 @@ class EngineProcess:
                 popen.wait(5)
         self.process.stop()  # anything it left in its process group
         return popen.returncode
+
+
+def subscribe_kv_events(endpoint: str, poke: Callable[[], object], topic: bytes = b"kv@") -> Any:
+    """A ZMQ SUB socket on an engine's KV-event publisher that is known to receive.
+
+    A PUB socket drops what it publishes until a new subscription has reached it: ``poke``
+    (a request that stores new blocks) is repeated until an event arrives, then what the pokes
+    produced is drained, so the caller sees only what it causes itself.
+    """
+    import zmq
+
+    sub: Any = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+
+    def arrived() -> bool:
+        if sub.poll(100):
+            return True
+        poke()
+        return False
+
+    try:
+        eventually(arrived, 10, f"KV events from {endpoint}", interval=0)
+    except BaseException:
+        sub.close()
+        raise
+    while sub.poll(200):
+        sub.recv_multipart()
+    return sub
 
 
 def spawn(log_dir: Path, *args: str) -> EngineProcess:

@@ -11,7 +11,7 @@ import msgpack
 import zmq
 
 from kvgate.testing import eventually
-from kvgate.testing.engine_server import EngineProcess
+from kvgate.testing.engine_server import EngineProcess, subscribe_kv_events
 
 from .conftest import API_KEY
 
@@ -27,22 +27,8 @@ def _decode(frames: list[bytes]) -> tuple[str, int, list]:
 
 
 def _subscribe(eng: EngineProcess) -> zmq.Socket:
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(eng.kv_endpoint)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-
-    # PUB drops messages until the subscription has propagated: poke the engine until one arrives.
-    def arrived() -> bool:
-        if sub.poll(100):
-            return True
-        _complete(eng, f"warm up {uuid.uuid4().hex} " * 4)
-        return False
-
-    eventually(arrived, 10, "KV events arriving", interval=0)
-    while sub.poll(200):
-        sub.recv_multipart()
-    return sub
+    assert eng.kv_endpoint is not None
+    return subscribe_kv_events(eng.kv_endpoint, lambda: _complete(eng, f"warm up {uuid.uuid4().hex} " * 4))
 
 
 def _complete(eng: EngineProcess, prompt: str, max_tokens: int = 2) -> dict:

@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -27,88 +23,57 @@ from kvgate.operator import children as ch
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.resources import MODEL_DEPLOYMENTS, SCALED_OBJECTS
 from kvgate.operator.signals import SignalReader
+from kvgate.testing import eventually
+from kvgate.testing import processes as harness
 
 PROMETHEUS = shutil.which("prometheus")
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="Prometheus is not installed (Debian package `prometheus`; scripts/setup.sh)"
 )
-KVGATE = str(Path(sys.executable).parent / "kvgate")
 NS = "models"
 POOL = "smol"
 SERVED = "smollm2"
+# One running sequence at a time, so a burst of requests queues up measurably.
+ENGINE_ARGS = (
+    "--served-model-name",
+    SERVED,
+    "--max-num-seqs",
+    "1",
+    "--sim-itl",
+    "0.05",
+    "--shutdown-timeout",
+    "1",
+)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(url: str, timeout_s: float, needle: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as resp:
-                if resp.status == 200 and needle.encode() in resp.read():
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} did not come up within {timeout_s}s")
-
-
+@dataclass
 class Stack:
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[bytes]] = []
-        self.prometheus_url = ""
-        self.engines: list[str] = []
+    prometheus_url: str
+    engines: list[str]  # host:port
 
-    def spawn(self, name: str, *cmd: str) -> None:
-        log = open(self.tmp / f"{name}.log", "wb")
-        self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp))
 
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+def _serves(url: str, needle: str = "") -> bool:
+    status, body = harness.http_get(url, timeout=1)
+    return status == 200 and needle in body
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("prom")
-    st = Stack(tmp)
+    procs: list[harness.Process] = []
     try:
-        engines = []
-        for i in range(2):
-            port, kv = _free_port(), _free_port()
-            st.spawn(
-                f"engine{i}", KVGATE, "engine", "serve", "--simulate", "--host", "127.0.0.1", "--port", str(port),
-                "--served-model-name", SERVED, "--kv-events-endpoint", f"tcp://127.0.0.1:{kv}",
-                # One running sequence at a time, so a burst of requests queues up measurably.
-                "--max-num-seqs", "1", "--sim-itl", "0.05", "--shutdown-timeout", "1",
-            )  # fmt: skip
-            engines.append(f"127.0.0.1:{port}")
-        st.engines = engines
-        epp_metrics = _free_port()
-        st.spawn(
-            "epp", KVGATE, "epp", "serve", "--endpoints", ",".join(engines), "--host", "127.0.0.1",
-            "--grpc-port", str(_free_port()), "--grpc-health-port", str(_free_port()),
-            "--metrics-port", str(epp_metrics), "--secure-serving=false",
-        )  # fmt: skip
-        prom_port = _free_port()
+        engines = [harness.start_engine(tmp, *ENGINE_ARGS) for _ in range(2)]
+        procs += [e.proc for e in engines]
+        epp = harness.start_epp(tmp, engines, kv_events=False)
+        procs.append(epp.proc)
+        prom_port = harness.free_port()
         config = {
             "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
             "scrape_configs": [
-                {"job_name": "engines", "static_configs": [{"targets": engines}]},
+                {"job_name": "engines", "static_configs": [{"targets": [e.address for e in engines]}]},
                 {
                     "job_name": "epp",
-                    "static_configs": [{"targets": [f"127.0.0.1:{epp_metrics}"]}],
+                    "static_configs": [{"targets": [f"127.0.0.1:{epp.metrics_port}"]}],
                     # A local EPP names its pool "local"; in a cluster it is the pool's name.
                     "metric_relabel_configs": [
                         {
@@ -122,21 +87,32 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             ],
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        st.spawn(
-            "prometheus", str(PROMETHEUS), f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-        )  # fmt: skip
-        st.prometheus_url = f"http://127.0.0.1:{prom_port}"
+        prometheus = harness.Process(
+            "prometheus",
+            [
+                str(PROMETHEUS), f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
+            ],
+            tmp / "prometheus.log",
+        ).start()  # fmt: skip
+        procs.append(prometheus)
+        st = Stack(f"http://127.0.0.1:{prom_port}", [e.address for e in engines])
         for engine in engines:
-            _wait_http(f"http://{engine}/health", 60)
-        _wait_http(f"http://127.0.0.1:{epp_metrics}/metrics", 60, "inference_pool_average_queue_size")
-        _wait_http(f"{st.prometheus_url}/-/ready", 30)
+            engine.wait_ready()
+        metrics = f"http://127.0.0.1:{epp.metrics_port}/metrics"
+        eventually(
+            lambda: _serves(metrics, "inference_pool_average_queue_size"), 60, "EPP metrics", watch=[epp.proc]
+        )
+        eventually(
+            lambda: _serves(f"{st.prometheus_url}/-/ready"), 30, "Prometheus ready", watch=[prometheus]
+        )
         # Both sources scraped at least once.
         for query in (f'inference_pool_average_queue_size{{name="{POOL}"}}', "vllm:num_requests_waiting"):
-            _wait_http(f"{st.prometheus_url}/api/v1/query?query={urllib.request.quote(query)}", 30, '"value"')
+            url = f"{st.prometheus_url}/api/v1/query?query={urllib.request.quote(query)}"
+            eventually(lambda url=url: _serves(url, '"value"'), 30, f"Prometheus has {query}", interval=0.2)
         yield st
     finally:
-        st.stop()
+        harness.stop_all(*procs)
 
 
 async def test_signal_reader_reads_the_pool_from_the_epp(stack: Stack) -> None:
@@ -152,7 +128,7 @@ async def test_signal_reader_reads_the_pool_from_the_epp(stack: Stack) -> None:
     for metric in ("queue-size", "kv-cache-utilization", "saturation"):
         assert (await reader.check(ch.autoscaler_query(POOL, metric))).has_data, metric
     assert not (await reader.check(ch.autoscaler_query("other-pool", "saturation"))).has_data
-    down = await SignalReader(f"http://127.0.0.1:{_free_port()}").check("up")
+    down = await SignalReader(f"http://127.0.0.1:{harness.free_port()}").check("up")
     assert not down.has_data and down.error
 
 
