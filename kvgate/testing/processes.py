@@ -83,11 +83,6 @@ class Process:
     def log_tail(self, n: int = 30) -> str:
         return "\n".join(self._managed.tail(n)) if self._managed is not None else ""
 
-    def signal(self, sig: int) -> None:
-        """A signal to the process itself (not its group)."""
-        if self.alive():
-            self.popen.send_signal(sig)
-
     def kill(self) -> None:
         """SIGKILL: the process dies without any shutdown (a crashed pod)."""
         if self.alive():
