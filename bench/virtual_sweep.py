@@ -58,7 +58,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llm-d-shared-prefix")
     ap.add_argument("--strategies", default="predicted-latency,precise-prefix,default,round-robin")
-    ap.add_argument("--candidate", default=None, help="the strategy the ratios are about (default: the first)")
+    ap.add_argument(
+        "--candidate", default=None, help="the strategy the ratios are about (default: the first)"
+    )
     ap.add_argument("--rates", default=None, help="req/s, comma-separated (default: the preset's)")
     ap.add_argument("--seeds", default="0", help="comma-separated; results are averaged over them")
     ap.add_argument("--epp-replicas", type=int, default=1)
@@ -77,13 +79,17 @@ def main() -> None:
         epp_replicas=args.epp_replicas,
     )
     count, warmup = int(preset["num_requests"]), int(preset["warmup_requests"])  # type: ignore[call-overload]
-    print(f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)")
+    print(
+        f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)"
+    )
     results: dict[tuple[float, str], dict[str, float]] = {}
     print(f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit':>6}")
     for rate in rates:
         for name in strategies:
             t0 = time.monotonic()
-            runs = [simulate(name, workload(preset, seed), rate, count, warmup, pool).summary() for seed in seeds]
+            runs = [
+                simulate(name, workload(preset, seed), rate, count, warmup, pool).summary() for seed in seeds
+            ]
             avg = {k: statistics.fmean(r[k] for r in runs) for k in METRICS}
             results[(rate, name)] = avg
             print(

@@ -7,7 +7,9 @@ import pytest
 from kvgate.epp.datastore import Datastore
 from kvgate.epp.k8s import PoolSpec, PoolWatcher, pool_spec
 
-GOOD = {"spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}], "newField": 1}}
+GOOD = {
+    "spec": {"selector": {"matchLabels": {"app": "llm"}}, "targetPorts": [{"number": 8000}], "newField": 1}
+}
 
 
 def test_a_v1_pool_parses_and_fields_from_a_newer_gie_are_ignored() -> None:
