@@ -239,6 +239,8 @@ TOKENIZER_SOURCE_PATTERN = (
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.+)$"
 )
 PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
+# The EPP plugins that key on prompt tokens: with any of them the picker loads a tokenizer.
+TOKEN_SCORERS = (PRECISE_PREFIX_SCORER, "predicted-latency-scorer")
 
 
 class ModelSource(K8sModel):
@@ -417,10 +419,10 @@ class RoutingSpec(K8sModel):
     )
 
     def needs_tokenizer(self) -> bool:
-        """Whether the picker tokenizes prompts (the precise prefix scorer keys blocks by tokens)."""
+        """Whether the picker tokenizes prompts (the precise scorers key blocks by tokens)."""
         if self.config is not None:
-            return PRECISE_PREFIX_SCORER in self.config
-        return any(s.type == PRECISE_PREFIX_SCORER for s in self.scorers)
+            return any(name in self.config for name in TOKEN_SCORERS)
+        return any(s.type in TOKEN_SCORERS for s in self.scorers)
 
     @field_validator("config")
     @classmethod
@@ -609,7 +611,7 @@ class ModelDeploymentSpec(K8sModel):
         if self.model.kind() == "path" and self.routing.tokenizer is None and self.routing.needs_tokenizer():
             raise ValueError(
                 "routing.tokenizer: required when model.source is a path inside the engine image and "
-                f"routing uses {PRECISE_PREFIX_SCORER} (the endpoint picker cannot read the engine's "
+                f"routing uses {' or '.join(TOKEN_SCORERS)} (the endpoint picker cannot read the engine's "
                 "image): name the tokenizer as a Hub id (org/name[@revision]) or a pvc:// source"
             )
         return self

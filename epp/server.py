@@ -24,7 +24,6 @@ from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
-from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
 
 log = logging.getLogger("kvgate.epp")
@@ -55,7 +54,8 @@ class ServerSettings:
 
 
 def needs_tokenizer(config: EndpointPickerConfig) -> bool:
-    return any(isinstance(s, PrecisePrefixCacheScorer) for p in build_profiles(config) for s, _ in p.scorers)
+    """Whether any scorer keys on prompt tokens (it declares `uses_tokens`)."""
+    return any(getattr(s, "uses_tokens", False) for p in build_profiles(config) for s, _ in p.scorers)
 
 
 class EppServer:

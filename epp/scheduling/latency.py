@@ -71,13 +71,29 @@ class LatencyModel:
     and feed an EMA. Decode: the mean inter-token latency over each scrape interval
     (`vllm:inter_token_latency_seconds` sum/count). Until an engine has samples, the pool's mean
     (or the prior) stands in.
+
+    Predictions use the pool's estimate (every engine's samples folded into one EMA) unless
+    `per_endpoint` is set: the engines of one pool are alike, and per-engine estimates carry
+    enough noise (a window catches one long prefill step or none) that a lucky engine looks
+    twice as fast and draws every request, its prefixes nowhere. Heterogeneous pools (mixed
+    accelerators) set `per_endpoint`.
     """
 
     prior_seconds_per_token: float = 1 / 4000
     prior_seconds_per_step: float = 0.025
     window_seconds: float = 2.0
     smoothing: float = 0.3
+    per_endpoint: bool = False
     speeds: dict[str, EndpointSpeed] = field(default_factory=dict)
+    pool: EndpointSpeed | None = None
+
+    def __post_init__(self) -> None:
+        self.pool = EndpointSpeed(self.prior_seconds_per_token, self.prior_seconds_per_step)
+
+    def estimate(self, speed: EndpointSpeed) -> EndpointSpeed:
+        """The speed to predict with for an endpoint: its own, or the pool's."""
+        assert self.pool is not None
+        return speed if self.per_endpoint else self.pool
 
     def speed(self, address: str) -> EndpointSpeed:
         found = self.speeds.get(address)
@@ -112,10 +128,12 @@ class LatencyModel:
                 speed.window_seconds += dt
                 speed.window_tokens += done
                 if speed.window_seconds >= self.window_seconds and speed.window_tokens > 0:
-                    a = self.smoothing if speed.samples else 1.0
                     sample = speed.window_seconds / speed.window_tokens
-                    speed.seconds_per_token += a * (sample - speed.seconds_per_token)
-                    speed.samples += 1
+                    for target in (speed, self.pool):
+                        assert target is not None
+                        a = self.smoothing if target.samples else 1.0
+                        target.seconds_per_token += a * (sample - target.seconds_per_token)
+                        target.samples += 1
                     speed.window_tokens = speed.window_seconds = 0.0
         elif not busy:
             speed.window_tokens = speed.window_seconds = 0.0
@@ -123,9 +141,11 @@ class LatencyModel:
             if speed.last_itl is not None and m.itl_count > speed.last_itl[1]:
                 per_step = (m.itl_seconds_sum - speed.last_itl[0]) / (m.itl_count - speed.last_itl[1])
                 if per_step > 0:
-                    a = self.smoothing if speed.step_samples else 1.0
-                    speed.seconds_per_step += a * (per_step - speed.seconds_per_step)
-                    speed.step_samples += 1
+                    for target in (speed, self.pool):
+                        assert target is not None
+                        a = self.smoothing if target.step_samples else 1.0
+                        target.seconds_per_step += a * (per_step - target.seconds_per_step)
+                        target.step_samples += 1
             speed.last_itl = (m.itl_seconds_sum, m.itl_count)
         speed.last_at, speed.last_computed, speed.last_busy = m.updated_at, computed, busy
         return speed
@@ -181,6 +201,7 @@ class PredictedLatencyScorer:
     """Score = fastest predicted TTFT among the candidates / this endpoint's predicted TTFT."""
 
     type_name: ClassVar[str] = "predicted-latency-scorer"
+    uses_tokens: ClassVar[bool] = True  # the EPP loads the model's tokenizer for it
     name: str = type_name
     block_size: int = 16  # as the precise prefix scorer's: the default until events say
     recent_window_seconds: float = 2.0
@@ -193,6 +214,8 @@ class PredictedLatencyScorer:
     eviction_penalty: float = 3.0
     # How long a prefix this replica routed somewhere counts as that engine's to keep cached.
     working_set_seconds: float = 20.0
+    # Learn each engine's speed apart (a pool of mixed accelerators) instead of the pool's one.
+    per_endpoint_speed: bool = False
     # Weight of a predicted wait for KV room (0, the default: ignored). Charging it spread
     # groups over more engines and did worse in the virtual pool (more distinct prefixes pinned
     # per engine); kept as a knob for pools where KV admission is the bottleneck.
@@ -207,7 +230,9 @@ class PredictedLatencyScorer:
             block_size=self.block_size,
             recent_window_seconds=self.recent_window_seconds,
         )
-        self.model = LatencyModel(self.prior_seconds_per_token, self.prior_seconds_per_step)
+        self.model = LatencyModel(
+            self.prior_seconds_per_token, self.prior_seconds_per_step, per_endpoint=self.per_endpoint_speed
+        )
         self.working_sets = WorkingSets(self.working_set_seconds)
 
     def predict(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[str, float]:
@@ -223,6 +248,7 @@ class PredictedLatencyScorer:
             mine = n - int(fractions[e.address] * full)
             uncached[e.address] = mine
             speed = self.model.observe(e)
+            rate = self.model.estimate(speed)
             m = e.metrics
             ahead: float
             if m.prefill_tokens_pending is not None:
@@ -232,7 +258,7 @@ class PredictedLatencyScorer:
             work = ahead + mine
             # The learnt per-token time already carries the decode steps interleaved with
             # prefill; the first token then takes one more step.
-            ttft = work * speed.seconds_per_token + speed.seconds_per_step
+            ttft = work * rate.seconds_per_token + rate.seconds_per_step
             if self.kv_wait and m.kv_blocks_total:
                 # KV admission: the engine admits a request only when its blocks fit beside the
                 # running ones'; short of room it waits for running requests to finish.
@@ -241,7 +267,7 @@ class PredictedLatencyScorer:
                 free = m.kv_blocks_total * (1.0 - m.kv_usage)
                 deficit = need - free
                 if deficit > 0:
-                    ttft += deficit / m.kv_blocks_total * out_tokens * speed.seconds_per_step * self.kv_wait
+                    ttft += deficit / m.kv_blocks_total * out_tokens * rate.seconds_per_step * self.kv_wait
             extra = self.work_penalty * mine
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
@@ -251,7 +277,7 @@ class PredictedLatencyScorer:
                 overflow = self.working_sets.blocks(e.address, ctx.now) + new - m.kv_blocks_total
                 extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
             ttft_only[e.address] = ttft
-            out[e.address] = ttft + extra * speed.seconds_per_token
+            out[e.address] = ttft + extra * rate.seconds_per_token
         ctx.cache[f"{self.name}:ttft"] = out
         return out
 

@@ -136,6 +136,7 @@ class PrecisePrefixCacheScorer:
     approximate index of the same token-block keys, fed by our own routing."""
 
     type_name: ClassVar[str] = "precise-prefix-cache-scorer"
+    uses_tokens: ClassVar[bool] = True  # the EPP loads the model's tokenizer for it
     name: str = type_name
     # Tokens per block for endpoints that have published no KV event yet (and for the fallback
     # index). An endpoint's own events say its real block size, and that one is used for it:

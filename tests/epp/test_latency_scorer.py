@@ -133,8 +133,10 @@ def test_engine_speed_is_learnt_from_its_counters() -> None:
         speed = model.observe(state)
     assert speed.seconds_per_token == pytest.approx(0.0005, rel=0.02)
     assert speed.seconds_per_step == pytest.approx(0.03, rel=0.02)
-    # an engine never seen starts from what the pool has learnt, not the prior
+    # an engine never seen starts from what the pool has learnt, not the prior; predictions use
+    # the pool's estimate unless the pool is declared heterogeneous
     assert model.speed("new:1").seconds_per_token == pytest.approx(speed.seconds_per_token)
+    assert model.estimate(model.speed("new:1")).seconds_per_token == pytest.approx(0.0005, rel=0.02)
 
 
 def test_an_idle_engine_teaches_nothing_about_prefill_speed() -> None:
@@ -202,3 +204,19 @@ def test_the_scraper_reads_what_the_model_learns_from() -> None:
     # a plain vLLM says nothing of pending prefill work: None, not 0 (the model then estimates)
     vllm_only = parse_metrics(text.replace("kvgate:prefill_tokens_pending", "x"), MAPPINGS["vllm"], now=5.0)
     assert vllm_only.prefill_tokens_pending is None
+
+
+def test_the_epp_loads_a_tokenizer_for_the_predicted_latency_profile() -> None:
+    """Before: only the precise prefix scorer asked for one, so this profile ran without tokens,
+    saw no prefix anywhere and balanced load alone (29% prefix hits where 76% were possible)."""
+    from kvgate.api.crds import TOKEN_SCORERS
+    from kvgate.epp.scheduling.config import PLUGIN_TYPES, load_config
+    from kvgate.epp.server import needs_tokenizer
+
+    assert needs_tokenizer(load_config(None, "predicted-latency"))
+    assert needs_tokenizer(load_config(None, "precise-prefix"))
+    assert not needs_tokenizer(load_config(None, "default"))
+    # the operator's list (it decides whether the picker pod needs the model's tokenizer) agrees
+    assert set(TOKEN_SCORERS) == {
+        name for name, cls in PLUGIN_TYPES.items() if getattr(cls, "uses_tokens", False)
+    }
