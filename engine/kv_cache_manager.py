@@ -71,6 +71,22 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def cached_prefix_tokens(self, token_ids: list[int], lora_id: int | None = None) -> int:
+        """How many leading tokens of a prompt the cache holds now, without a Request: a read-only
+        estimate other threads may take (dict lookups are atomic; a block evicted meanwhile only
+        makes it stale). Like `get_computed_blocks`, never the whole prompt."""
+        if not self.enable_caching:
+            return 0
+        bs = self.block_size
+        parent = None
+        hits = 0
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], lora_id)
+            if self.pool.lookup(parent) is None:
+                break
+            hits += 1
+        return hits * bs
+
     def allocate(
         self,
         request: Request,

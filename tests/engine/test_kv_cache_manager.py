@@ -239,3 +239,11 @@ def test_reset_prefix_cache_frees_reused_blocks_for_reuse_first() -> None:
     assert kv.reset_prefix_cache()
     assert kv.num_free_blocks == 6
     assert _prefill(kv, _req("c", list(range(9)))) == 0  # nothing findable any more
+
+
+def test_cached_prefix_tokens_agrees_with_the_schedulers_lookup_without_a_request() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BS)
+    _prefill(kv, _req("a", list(range(14))))  # 3 full blocks cached
+    for prompt in ([*range(14)], [*range(9), 77, 78], [99, *range(13)], [*range(12)], [1]):
+        assert kv.cached_prefix_tokens(prompt) == kv.get_computed_blocks(_req("p", prompt))[1], prompt
+    assert kv.cached_prefix_tokens(list(range(14)), lora_id=3) == 0  # another adapter's cache
