@@ -57,7 +57,7 @@ def workload(preset: dict[str, object], seed: int) -> WorkloadSpec:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llm-d-shared-prefix")
-    ap.add_argument("--strategies", default="predicted-latency,precise-prefix,default,round-robin")
+    ap.add_argument("--strategies", default="precise-prefix,precise-prefix-weights,default,round-robin")
     ap.add_argument(
         "--candidate", default=None, help="the strategy the ratios are about (default: the first)"
     )

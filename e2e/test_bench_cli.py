@@ -63,7 +63,9 @@ def test_compare_writes_table_json_and_charts(tmp_path: Path) -> None:
     table = out.stdout.splitlines()
     assert table[0].startswith("strategy") and "TTFT p90 ms" in table[0]
     assert table[2].startswith("round-robin") and table[3].startswith("precise-prefix")
-    assert "precise-prefix TTFT p90 =" in out.stdout and "of the best achievable" in out.stdout
+    assert "precise-prefix at " in out.stdout and "TTFT p90 = " in out.stdout
+    assert "of the best achievable" in out.stdout
+    assert "precise-prefix as a multiple of each other strategy at the same rate" in out.stdout
     records = json.loads((tmp_path / "r.json").read_text())
     assert [r["strategy"] for r in records] == ["round-robin", "precise-prefix"]
     for r in records:

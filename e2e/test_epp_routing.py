@@ -246,7 +246,9 @@ GIE_METRICS = (
     "inference_extension_plugin_duration_seconds_bucket",
     "inference_pool_average_kv_cache_utilization",
 )
-PRECISE_SCORER = 'extension_point="Scorer",plugin_name="precise-prefix-cache-scorer",plugin_type="precise-prefix-cache-scorer"'
+PRECISE_SCORER = (
+    'extension_point="Scorer",plugin_name="predicted-latency-scorer",plugin_type="predicted-latency-scorer"'
+)
 
 
 def test_epp_exports_gie_metrics(stack, client, saturation: Saturation) -> None:

@@ -126,8 +126,27 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             }
         ],
     },
-    # kvgate: exact prefix from KV events, traded against absolute load so a busy holder loses.
+    # kvgate's default: the lowest predicted time to first token (the exact prefix each engine
+    # holds from its KV events, the prefill work queued there, the pool's learnt speed) plus
+    # what a pick costs the pool (see epp/scheduling/latency.py).
     "precise-prefix": {
+        "plugins": [
+            {"type": "predicted-latency-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "precise-prefix",
+                "plugins": [
+                    {"pluginRef": "predicted-latency-scorer", "weight": 1},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
+    # kvgate's earlier default, kept for comparison: the exact prefix traded against absolute
+    # load with fixed weights, so a holder loses once it is clearly busier than its peers.
+    "precise-prefix-weights": {
         "plugins": [
             {"type": "precise-prefix-cache-scorer"},
             {"type": "load-aware-scorer", "parameters": {"threshold": 16}},
@@ -136,27 +155,11 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         ],
         "schedulingProfiles": [
             {
-                "name": "precise-prefix",
+                "name": "precise-prefix-weights",
                 "plugins": [
                     {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
                     {"pluginRef": "load-aware-scorer", "weight": 4},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
-                    {"pluginRef": "max-score-picker"},
-                ],
-            }
-        ],
-    },
-    # kvgate: the lowest predicted time to first token (prefix held, work queued, engine speed).
-    "predicted-latency": {
-        "plugins": [
-            {"type": "predicted-latency-scorer"},
-            {"type": "max-score-picker"},
-        ],
-        "schedulingProfiles": [
-            {
-                "name": "predicted-latency",
-                "plugins": [
-                    {"pluginRef": "predicted-latency-scorer", "weight": 1},
                     {"pluginRef": "max-score-picker"},
                 ],
             }

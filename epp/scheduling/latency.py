@@ -250,11 +250,14 @@ class PredictedLatencyScorer:
             speed = self.model.observe(e)
             rate = self.model.estimate(speed)
             m = e.metrics
-            ahead: float
-            if m.prefill_tokens_pending is not None:
-                ahead = m.prefill_tokens_pending + e.pending_prefill_tokens()
-            else:
-                ahead = (m.waiting + e.pending) * speed.mean_uncached(mine)
+            # Queued work the engine reports (for an engine that does not, its waiting count times
+            # the prompt sizes recently sent there), plus this replica's picks it cannot show yet.
+            reported = (
+                m.prefill_tokens_pending
+                if m.prefill_tokens_pending is not None
+                else m.waiting * speed.mean_uncached(mine)
+            )
+            ahead = reported + e.pending_prefill_tokens()
             work = ahead + mine
             # The learnt per-token time already carries the decode steps interleaved with
             # prefill; the first token then takes one more step.

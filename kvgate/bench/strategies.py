@@ -7,6 +7,6 @@ STRATEGIES: dict[str, str] = {
     "round-robin": "round-robin",  # what a plain Kubernetes Service gives
     "random": "random",
     "gie-default": "default",  # GIE's default: queue 2, kv-cache 2, approximate prefix 3
-    "precise-prefix": "precise-prefix",  # kvgate: KV-event-exact prefix + load
-    "predicted-latency": "predicted-latency",  # kvgate: lowest predicted TTFT (prefix, queue, KV)
+    "precise-prefix": "precise-prefix",  # kvgate: lowest predicted TTFT from the exact prefix held
+    "precise-prefix-weights": "precise-prefix-weights",  # kvgate's earlier fixed weights
 }

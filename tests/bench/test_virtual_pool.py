@@ -33,7 +33,7 @@ def test_a_run_is_deterministic_and_prefix_routing_beats_round_robin() -> None:
 
 def test_every_strategy_runs_with_two_epp_replicas() -> None:
     pool = PoolSpec(**{**SMALL.__dict__, "epp_replicas": 2})
-    for strategy in ("predicted-latency", "precise-prefix", "default", "round-robin"):
+    for strategy in ("precise-prefix", "precise-prefix-weights", "default", "round-robin"):
         result = simulate(strategy, SHARED, rate=8.0, count=40, warmup=8, pool=pool)
         assert len(result.done()) == 40, strategy
         assert len({r.endpoint for r in result.done()}) > 1, strategy

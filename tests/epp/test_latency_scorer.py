@@ -107,6 +107,11 @@ def test_without_the_engines_pending_count_waiting_requests_stand_in() -> None:
     store.update_metrics("vllm:1", EndpointMetrics(updated_at=NOW, sent_at=NOW, waiting=3))
     got = predict(scorer(), store)
     assert got["vllm:1"] == pytest.approx((3 * 440 + 440) * PER_TOKEN + STEP)
+    store.get("vllm:1").note_pick(NOW + 0.01, 1000)  # and this replica's unconfirmed pick, exactly
+    ctx = SchedulingContext(request(PROMPT), store, NOW + 0.02)
+    assert scorer().predict(ctx, store.all())["vllm:1"] == pytest.approx(
+        (3 * 440 + 1000 + 440) * PER_TOKEN + STEP
+    )
 
 
 def test_engine_speed_is_learnt_from_its_counters() -> None:
@@ -213,7 +218,7 @@ def test_the_epp_loads_a_tokenizer_for_the_predicted_latency_profile() -> None:
     from kvgate.epp.scheduling.config import PLUGIN_TYPES, load_config
     from kvgate.epp.server import needs_tokenizer
 
-    assert needs_tokenizer(load_config(None, "predicted-latency"))
+    assert needs_tokenizer(load_config(None, "precise-prefix-weights"))
     assert needs_tokenizer(load_config(None, "precise-prefix"))
     assert not needs_tokenizer(load_config(None, "default"))
     # the operator's list (it decides whether the picker pod needs the model's tokenizer) agrees

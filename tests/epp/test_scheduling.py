@@ -347,7 +347,8 @@ def test_director_routes_and_tracks_inflight(store: Datastore) -> None:
 
 
 def test_director_sticks_to_prefix_holder_until_it_is_much_busier(store: Datastore) -> None:
-    d = director_for(store)
+    """The fixed-weights profile: the holder loses once it has many more requests than peers."""
+    d = director_for(store, "precise-prefix-weights")
     prompt = "shared system prompt " * 10
     first = d.pick(make_request(prompt + "q1")).targets[0]
     # same prefix sticks while the holder is only a little busier
@@ -356,6 +357,20 @@ def test_director_sticks_to_prefix_holder_until_it_is_much_busier(store: Datasto
     # a holder far busier than its peers loses
     for _ in range(10):  # now 15 picks there that no scrape has shown yet
         store.get(first).note_pick(time.monotonic())
+    assert d.pick(make_request(prompt + "late")).targets[0] != first
+
+
+def test_the_default_keeps_a_prefix_until_the_wait_costs_more_than_recomputing_it(store: Datastore) -> None:
+    """The default (predicted latency): the holder keeps the prefix while the prefill work queued
+    there costs less than computing the prompt again elsewhere (and what that takes from the
+    pool); past that, the request goes to an idle engine."""
+    d = director_for(store)
+    prompt = "shared system prompt " * 10  # 210 tokens with the char tokenizer
+    first = d.pick(make_request(prompt + "q1")).targets[0]
+    for i in range(4):  # a little queued work: stays
+        store.get(first).note_pick(time.monotonic(), 50)
+        assert d.pick(make_request(prompt + f"q{i + 2}")).targets[0] == first
+    store.get(first).note_pick(time.monotonic(), 5000)  # far more than recomputing 210 tokens
     assert d.pick(make_request(prompt + "late")).targets[0] != first
 
 
@@ -413,7 +428,8 @@ def test_a_new_pod_on_a_departed_endpoints_address_inherits_no_prefixes(
     d = director_for(store, profile)
     prompt = "a long shared system prompt " * 12
     first = d.pick(make_request(prompt + "q1")).targets[0]
-    (scorer,) = [s for s, _ in d.profile.scorers if hasattr(s, "forget_endpoint")]
+    (found,) = [s for s, _ in d.profile.scorers if hasattr(s, "forget_endpoint")]
+    scorer = getattr(found, "prefix", found)  # the latency scorer's prefix part, or the scorer
     ctx = ctx_for(store, make_request(prompt + "q2"))
     assert max(scorer.score(ctx, [store.get(first)])) > 0.5  # remembered while it lives
 
