@@ -155,19 +155,29 @@ class LatencyModel:
 
 
 class WorkingSets:
-    """Per endpoint: the distinct KV blocks (prefix-chain keys) of the requests this replica
-    sent there within the last `window` seconds — what its cache must hold to keep serving
-    them from cache. Incremental: each key costs O(1) to add and to expire."""
+    """Per endpoint: how many distinct KV blocks (prefix-chain keys) the requests this replica
+    sent there within the last `window` seconds hold — what its cache must keep to serve them
+    from cache.
 
-    def __init__(self, window: float) -> None:
+    Counted on a sample: only keys that are 0 modulo `sample` are kept, and counts are scaled
+    back up. The keys are hashes, so the sample is uniform and the same for every request (a
+    shared prefix's sampled keys are the same keys each time): an unbiased distinct count at
+    1/`sample` of the cost, which keeps the pick cheap on long prompts."""
+
+    def __init__(self, window: float, sample: int = 8) -> None:
         self.window = window
+        self.sample = sample
         self._last: dict[str, dict[int, float]] = {}
         self._order: dict[str, deque[tuple[float, int]]] = {}
 
-    def touch(self, address: str, keys: list[int], now: float) -> None:
+    def sampled(self, keys: list[int]) -> frozenset[int]:
+        n = self.sample
+        return frozenset(k for k in keys if k % n == 0)
+
+    def touch(self, address: str, sampled: frozenset[int], now: float) -> None:
         last = self._last.setdefault(address, {})
         order = self._order.setdefault(address, deque())
-        for key in keys:
+        for key in sampled:
             last[key] = now
             order.append((now, key))
         self._expire(address, now)
@@ -183,13 +193,14 @@ class WorkingSets:
                 del last[key]
 
     def blocks(self, address: str, now: float) -> int:
+        """Estimated distinct blocks in the endpoint's working set."""
         self._expire(address, now)
-        return len(self._last.get(address, ()))
+        return len(self._last.get(address, ())) * self.sample
 
-    def holds(self, address: str, keys: list[int]) -> int:
-        """How many of `keys` are already in the endpoint's working set."""
+    def holds(self, address: str, sampled: frozenset[int]) -> int:
+        """Estimated blocks of a request (given by its sampled keys) already in the set."""
         last = self._last.get(address)
-        return sum(1 for k in keys if k in last) if last else 0
+        return len(sampled & last.keys()) * self.sample if last else 0
 
     def forget(self, address: str) -> None:
         self._last.pop(address, None)
@@ -244,6 +255,8 @@ class PredictedLatencyScorer:
         uncached = ctx.cache.setdefault(PREFILL_TOKENS, {})
         out: dict[str, float] = {}
         ttft_only: dict[str, float] = ctx.cache.setdefault(f"{self.name}:ttft-only", {})
+        keyset: frozenset[int] | None = None
+        n_blocks = len(self.prefix.block_keys_for(ctx))
         for e in endpoints:
             mine = n - int(fractions[e.address] * full)
             uncached[e.address] = mine
@@ -275,10 +288,13 @@ class PredictedLatencyScorer:
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
                 # capacity, each one pushes out a block a recent request will want again.
-                keys = self.prefix.block_keys_for(ctx)
-                new = len(keys) - self.working_sets.holds(e.address, keys)
-                overflow = self.working_sets.blocks(e.address, ctx.now) + new - m.kv_blocks_total
-                extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
+                if keyset is None:
+                    keyset = self._sampled_keys(ctx)
+                held = self.working_sets.blocks(e.address, ctx.now)
+                if held + n_blocks > m.kv_blocks_total:  # else nothing can overflow
+                    new = max(0, n_blocks - self.working_sets.holds(e.address, keyset))
+                    overflow = held + new - m.kv_blocks_total
+                    extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
             ttft_only[e.address] = ttft
             out[e.address] = ttft + extra * rate.seconds_per_token
         ctx.cache[f"{self.name}:ttft"] = out
@@ -305,10 +321,17 @@ class PredictedLatencyScorer:
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         self.prefix.pre_request(ctx, target)
-        self.working_sets.touch(target.address, self.prefix.block_keys_for(ctx), ctx.now)
+        self.working_sets.touch(target.address, self._sampled_keys(ctx), ctx.now)
         tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(target.address)
         if tokens is not None:
             self.model.speed(target.address).recent_uncached.append(tokens)
+
+    def _sampled_keys(self, ctx: SchedulingContext) -> frozenset[int]:
+        cache_key = f"{self.name}:sampled-keys"
+        found: frozenset[int] | None = ctx.cache.get(cache_key)
+        if found is None:
+            found = ctx.cache[cache_key] = self.working_sets.sampled(self.prefix.block_keys_for(ctx))
+        return found
 
     def forget_endpoint(self, address: str) -> None:
         self.prefix.forget_endpoint(address)
