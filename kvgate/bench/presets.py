@@ -39,7 +39,8 @@ PRESETS: dict[str, Preset] = {
     # a turn is only sent once the previous one of its conversation has answered.
     "multi-turn-chat": Preset(
         "32 conversations of 8 turns: 2,000-token system prompt, 200-token user turns, 200-token "
-        "answers folded back into the history; 8 simulated engines; 4 and 8 req/s",
+        "answers folded back into the history; 8 simulated engines of 2,048 KV blocks (about 6 "
+        "full conversations each); 4 and 8 req/s",
         {
             "workload": "multi-turn",
             "conversations": 32,
@@ -48,6 +49,7 @@ PRESETS: dict[str, Preset] = {
             "user_turn_tokens": 200,
             "output_tokens": 200,
             "engines": 8,
+            "sim_kv_blocks": 2048,
             "request_rate": "4,8",
             "num_requests": 200,
             "warmup_requests": 32,
