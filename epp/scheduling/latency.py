@@ -257,10 +257,13 @@ class PredictedLatencyScorer:
         ttft_only: dict[str, float] = ctx.cache.setdefault(f"{self.name}:ttft-only", {})
         keyset: frozenset[int] | None = None
         n_blocks = len(self.prefix.block_keys_for(ctx))
+        # Fold in every new scrape first: the pool's estimate must be the same for every
+        # candidate of one pick (updated mid-loop, it ranked candidates on different scales).
+        speeds = {e.address: self.model.observe(e) for e in endpoints}
         for e in endpoints:
             mine = n - int(fractions[e.address] * full)
             uncached[e.address] = mine
-            speed = self.model.observe(e)
+            speed = speeds[e.address]
             rate = self.model.estimate(speed)
             m = e.metrics
             # Queued work the engine reports (for an engine that does not, its waiting count times

@@ -225,3 +225,21 @@ def test_the_epp_loads_a_tokenizer_for_the_predicted_latency_profile() -> None:
     assert set(TOKEN_SCORERS) == {
         name for name, cls in PLUGIN_TYPES.items() if getattr(cls, "uses_tokens", False)
     }
+
+
+def test_one_pick_ranks_every_candidate_with_the_same_speed() -> None:
+    """A scrape that teaches the model something, read while scoring the last candidate, must not
+    leave the first ones priced at the old speed (it ranked candidates on two scales)."""
+    store = pool({"b:1": 0, "a:1": 0})
+    s = scorer()
+    s.model.window_seconds = 0.0
+    a = store.get("a:1")
+    assert a is not None
+    a.metrics = EndpointMetrics(updated_at=NOW, prefill_tokens_pending=100, prompt_tokens_total=0.0)
+    s.model.observe(a)  # the scrape before
+    a.metrics = EndpointMetrics(updated_at=NOW + 1, prefill_tokens_pending=100, prompt_tokens_total=100.0)
+    got = s.predict(SchedulingContext(request(PROMPT), store, NOW + 1), store.all())  # b first, then a
+    learnt = s.model.estimate(s.model.speed("a:1")).seconds_per_token
+    assert learnt == pytest.approx(0.01)  # 100 tokens in 1 s
+    assert got["b:1"] == pytest.approx(440 * learnt + STEP)
+    assert got["a:1"] == pytest.approx((100 + 440) * learnt + STEP)
