@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,10 +191,15 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # -- the loop ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One engine step. `on_scheduled` runs between scheduling and the model's forward pass:
+        the blocks this step will fill are already findable then (and announced as KV events),
+        so a server can publish them before a long prefill step rather than after it."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if on_scheduled is not None:
+            on_scheduled()
         sampled = self.runner.execute(batch)
         by_id = {s.request_id: s for s in sampled}
         touched = self.scheduler.update(batch, sampled)

@@ -294,12 +294,11 @@ class AsyncEngine:
                     result = _StepResult()
                 busy = engine.has_unfinished_requests()
                 if busy:
-                    result.outputs = engine.step()
+                    # A router learns where this step's prompt blocks live at its start, not
+                    # after a prefill that may take most of a second.
+                    result.outputs = engine.step(on_scheduled=self._publish_kv_events)
                 now = time.monotonic()
-                if self.publisher is not None:
-                    self.publisher.publish(engine.drain_kv_events())
-                else:
-                    engine.drain_kv_events()
+                self._publish_kv_events()
                 snap = StatsSnapshot.from_engine_stats(engine.get_stats())
                 self._waiting = self._queued(snap.num_waiting, snap.num_running)
                 with self.metrics.lock:
@@ -313,6 +312,11 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self.dead_reason = f"engine loop crashed: {type(exc).__name__}"
             self._post(self.fail_all, self.dead_reason)
+
+    def _publish_kv_events(self) -> None:
+        events = self.engine.drain_kv_events()
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
 
     def _queued(self, waiting: int, running: int) -> int:
         if not self._max_num_seqs:

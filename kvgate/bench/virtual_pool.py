@@ -258,7 +258,7 @@ class VirtualPool:
                 self._finished(out.request_id, end)
         events = eng.engine.drain_kv_events()
         if events:
-            self._at(end + self.pool.kv_event_delay, "kv", (address, events))
+            self._at(self.now + self.pool.kv_event_delay, "kv", (address, events))
         self._at(end if end > self.now else self.now + 1e-4, "step", address)
 
     def _finished(self, request_id: str, when: float) -> None:

@@ -303,3 +303,26 @@ def test_a_rejected_prompt_leaves_no_request_behind(tok: Any) -> None:
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].outputs[0].finish_reason == "length"
     _assert_no_leak(llm.engine)
+
+
+def test_a_steps_prompt_blocks_are_announced_before_its_forward_pass(tok: Any) -> None:
+    """A router learns where a long prompt's blocks live when the step that computes them starts
+    (the server publishes in `on_scheduled`), not after a prefill that may take most of a second."""
+    engine = _engine(tok, max_num_batched_tokens=64)
+    engine.add_request("r", list(range(100, 200)), SamplingParams(max_tokens=2))
+    executed: list[bool] = []
+    execute = engine.runner.execute
+
+    def watched(batch: Any) -> Any:
+        executed.append(True)
+        return execute(batch)
+
+    engine.runner.execute = watched  # type: ignore[method-assign]
+    seen: list[BlockStored] = []
+
+    def on_scheduled() -> None:
+        assert not executed  # before the forward pass
+        seen.extend(e for e in engine.drain_kv_events() if isinstance(e, BlockStored))
+
+    engine.step(on_scheduled=on_scheduled)
+    assert executed and sum(len(e.block_hashes) for e in seen) == 64 // BS  # the first chunk's blocks
