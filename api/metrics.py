@@ -1,62 +1,8 @@
-"""Metric names and thresholds shared across components: the engine exports vLLM's gauges and
-the EPP scrapes them; the EPP exports GIE's pool gauges and the operator's autoscalers read them.
+"""Old home of the metric-name contract, now `kvgate.api.contracts.metrics`.
 
-They are vLLM's and GIE's names: GIE/llm-d pickers and Grafana dashboards read exactly these.
-Nothing here imports anything, so every component (and its image) can use it.
+Kept only while kvgate/bench/engine_metrics.py still imports `kvgate.api.metrics`; delete this
+file once it imports `kvgate.api.contracts.metrics` (tests/test_foundation.py lists it as the one
+allowed alias).
 """
 
-NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
-NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
-KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
-GPU_CACHE_USAGE_PERC = "vllm:gpu_cache_usage_perc"  # deprecated alias, still read by older pickers
-CACHE_CONFIG_INFO = "vllm:cache_config_info"
-LORA_REQUESTS_INFO = "vllm:lora_requests_info"
-PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
-GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
-PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
-PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
-NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
-KVGATE_DRAINING = "kvgate:draining"  # kvgate's own gauge; not a vLLM name
-# kvgate's own gauge: prompt tokens still to prefill (queued and running), cache hits excluded
-KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
-REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
-TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
-INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
-E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
-
-LABEL_MODEL_NAME = "model_name"
-LABEL_ENGINE = "engine"
-
-# ---------------------------------------------------------------------------------------------
-# The endpoint picker's pool gauges (GIE's `inference_pool_*` names, label `name` = the pool).
-# The EPP exports them; the operator's autoscalers and status read them from Prometheus.
-# ---------------------------------------------------------------------------------------------
-
-LABEL_POOL_NAME = "name"
-POOL_READY_PODS = "inference_pool_ready_pods"
-POOL_AVERAGE_QUEUE_SIZE = "inference_pool_average_queue_size"
-POOL_AVERAGE_KV_CACHE_UTILIZATION = "inference_pool_average_kv_cache_utilization"
-POOL_PER_POD_QUEUE_SIZE = "inference_pool_per_pod_queue_size"
-LABEL_MODEL_SERVER_POD = "model_server_pod"
-# Not exported by anyone: the External metric an HPA on `saturation` asks a metrics adapter for
-# (a prometheus-adapter rule computing `saturation()` below from the two averages).
-POOL_SATURATION = "kvgate_inference_pool_saturation"
-
-# ---------------------------------------------------------------------------------------------
-# Saturation (DESIGN §3, GIE's saturation-detector defaults): an endpoint is saturated at this
-# many waiting requests or this KV-cache use. The EPP sheds sheddable work past them (its config
-# can move them); the operator's `saturation` autoscaling metric is the same formula.
-# ---------------------------------------------------------------------------------------------
-
-SATURATION_QUEUE_DEPTH = 5.0
-SATURATION_KV_CACHE_UTILIZATION = 0.8
-
-
-def saturation(
-    queue: float,
-    kv_cache_utilization: float,
-    queue_threshold: float = SATURATION_QUEUE_DEPTH,
-    kv_threshold: float = SATURATION_KV_CACHE_UTILIZATION,
-) -> float:
-    """max(queue / queue threshold, KV use / KV threshold): 1.0 or more is saturated."""
-    return max(queue / queue_threshold, kv_cache_utilization / kv_threshold)
+from kvgate.api.contracts.metrics import *  # noqa: F403

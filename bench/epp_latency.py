@@ -50,7 +50,7 @@ def pct(values: list[float], q: float) -> float:
 
 # -- in-process picks ----------------------------------------------------------------------------
 def build_director(profile: str):
-    from kvgate.api.kv_events import BlockStored
+    from kvgate.api.contracts.kv_events import BlockStored
     from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
     from kvgate.epp.director import Director
     from kvgate.epp.request import InferenceRequest

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvgate.api.crds import ModelDeploymentSpec
+from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
 from kvgate.operator.config import OperatorConfig
 from kvgate.testing import eventually_async, fake_hub, kube_api

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 _U64 = struct.Struct("<Q")
 _NO_PARENT = 0x6B7667617465  # seed for the first block of a chain ("kvgate")

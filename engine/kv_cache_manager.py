@@ -9,7 +9,7 @@ means n > 1 samples or a burst of requests sharing a prompt compute it once, not
 
 from __future__ import annotations
 
-from kvgate.api.kv_events import KVEvent
+from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvgate.engine.request import Request
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.api.kv_events import KVEvent
+from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
 from kvgate.engine.kv_cache_manager import KVCacheManager

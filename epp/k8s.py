@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from kvgate.api.crds import InferencePoolSpec
+from kvgate.api.k8s.crds import InferencePoolSpec
 from kvgate.epp.datastore import Datastore, Endpoint
 
 log = logging.getLogger("kvgate.epp.k8s")

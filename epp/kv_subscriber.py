@@ -15,7 +15,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from kvgate.api.kv_events import KVEventDecodeError, decode_batch, decode_seq, encode_seq
+from kvgate.api.contracts.kv_events import KVEventDecodeError, decode_batch, decode_seq, encode_seq
 from kvgate.epp.datastore import Datastore, Endpoint
 
 log = logging.getLogger("kvgate.epp.kv_events")

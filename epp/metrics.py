@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvgate.api.metrics import (
+from kvgate.api.contracts.metrics import (
     LABEL_MODEL_SERVER_POD,
     LABEL_POOL_NAME,
     POOL_AVERAGE_KV_CACHE_UTILIZATION,

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("kvgate.epp.prefix_index")
 

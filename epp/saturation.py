@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgate.api.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH, saturation
+from kvgate.api.contracts.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH, saturation
 from kvgate.epp.datastore import EndpointState
 
 METRICS_STALENESS_S = 2.0  # older metrics count as saturated

@@ -15,7 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from kvgate.api import metrics as vllm
+from kvgate.api.contracts import metrics as vllm
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError
 

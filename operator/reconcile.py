@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvgate.api.crds import (
+from kvgate.api.k8s.crds import (
     EndpointPickerRef,
     InferencePool,
     ModelDeploymentSpec,

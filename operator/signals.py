@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvgate.api.metrics import (
+from kvgate.api.contracts.metrics import (
     KV_CACHE_USAGE_PERC,
     LABEL_MODEL_NAME,
     NUM_REQUESTS_WAITING,

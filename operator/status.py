@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvgate.api.crds import InferencePoolSpec, InferencePoolStatus, ModelDeploymentSpec
+from kvgate.api.k8s.crds import InferencePoolSpec, InferencePoolStatus, ModelDeploymentSpec
 from kvgate.operator import children as ch
 from kvgate.operator.conditions import Cond, find
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -33,17 +35,73 @@ def test_components_live_in_the_kvgate_namespace() -> None:
         assert spec is not None, name
 
 
-def test_components_never_import_each_other() -> None:
-    components = {"engine", "epp", "operator"}
-    for comp in components:
-        for path in (ROOT / comp).rglob("*.py"):
-            text = path.read_text()
-            for other in components - {comp}:
-                assert f"kvgate.{other}" not in text, f"{path} imports kvgate.{other}"
-    for path in (ROOT / "api").rglob("*.py"):
-        text = path.read_text()
-        for comp in components:
-            assert f"kvgate.{comp}" not in text, f"{path}: shared types import a component"
+def _kvgate_imports(path: Path) -> set[str]:
+    """The kvgate modules a file imports (at the top or lazily inside a function) or names as a
+    whole string (`python -m kvgate.x`, `import_module("kvgate.x")`)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(r"kvgate\.(api|engine|epp|operator|cli|local|bench|testing)(\.\w+)*", node.value):
+                found.add(node.value)
+    return {name for name in found if name == "kvgate" or name.startswith("kvgate.")}
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+# The three floors, lowest first; each may import only its own floor and the ones below it.
+# 1. kvgate.api, split by kind: wire contracts (api/contracts/) import nothing else of kvgate;
+#    Kubernetes types (api/k8s/) add only the contracts; the shared library code at api/'s top
+#    level adds the contracts, never the Kubernetes types.
+# 2. The components (engine, epp, operator): their own package and kvgate.api, never each other
+#    and never the floor above. Each image installs only its own extra, so the operator
+#    (no tokenizers, jinja2, huggingface_hub) uses only the contracts and the Kubernetes types,
+#    and the engine, which knows nothing of Kubernetes, no Kubernetes types.
+# 3. kvgate/ (the CLI, the local stack, the bench, kvgate.testing): anything.
+CONTRACTS = ("kvgate.api.contracts",)
+K8S_TYPES = ("kvgate.api.k8s",)
+API_ALIASES = {"metrics.py"}  # api/metrics.py: a re-export of the contracts, until bench moves off it
+FLOORS: dict[str, tuple[str, ...]] = {
+    "api/contracts": CONTRACTS,
+    "api/k8s": K8S_TYPES + CONTRACTS,
+    "api": ("kvgate.api",),  # top-level modules; the k8s/contracts exclusions are checked below
+    "engine": ("kvgate.engine", "kvgate.api"),
+    "epp": ("kvgate.epp", "kvgate.api"),
+    "operator": ("kvgate.operator", *CONTRACTS, *K8S_TYPES),
+}
+
+
+@pytest.mark.parametrize("folder", sorted(FLOORS))
+def test_import_floors(folder: str) -> None:
+    allowed = FLOORS[folder]
+    paths = (ROOT / folder).glob("*.py") if folder == "api" else (ROOT / folder).rglob("*.py")
+    bad: list[str] = []
+    for path in paths:
+        if folder == "api" and path.name in API_ALIASES:
+            continue
+        for name in sorted(_kvgate_imports(path)):
+            ok = _under(name, allowed)
+            if folder == "api" and _under(name, K8S_TYPES):
+                ok = False  # library code stays off the Kubernetes types
+            if folder == "engine" and _under(name, K8S_TYPES):
+                ok = False
+            if not ok:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_api_folders_are_the_kinds_the_readme_names() -> None:
+    """api/ holds exactly contracts/, k8s/ and the library modules at its top level."""
+    subpackages = {p.parent.name for p in (ROOT / "api").glob("*/__init__.py")}
+    assert subpackages == {"contracts", "k8s"}
+    readme = (ROOT / "README.md").read_text()
+    for where in ("`api/contracts/`", "`api/k8s/`", "`api/`"):
+        assert where in readme, f"README's layout table does not name {where}"
 
 
 def test_cli_help_lists_every_subcommand() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvgate.api.kv_events import (
+from kvgate.api.contracts.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

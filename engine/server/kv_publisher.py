@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from kvgate.api.kv_events import KVEvent, KVEventBatch, encode_batch, encode_seq
+from kvgate.api.contracts.kv_events import KVEvent, KVEventBatch, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
 

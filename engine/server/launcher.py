@@ -165,7 +165,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     publisher = None
     if options.kv_events_endpoint:
         topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
-        from kvgate.api.kv_events import topic_for
+        from kvgate.api.contracts.kv_events import topic_for
 
         try:
             publisher = KVEventPublisher(

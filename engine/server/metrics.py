@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvgate.api import metrics as names
+from kvgate.api.contracts import metrics as names
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from kvgate.api.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH
+from kvgate.api.contracts.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH
 from kvgate.epp.saturation import METRICS_STALENESS_S, SaturationDetector
 from kvgate.epp.scheduling import filters, latency, pickers, scorers
 from kvgate.epp.scheduling.framework import Filter, Picker, Plugin, SchedulingProfile, Scorer

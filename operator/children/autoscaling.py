@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.api.crds import AutoscalingSpec, ModelDeploymentSpec
-from kvgate.api.metrics import (
+from kvgate.api.contracts.metrics import (
     LABEL_POOL_NAME,
     POOL_AVERAGE_KV_CACHE_UTILIZATION,
     POOL_AVERAGE_QUEUE_SIZE,
@@ -14,6 +13,7 @@ from kvgate.api.metrics import (
     SATURATION_KV_CACHE_UTILIZATION,
     SATURATION_QUEUE_DEPTH,
 )
+from kvgate.api.k8s.crds import AutoscalingSpec, ModelDeploymentSpec
 from kvgate.operator.children.common import LABEL_MD, Capabilities, Owner, object_meta, standard_labels
 from kvgate.operator.config import OperatorConfig
 
@@ -31,7 +31,7 @@ def autoscaler_query(pool: str, metric: str) -> str:
         return queue
     if metric == "kv-cache-utilization":
         return kv
-    # api.metrics.saturation() = max(queue/5, kv/0.8), written without a binary max:
+    # api.contracts.metrics.saturation() = max(queue/5, kv/0.8), written without a binary max:
     # b + clamp_min(a - b, 0)
     a = f"({queue} / {_num(SATURATION_QUEUE_DEPTH)})"
     b = f"({kv} / {_num(SATURATION_KV_CACHE_UTILIZATION)})"

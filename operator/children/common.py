@@ -7,7 +7,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.api.crds import KVGATE_GROUP, KVGATE_VERSION, POOL_GROUP, POOL_VERSION
+from kvgate.api.k8s.crds import KVGATE_GROUP, KVGATE_VERSION, POOL_GROUP, POOL_VERSION
 from kvgate.operator.config import OperatorConfig
 
 MANAGED_BY = "kvgate-operator"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvgate.api.crds import ModelDeploymentSpec
+from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator.children.common import (
     MODEL_DIR,
     Owner,

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from kvgate.api.crds import POOL_GROUP, ModelDeploymentSpec, ModelSource, RoutingSpec
+from kvgate.api.k8s.crds import POOL_GROUP, ModelDeploymentSpec, ModelSource, RoutingSpec
 from kvgate.operator.children.common import (
     API_KEY_ENV,
     EPP_CONFIG_KEY,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.api.crds import ModelDeploymentSpec
+from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator.children.autoscaling import (
     autoscaler_kind,
     desired_replicas,

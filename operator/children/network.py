@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.api.crds import ModelDeploymentSpec, NetworkPeer
+from kvgate.api.k8s.crds import ModelDeploymentSpec, NetworkPeer
 from kvgate.operator.children.common import (
     EPP_GRPC_PORT,
     EPP_HEALTH_PORT,

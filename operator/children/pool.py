@@ -1,10 +1,10 @@
-"""The InferencePool a ModelDeployment serves through (GIE v1, built with api.crds' models)."""
+"""The InferencePool a ModelDeployment serves through (GIE v1, built with api.k8s.crds' models)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvgate.api.crds import (
+from kvgate.api.k8s.crds import (
     POOL_GROUP,
     POOL_VERSION,
     EndpointPickerRef,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgate.api.crds import POOL_GROUP, ModelDeploymentSpec
+from kvgate.api.k8s.crds import POOL_GROUP, ModelDeploymentSpec
 from kvgate.operator.children.common import LABEL_MD, Owner, object_meta, standard_labels
 from kvgate.operator.config import OperatorConfig
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.api import metrics as m
+from kvgate.api.contracts import metrics as m
 from kvgate.bench import plots, report
 from kvgate.bench.engine_metrics import CounterSnapshot, hit_rate, parse_samples
 from kvgate.bench.session import verdict_lines

@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.sampling_params import SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.engine.block_pool import BlockPool, hash_block_tokens
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request

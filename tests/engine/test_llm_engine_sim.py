@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.api.kv_events import BlockStored
+from kvgate.api.contracts.kv_events import BlockStored
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.llm import LLM
 from kvgate.engine.llm_engine import LLMEngine

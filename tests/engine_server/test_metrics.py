@@ -8,7 +8,7 @@ import json
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.api import metrics as names
+from kvgate.api.contracts import metrics as names
 from kvgate.testing.engine_server import EngineProcess
 
 from .conftest import API_KEY

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.kv_subscriber import EndpointSubscriber, KVEventSubscribers
 from kvgate.epp.prefix_index import block_keys

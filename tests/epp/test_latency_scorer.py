@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.api.kv_events import BlockStored
+from kvgate.api.contracts.kv_events import BlockStored
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
@@ -214,7 +214,7 @@ def test_the_scraper_reads_what_the_model_learns_from() -> None:
 def test_the_epp_loads_a_tokenizer_for_the_predicted_latency_profile() -> None:
     """Before: only the precise prefix scorer asked for one, so this profile ran without tokens,
     saw no prefix anywhere and balanced load alone (29% prefix hits where 76% were possible)."""
-    from kvgate.api.crds import TOKEN_SCORERS
+    from kvgate.api.k8s.crds import TOKEN_SCORERS
     from kvgate.epp.scheduling.config import PLUGIN_TYPES, load_config
     from kvgate.epp.server import needs_tokenizer
 

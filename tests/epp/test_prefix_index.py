@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.api.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, block_keys
 
 BS = 4

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from kvgate.api.kv_events import BlockStored
+from kvgate.api.contracts.kv_events import BlockStored
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
 from kvgate.epp.prefix_index import block_keys

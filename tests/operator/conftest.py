@@ -300,7 +300,7 @@ class Validator:
     API's kinds with the schemas in foreign_schemas.py."""
 
     def __init__(self) -> None:
-        from kvgate.api.crds import crd_manifests
+        from kvgate.api.k8s.crds import crd_manifests
 
         self.openapi: dict[tuple[str, str], dict[str, Any]] = {}
         for crd in crd_manifests():

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvgate.api.crds import (
+from kvgate.api.k8s.crds import (
     InferenceObjective,
     InferencePool,
     ModelDeploymentSpec,
@@ -635,7 +635,7 @@ def test_operator_image_source_set_builds_a_package_with_the_cli(tmp_path: Path)
         "kvgate/cli.py",
         "kvgate/operator/cli.py",
         "kvgate/operator/handlers.py",
-        "kvgate/api/crds.py",
+        "kvgate/api/k8s/crds.py",
     } <= names
     assert not any(n.startswith(("kvgate/engine/", "kvgate/epp/")) for n in names)
 
@@ -692,11 +692,11 @@ def test_epp_config_loads_in_the_real_epp(name: str) -> None:
 
 
 def test_the_autoscalers_read_what_the_epp_exports_with_its_thresholds() -> None:
-    # One contract (api/metrics.py) on both sides: the names the EPP exports are the ones the
+    # One contract (api/contracts/metrics.py) on both sides: the names the EPP exports are the ones the
     # operator's autoscalers query, and the saturation formula uses the EPP's default thresholds.
     from prometheus_client import generate_latest
 
-    from kvgate.api import metrics as contract
+    from kvgate.api.contracts import metrics as contract
     from kvgate.epp.datastore import Datastore
     from kvgate.epp.metrics import EppMetrics
     from kvgate.epp.saturation import SaturationDetector

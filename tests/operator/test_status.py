@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvgate.api.crds import ModelDeploymentSpec
+from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
 from kvgate.operator.conditions import Cond
 from kvgate.operator.status import gateway_accepted, model_deployment_status, rollout_conditions

@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvgate.api.crd_schema import CRDSpec, PrinterColumn
+from kvgate.api.k8s.crd_schema import CRDSpec, PrinterColumn
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
