@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the CRD YAML (crds/ and the Helm chart's crds/) from the pydantic models in kvgate.api.k8s.crds.
 
-Run after changing a model; tests/operator/test_crds.py fails while the files are stale.
+Run after changing a model; tests/operator/test_schemas_and_manifests.py fails while the files are stale.
 Usage: .venv/bin/python scripts/gen_crds.py [--check]
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Renders manifests/install/operator.yaml from the Helm chart (default values), so the plain
-YAML install and the chart never drift. tests/operator/test_chart_and_manifests.py fails while
+YAML install and the chart never drift. tests/operator/test_schemas_and_manifests.py fails while
 the file is stale.
 Usage: .venv/bin/python scripts/gen_manifests.py [--check]
 """

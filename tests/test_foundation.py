@@ -99,9 +99,32 @@ def test_api_folders_are_the_kinds_the_readme_names() -> None:
     """api/ holds exactly contracts/, k8s/ and the library modules at its top level."""
     subpackages = {p.parent.name for p in (ROOT / "api").glob("*/__init__.py")}
     assert subpackages == {"contracts", "k8s"}
-    readme = (ROOT / "README.md").read_text()
+    table = _layout_table()
     for where in ("`api/contracts/`", "`api/k8s/`", "`api/`"):
-        assert where in readme, f"README's layout table does not name {where}"
+        assert where in table, f"README's layout table does not name {where}"
+
+
+def _layout_table() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_layout_table_names_every_top_level_folder() -> None:
+    tracked = _run("git", "ls-files").stdout.splitlines()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    folders = {path.split("/", 1)[0] for path in tracked if "/" in path and not path.startswith(".")}
+    table = _layout_table()
+    missing = sorted(f for f in folders if f"`{f}/`" not in table)
+    assert not missing, f"README's layout table does not name: {missing}"
+
+
+def test_architecture_doc_links_resolve() -> None:
+    doc = ROOT / "docs" / "architecture.md"
+    links = re.findall(r"\]\(([^)#:]+)\)", doc.read_text())
+    assert links
+    broken = [link for link in links if not (doc.parent / link).exists()]
+    assert not broken, f"docs/architecture.md links to missing paths: {broken}"
 
 
 def test_cli_help_lists_every_subcommand() -> None:
