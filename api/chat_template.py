@@ -31,6 +31,9 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+# vLLM's flag name: a server only runs templates sent in requests when started with it.
+from kvgate.api.cli_args import REQUEST_TEMPLATE_FLAG
+
 __all__ = [
     "REQUEST_TEMPLATE_FLAG",
     "ChatTemplateError",
@@ -41,8 +44,6 @@ __all__ = [
     "request_chat_template",
 ]
 
-# vLLM's flag name: a server only runs templates sent in requests when started with it.
-REQUEST_TEMPLATE_FLAG = "--trust-request-chat-template"
 # One `*` or `**` in a template may not build a value larger than this (characters / items).
 MAX_OPERATOR_RESULT = 1_000_000
 

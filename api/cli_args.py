@@ -1,8 +1,11 @@
-"""argparse value types every kvgate command shares, so a bad flag reads the same everywhere."""
+"""argparse value types and flags every kvgate command shares, so a flag reads the same everywhere."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 
 def boolean(text: str) -> bool:
@@ -36,14 +39,98 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_float(text: str) -> float:
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+
+
+def non_negative_float(text: str) -> float:
+    value = _float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    value = _float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def add_log_level(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--log-level` as every server spells it."""
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+
+
+# What `--trust-request-chat-template` allows, the same on the engine and the EPP; the limits are
+# kvgate.api.chat_template.UntrustedTemplateLimits' defaults (a test checks they agree).
+REQUEST_TEMPLATE_FLAG = "--trust-request-chat-template"
+REQUEST_TEMPLATE_LIMITS_HELP = "a child process limited to 2 s and 256 MiB"
+
+
+def add_request_template_flag(group: argparse._ArgumentGroup, what: str) -> None:
+    """`--trust-request-chat-template`; `what` says what the server does with such a template."""
+    group.add_argument(
+        REQUEST_TEMPLATE_FLAG,
+        action="store_true",
+        help=f"{what}; off: such requests get a 400. Even when on, each renders in "
+        f"{REQUEST_TEMPLATE_LIMITS_HELP}",
+    )
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """The simulated engine's timing as the --sim-* flags give it; None: unset (the engine's own
+    default, engine/config.py's SimulationConfig)."""
+
+    prefill_time_per_token: float | None = None
+    itl: float | None = None
+    itl_per_seq: float | None = None
+    kv_blocks: int | None = None
+    time_scale: float | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SimTiming:
+        """The values of the flags `add_simulation_group` declared."""
+        return cls(**{f.field: getattr(args, f.dest) for f in SIM_FLAGS})
+
+    def argv(self) -> list[str]:
+        """These values as --sim-* flags (the unset ones left out), for an engine command line."""
+        out: list[str] = []
+        for f in SIM_FLAGS:
+            value = getattr(self, f.field)
+            if value is not None:
+                out += [f.flag, str(value)]
+        return out
+
+
+@dataclass(frozen=True)
+class SimFlag:
+    field: str  # SimTiming's
+    flag: str
+    type: Callable[[str], Any]
+    help: str
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+SIM_FLAGS = (
+    SimFlag("prefill_time_per_token", "--sim-prefill-time-per-token", non_negative_float,
+            "seconds per computed prompt token"),
+    SimFlag("itl", "--sim-itl", non_negative_float, "seconds per decode step at batch 1"),
+    SimFlag("itl_per_seq", "--sim-itl-per-seq", non_negative_float,
+            "extra seconds per step for each sequence decoding in it"),
+    SimFlag("kv_blocks", "--sim-kv-blocks", positive_int, "KV blocks per simulated engine"),
+    SimFlag("time_scale", "--sim-time-scale", non_negative_float,
+            "multiply every simulated duration (0.1: ten times faster)"),
+)  # fmt: skip
 
 
 def add_simulation_group(
@@ -56,36 +143,17 @@ def add_simulation_group(
     itl_per_seq: float | None = None,
     kv_blocks: int | None = None,
     time_scale: float | None = None,
+    defaults: SimTiming | None = None,
 ) -> argparse._ArgumentGroup:
     """The simulated engine's timing flags (--sim-*), declared once for `kvgate engine serve`,
     `kvgate up` and `kvgate bench`. The engine passes its defaults (engine/config.py's
     SimulationConfig); a default left None means "unset: the engine's own". With `simulate_help`
-    the group starts with --simulate itself."""
+    the group starts with --simulate itself. `defaults` gives them all at once."""
+    if defaults is None:
+        defaults = SimTiming(prefill_time_per_token, itl, itl_per_seq, kv_blocks, time_scale)
     g = parser.add_argument_group(title)
     if simulate_help is not None:
         g.add_argument("--simulate", action="store_true", help=simulate_help)
-    g.add_argument(
-        "--sim-prefill-time-per-token",
-        type=non_negative_float,
-        default=prefill_time_per_token,
-        help="seconds per computed prompt token",
-    )
-    g.add_argument(
-        "--sim-itl", type=non_negative_float, default=itl, help="seconds per decode step at batch 1"
-    )
-    g.add_argument(
-        "--sim-itl-per-seq",
-        type=non_negative_float,
-        default=itl_per_seq,
-        help="extra seconds per step for each sequence decoding in it",
-    )
-    g.add_argument(
-        "--sim-kv-blocks", type=positive_int, default=kv_blocks, help="KV blocks per simulated engine"
-    )
-    g.add_argument(
-        "--sim-time-scale",
-        type=non_negative_float,
-        default=time_scale,
-        help="multiply every simulated duration (0.1: ten times faster)",
-    )
+    for f in SIM_FLAGS:
+        g.add_argument(f.flag, type=f.type, default=getattr(defaults, f.field), help=f.help)
     return g

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from kvgate.api.cli_args import add_simulation_group
+from kvgate.api.cli_args import SimTiming, add_log_level, add_request_template_flag, add_simulation_group
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
@@ -125,12 +125,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "kvgate:draining 1) but still accepts new requests, so ones routed before the picker "
         "dropped it succeed; then it refuses new ones and drains (like a preStop sleep; 0: refuse at once)",
     )
-    h.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="run chat templates sent in requests (chat_template, chat_template_kwargs.chat_template); "
-        "off: such requests get a 400. Even when on, each renders in a child process limited to 2 s "
-        "and 256 MiB",
+    add_request_template_flag(
+        h, "run chat templates sent in requests (chat_template, chat_template_kwargs.chat_template)"
     )
     h.add_argument(
         "--max-request-body-bytes",
@@ -182,9 +178,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         choices=["auto", "uvloop", "asyncio"],
         help="event loop (auto: uvloop when installed)",
     )
-    h.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
-    )
+    add_log_level(h)
 
     k = p.add_argument_group("KV events (vLLM ZMQ layout, read by llm-d / kvgate EPP)")
     k.add_argument(
@@ -209,16 +203,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
 
-    sim = SimulationConfig()  # the defaults live there
     add_simulation_group(
         p,
         "simulation (no model: real scheduler, KV cache, metrics and events)",
         simulate_help="replace the model by a timing model",
-        prefill_time_per_token=sim.prefill_time_per_token,
-        itl=sim.itl_base,
-        itl_per_seq=sim.itl_per_seq,
-        kv_blocks=sim.num_kv_blocks,
-        time_scale=sim.time_scale,
+        defaults=SimulationConfig().timing(),  # the defaults live there
     )
 
 
@@ -244,13 +233,7 @@ def _configs(args: argparse.Namespace) -> tuple[object, object]:
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
         simulate=args.simulate,
-        simulation=SimulationConfig(
-            prefill_time_per_token=args.sim_prefill_time_per_token,
-            itl_base=args.sim_itl,
-            itl_per_seq=args.sim_itl_per_seq,
-            num_kv_blocks=args.sim_kv_blocks,
-            time_scale=args.sim_time_scale,
-        ),
+        simulation=SimulationConfig().with_timing(SimTiming.from_args(args)),
     )
     options = ServerOptions(
         host=args.host,

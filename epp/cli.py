@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from kvgate.api.cli_args import add_log_level, add_request_template_flag
 from kvgate.api.cli_args import boolean as _bool
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
@@ -110,12 +111,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
     g = p.add_argument_group("request limits (hostile input)")
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="render chat templates sent in requests (as the engines' flag of the same name); "
-        "off: such requests get a 400. Even when on, each renders in a child process limited to 2 s "
-        "and 256 MiB",
+    add_request_template_flag(
+        g, "render chat templates sent in requests (as the engines' flag of the same name)"
     )
     g.add_argument(
         "--max-model-len",
@@ -151,9 +148,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--kv-cache-usage-percentage-metric", default="", help="override: KV-cache use (0-1) series"
     )
-    p.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
-    )
+    add_log_level(p)
 
 
 def _fail(message: str) -> int:

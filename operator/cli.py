@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+from kvgate.api.cli_args import port, positive_float
 from kvgate.operator.config import (
     DEFAULT_ENGINE_IMAGE,
     DEFAULT_EPP_IMAGE,
@@ -48,13 +49,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--resync-seconds",
-        type=float,
+        type=positive_float,
         default=30.0,
         help="how often every object is re-checked: repairs hand-edited or deleted children, refreshes status",
     )
     p.add_argument(
         "--liveness-port",
-        type=int,
+        type=port,
         default=8080,
         help="port of the /healthz liveness endpoint (0 turns it off)",
     )
@@ -79,10 +80,6 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         url = urlparse(args.prometheus_url)
         if url.scheme not in ("http", "https") or not url.netloc:
             raise ValueError(f"--prometheus-url must be an http(s) URL, got {args.prometheus_url!r}")
-    if args.resync_seconds <= 0:
-        raise ValueError("--resync-seconds must be positive")
-    if not 0 <= args.liveness_port <= 65535:
-        raise ValueError("--liveness-port must be 0..65535")
     all_namespaces = args.all_namespaces or not args.namespace
     return OperatorConfig(
         engine_image=args.engine_image,

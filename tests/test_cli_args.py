@@ -6,7 +6,16 @@ import argparse
 
 import pytest
 
-from kvgate.api.cli_args import boolean, non_negative_float, port, positive_int
+from kvgate.api.cli_args import (
+    REQUEST_TEMPLATE_LIMITS_HELP,
+    SimTiming,
+    add_simulation_group,
+    boolean,
+    non_negative_float,
+    port,
+    positive_float,
+    positive_int,
+)
 
 
 @pytest.mark.parametrize(("text", "value"), [("true", True), ("On", True), ("0", False), ("no", False)])
@@ -25,6 +34,8 @@ def test_boolean(text: str, value: bool) -> None:
         (positive_int, "1.5", "expected an integer"),
         (non_negative_float, "-0.1", "must not be negative"),
         (non_negative_float, "fast", "expected a number"),
+        (positive_float, "0", "must be positive"),
+        (positive_float, "x", "expected a number"),
     ],
 )
 def test_bad_values_say_what_is_wrong(fn, text: str, message: str) -> None:
@@ -36,6 +47,31 @@ def test_good_values() -> None:
     assert port("0") == 0 and port("65535") == 65535
     assert positive_int("3") == 3
     assert non_negative_float("0") == 0.0
+    assert positive_float("0.5") == 0.5
+
+
+def test_sim_timing_goes_to_an_engine_command_line_and_back() -> None:
+    """`kvgate up` and the bench write the --sim-* values into each engine's argv; the engine
+    reads them back into its SimulationConfig, unset ones keeping its defaults."""
+    from kvgate.engine.config import SimulationConfig
+
+    parser = argparse.ArgumentParser()
+    add_simulation_group(parser, "sim")
+    timing = SimTiming(itl=0.025, kv_blocks=320)
+    assert timing.argv() == ["--sim-itl", "0.025", "--sim-kv-blocks", "320"]
+    assert SimTiming.from_args(parser.parse_args(timing.argv())) == timing
+    engine = SimulationConfig().with_timing(timing)
+    assert (engine.itl_base, engine.num_kv_blocks) == (0.025, 320)
+    assert engine.prefill_time_per_token == SimulationConfig().prefill_time_per_token
+    assert SimulationConfig().with_timing(SimulationConfig().timing()) == SimulationConfig()
+
+
+def test_request_template_flag_help_states_the_real_limits() -> None:
+    from kvgate.api.chat_template import UntrustedTemplateLimits
+
+    limits = UntrustedTemplateLimits()
+    mib = limits.max_memory_bytes // (1024 * 1024)
+    assert f"limited to {limits.timeout_s:g} s and {mib} MiB" in REQUEST_TEMPLATE_LIMITS_HELP
 
 
 SIM_FLAGS = ("sim_prefill_time_per_token", "sim_itl", "sim_itl_per_seq", "sim_kv_blocks", "sim_time_scale")

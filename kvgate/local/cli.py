@@ -121,8 +121,9 @@ def _fail(message: str, details: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvgate.api.cli_args import SimTiming
     from kvgate.local.ports import PortBusyError, plan_ports
-    from kvgate.local.stack import LocalStack, SimTiming, StackConfig, StackError
+    from kvgate.local.stack import LocalStack, StackConfig, StackError
 
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")

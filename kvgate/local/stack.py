@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import httpx
 
+from kvgate.api.cli_args import SimTiming  # also kvgate.bench.session's import
 from kvgate.local.ports import LOOPBACK, PortPlan
 from kvgate.local.supervisor import (
     ManagedProcess,
@@ -37,28 +38,6 @@ class StackError(RuntimeError):
     def __init__(self, message: str, details: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.details = list(details)
-
-
-@dataclass(frozen=True)
-class SimTiming:
-    """Simulated engines' timing model (see the engine's `--simulate` flags)."""
-
-    prefill_time_per_token: float | None = None
-    itl: float | None = None
-    itl_per_seq: float | None = None
-    kv_blocks: int | None = None
-    time_scale: float | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> SimTiming:
-        """The --sim-* flags (kvgate.api.cli_args.add_simulation_group) of `kvgate up`/`bench`."""
-        return cls(
-            prefill_time_per_token=args.sim_prefill_time_per_token,
-            itl=args.sim_itl,
-            itl_per_seq=args.sim_itl_per_seq,
-            kv_blocks=args.sim_kv_blocks,
-            time_scale=args.sim_time_scale,
-        )
 
 
 @dataclass(frozen=True)
@@ -131,16 +110,7 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv += ["--max-queued-requests", str(cfg.max_queued_requests)]
     if cfg.simulate:
         argv.append("--simulate")
-        sim = cfg.sim
-        for flag, value in (
-            ("--sim-prefill-time-per-token", sim.prefill_time_per_token),
-            ("--sim-itl", sim.itl),
-            ("--sim-itl-per-seq", sim.itl_per_seq),
-            ("--sim-kv-blocks", sim.kv_blocks),
-            ("--sim-time-scale", sim.time_scale),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        argv += cfg.sim.argv()
     argv += list(cfg.engine_args)
     return ProcessSpec(name=f"engine-{i}", argv=argv)
 
