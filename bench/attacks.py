@@ -1,6 +1,6 @@
 """What hostile input costs the gateway: the figures e2e/test_attacks.py bounds, printed.
 
-    .venv/bin/python bench/attacks.py
+    .venv/bin/python -P bench/attacks.py
 
 Real processes on loopback: two simulated engines, the EPP (precise-prefix: it tokenizes every
 prompt), the default hardened Envoy. Prints, for the EPP and an engine, peak RSS (VmHWM) after
@@ -11,8 +11,8 @@ engine keep a slowloris connection open. Bounded: a few hundred requests, about 
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -20,9 +20,6 @@ import uuid
 from pathlib import Path
 
 import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "e2e"))
 
 MiB = 1024 * 1024
 TEMPLATE = "{% set s = 'x' * 1000000000 %}{{ s|length }}"
@@ -38,7 +35,7 @@ def chat(content: str, **extra: object) -> dict:
 
 
 def main() -> None:
-    import harness
+    from kvgate.testing import processes as harness
 
     def mem_mib(pid: int) -> tuple[float, float]:
         rss, peak = harness.rss_kib(pid)
@@ -137,4 +134,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # no options: --help only describes the run
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     main()

@@ -21,13 +21,9 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "e2e"))
 
 
 def body_for(i: int, groups: int, rng: random.Random) -> dict:
@@ -74,9 +70,10 @@ async def pick(stub, body: bytes, request_id: str) -> str:
 
 async def run(args: argparse.Namespace) -> dict:
     import grpc
-    import harness
     import httpx
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from kvgate.testing import processes as harness
 
     logs = Path(tempfile.mkdtemp(prefix="kvgate-agreement-"))
     engines = [

@@ -21,9 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "e2e"))
-
 N_ENDPOINTS = 16
 SYSTEM_PROMPTS = [
     f"You are a helpful assistant for team {i}. "
@@ -174,7 +171,8 @@ def bench_grpc(
     import multiprocessing as mp
     import subprocess
 
-    import harness
+    from kvgate.testing import processes as harness
+    from kvgate.testing.polling import eventually
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
     logs.mkdir(parents=True, exist_ok=True)
@@ -203,7 +201,7 @@ def bench_grpc(
     proc = harness.Process("epp", argv, logs / "epp-grpc.log").start()
     try:
         epp = harness.Epp(proc, grpc_port, health, metrics, False).wait_ready()
-        harness.wait_until(
+        eventually(
             lambda: 'inference_pool_ready_pods{name="local"} 16.0' in epp.metrics_text(),
             20,
             "16 endpoints scraped",
@@ -420,7 +418,7 @@ def bench_latency(
 ) -> dict:
     import subprocess
 
-    import harness
+    from kvgate.testing import processes as harness
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
     logs.mkdir(parents=True, exist_ok=True)
