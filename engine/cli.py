@@ -6,12 +6,16 @@ import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from kvgate.api.cli_args import SimTiming, add_log_level, add_request_template_flag, add_simulation_group
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
-from kvgate.engine.config import SimulationConfig
+from kvgate.engine.config import EngineConfig, SimulationConfig
+
+if TYPE_CHECKING:  # the launcher imports uvicorn: only when serving
+    from kvgate.engine.server.launcher import ServerOptions
 
 HELP = "serve a model over an OpenAI-compatible HTTP API, with vLLM metrics and KV events"
 
@@ -211,8 +215,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _configs(args: argparse.Namespace) -> tuple[object, object]:
-    from kvgate.engine.config import EngineConfig
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
     from kvgate.engine.server.launcher import ServerOptions
 
     config = EngineConfig(
@@ -274,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
 
     config, options = _configs(args)
     try:
-        return serve(config, options)  # type: ignore[arg-type]
+        return serve(config, options)
     except ServeError as exc:
         print(f"kvgate engine serve: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvgate.engine.config import DEFAULT_MODEL, EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
@@ -112,9 +112,9 @@ class LLM:
             return []
         conversations: list[list[dict[str, Any]]]
         if isinstance(messages[0], dict):
-            conversations = [messages]  # type: ignore[list-item]
+            conversations = [cast("list[dict[str, Any]]", messages)]  # one conversation
         else:
-            conversations = [list(c) for c in messages]  # type: ignore[arg-type]
+            conversations = [list(c) for c in cast("Sequence[list[dict[str, Any]]]", messages)]
         tok = self.engine.tokenizer
         prompts = [
             tok.apply_chat_template(

@@ -64,7 +64,7 @@ def _build_runner(config: EngineConfig, tokenizer: Any) -> ModelRunner:
     # Imported by name, lazily: it pulls in torch, which the simulate path never needs.
     from kvgate.engine.model_runner import TorchModelRunner
 
-    return TorchModelRunner(config)  # type: ignore[no-any-return]
+    return TorchModelRunner(config)
 
 
 class LLMEngine:

@@ -251,8 +251,8 @@ class PoolWatcher:
                 for task in (watch, changed):
                     task.cancel()
                 await asyncio.gather(watch, changed, return_exceptions=True)
-                if watch in done and not watch.cancelled() and watch.exception() is not None:
-                    raise watch.exception()  # type: ignore[misc]
+                if watch in done and not watch.cancelled() and (error := watch.exception()) is not None:
+                    raise error
                 continue  # the stream ended (API server timeout) or the selector changed: list again
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 log.warning("pod watch failed: %s; retrying", exc)

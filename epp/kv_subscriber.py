@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -30,7 +30,7 @@ class EndpointSubscriber:
         self,
         datastore: Datastore,
         endpoint: Endpoint,
-        replay: Callable[[int], asyncio.Future[list[tuple[int, bytes]]]] | None = None,
+        replay: Callable[[int], Awaitable[list[tuple[int, bytes]]]] | None = None,
     ) -> None:
         self.datastore = datastore
         self.endpoint = endpoint
@@ -164,7 +164,7 @@ class KVEventSubscribers:
         assert endpoint.kv_events is not None
         replay_addr = endpoint.kv_replay
         replay = (lambda start: self._replay(replay_addr, start)) if replay_addr else None
-        sub = EndpointSubscriber(self.datastore, endpoint, replay)  # type: ignore[arg-type]
+        sub = EndpointSubscriber(self.datastore, endpoint, replay)
         self.subscribers[endpoint.address] = sub
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)

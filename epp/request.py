@@ -12,10 +12,14 @@ from kvgate.api.tokenizer import TooManyTokens
 
 
 class Tokenizer(Protocol):
+    # what kvgate.api.prompt.chat_prompt_text renders with
+    chat_template: str | None
+    special_tokens: dict[str, str]
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str: ...
 
 
@@ -189,7 +193,7 @@ def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: 
             raise _too_long(policy, n, at_least=True)
         try:
             text = chat_prompt_text(
-                tokenizer,  # type: ignore[arg-type]
+                tokenizer,
                 convo,
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message")),

@@ -30,13 +30,16 @@ def merge_conditions(
     out: list[dict[str, Any]] = []
     for cond in new:
         before = old.get(cond.type)
-        changed = before is None or before.get("status") != cond.status
+        if before is None or before.get("status") != cond.status:
+            since = stamp  # new, or its status changed
+        else:
+            since = before.get("lastTransitionTime", stamp)
         entry: dict[str, Any] = {
             "type": cond.type,
             "status": cond.status,
             "reason": cond.reason,
             "message": cond.message,
-            "lastTransitionTime": stamp if changed else before.get("lastTransitionTime", stamp),  # type: ignore[union-attr]
+            "lastTransitionTime": since,
         }
         if generation is not None:
             entry["observedGeneration"] = generation

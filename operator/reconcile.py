@@ -30,6 +30,7 @@ from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import ApiError, KubeClient
 from kvgate.operator.resources import (
+    BY_KIND,
     DEPLOYMENTS,
     HTTP_ROUTES,
     INFERENCE_POOLS,
@@ -245,7 +246,7 @@ class Reconciler:
             child = name + suffix
             if (kind, child) in keep or not served.get(kind, True):
                 continue
-            res = ch_resource(kind)
+            res = BY_KIND[kind]
             live = await self.client.get(res, namespace, child)
             if live is not None and controlled_by(live, owner_uid):
                 await self.client.delete(res, namespace, child)
@@ -372,10 +373,6 @@ class Reconciler:
                 Event("Normal", "EndpointPickerRefSet", f"spec.endpointPickerRef now names Service {epp}.")
             )
         return events
-
-
-def ch_resource(kind: str):  # type: ignore[no-untyped-def]
-    return resource_of({"kind": kind})
 
 
 def _failure(

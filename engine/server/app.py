@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +73,7 @@ def _json(obj: Any, status: int = 200) -> Response:
 class SSEResponse:
     """text/event-stream from an async iterator; a vanished client just ends the loop."""
 
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
         self.body = body
         self.on_close = on_close
         self.extra_headers: list[tuple[bytes, bytes]] = []
@@ -105,7 +105,7 @@ class SSEResponse:
             except OSError:
                 pass
         finally:
-            await self.body.aclose()  # type: ignore[attr-defined]
+            await self.body.aclose()
             self.on_close()
 
 

@@ -20,10 +20,14 @@ import socket
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from kvgate.engine.config import EngineConfig
+
+if TYPE_CHECKING:  # for annotations only; build_engine imports it when it runs
+    from kvgate.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvgate.engine")
 
@@ -96,7 +100,7 @@ def _loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None
         if choice == "uvloop":
             raise ServeError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
         return None
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
 
 
 def _http_protocol(choice: str) -> str:
@@ -121,7 +125,7 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_engine(config: EngineConfig) -> object:
+def build_engine(config: EngineConfig) -> LLMEngine:
     from kvgate.api.tokenizer import ModelNotFoundError, TokenizerLoadError
     from kvgate.engine.llm_engine import LLMEngine
 
@@ -143,7 +147,7 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
         sock.close()
 
 
-async def _serve(config: EngineConfig, options: ServerOptions, engine: object, sock: socket.socket) -> int:
+async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine, sock: socket.socket) -> int:
     from kvgate.engine.server.app import ServerState, build_app
     from kvgate.engine.server.async_engine import AsyncEngine
     from kvgate.engine.server.kv_publisher import KVEventPublisher
@@ -152,7 +156,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
     from kvgate.engine.server.slow_clients import protocol_class
 
     port = sock.getsockname()[1]
-    stats = engine.get_stats()  # type: ignore[attr-defined]
+    stats = engine.get_stats()
     model_name = config.model_name()
     served = [model_name, *(a for a in options.model_aliases if a != model_name)]
     cache = CacheConfigInfo(
@@ -185,12 +189,12 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: object, s
                 f"cannot open the KV-event sockets at {options.kv_events_endpoint}: {exc}{hint}"
             ) from None
     async_engine = AsyncEngine(engine, metrics, publisher, max_queued_requests=options.max_queued_requests)
-    tokenizer = engine.tokenizer  # type: ignore[attr-defined]
+    tokenizer = engine.tokenizer
     info = ModelInfo(
         served_names=served,
         root=config.model,
-        max_model_len=int(engine.max_model_len),  # type: ignore[attr-defined]
-        vocab_size=int(engine.vocab_size),  # type: ignore[attr-defined]
+        max_model_len=int(engine.max_model_len),
+        vocab_size=int(engine.vocab_size),
         created=int(time.time()),
     )
     version = _version()

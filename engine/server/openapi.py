@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from kvgate.engine.server.protocol import (
@@ -52,9 +53,14 @@ _OPERATIONS: list[tuple[str, str, str, type | None, bool]] = [
 
 
 def openapi_document(version: str) -> dict[str, Any]:
-    models = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest]
+    models: list[type[BaseModel]] = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ]
     _, defs = models_json_schema(
-        [(m, "validation") for m in models],  # type: ignore[misc]
+        [(m, "validation") for m in models],
         ref_template="#/components/schemas/{model}",
     )
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))

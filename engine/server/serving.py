@@ -12,9 +12,9 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 class StreamResult:
     """An SSE body plus the hook that aborts its request if the body is never (fully) sent."""
 
-    body: AsyncIterator[bytes]
+    body: AsyncGenerator[bytes, None]
     close: Callable[[], None]
 
 
@@ -199,7 +199,7 @@ class OpenAIServing:
         if isinstance(p, str):
             texts: list[str] | None = [p]
         elif p and all(isinstance(x, str) for x in p):
-            texts = list(p)  # type: ignore[arg-type]
+            texts = [x for x in p if isinstance(x, str)]  # all of them
         else:
             texts = None
         if texts is not None:
@@ -210,7 +210,10 @@ class OpenAIServing:
             return [self.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
         if not p:
             raise bad_request("The prompt is empty; send at least one token.", "prompt")
-        prompts: list[list[int]] = [list(p)] if isinstance(p[0], int) else [list(x) for x in p]  # type: ignore[misc,arg-type]
+        if isinstance(p[0], int):
+            prompts = [cast("list[int]", list(p))]  # validated: all token ids, or all lists of them
+        else:
+            prompts = [list(x) for x in cast("list[list[int]]", p)]
         for ids in prompts:
             self.check_token_ids(ids, "prompt")
         return prompts
@@ -345,7 +348,7 @@ class OpenAIServing:
         want_logprobs: bool,
         echo: list[str] | None,
         receive: Receive,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         offsets: dict[int, int] = {}  # per choice that has started: its text offset (logprobs)
 
         def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
@@ -429,7 +432,7 @@ class OpenAIServing:
         include_usage: bool,
         want_logprobs: bool,
         receive: Receive,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
             lp = None
             if want_logprobs and out.new_logprobs:
@@ -467,7 +470,7 @@ async def _sse_stream(
     receive: Receive,
     choice: Callable[[int, RequestOutput], dict[str, Any] | None],
     first: list[dict[str, Any]] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     """The SSE body of both endpoints: the `first` choices (chat: the role), then one chunk per
     choice `choice` makes of an engine output (None: nothing to send), one write per engine step;
     then the usage chunk (stream_options.include_usage) and [DONE]. An engine that stops mid-stream

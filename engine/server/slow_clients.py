@@ -41,8 +41,8 @@ class _HeaderDeadline:
 
 
 def _httptools(base: type[Any]) -> type[Any]:
-    class HeaderDeadlineHttpTools(_HeaderDeadline, base):  # type: ignore[misc,valid-type]
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    class HeaderDeadlineHttpTools(_HeaderDeadline, base):
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm_header_timer()
 
@@ -62,8 +62,8 @@ def _httptools(base: type[Any]) -> type[Any]:
 
 
 def _h11(base: type[Any]) -> type[Any]:
-    class HeaderDeadlineH11(_HeaderDeadline, base):  # type: ignore[misc,valid-type]
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    class HeaderDeadlineH11(_HeaderDeadline, base):
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm_header_timer()
 

@@ -258,14 +258,14 @@ def build_profiles(cfg: EndpointPickerConfig, source: str = "config") -> list[Sc
                 raise ConfigError(
                     f"{source}: profile {prof.name!r} refers to unknown plugin {ref.plugin_ref!r}"
                 )
-            if hasattr(found, "score"):
-                scr.append((found, 1.0 if ref.weight is None else ref.weight))  # type: ignore[arg-type]
-            elif hasattr(found, "filter"):
-                flt.append(found)  # type: ignore[arg-type]
-            elif hasattr(found, "pick"):
+            if isinstance(found, Scorer):
+                scr.append((found, 1.0 if ref.weight is None else ref.weight))
+            elif isinstance(found, Filter):
+                flt.append(found)
+            elif isinstance(found, Picker):
                 if pick is not None:
                     raise ConfigError(f"{source}: profile {prof.name!r} has two pickers")
-                pick = found  # type: ignore[assignment]
+                pick = found
         profiles.append(SchedulingProfile(prof.name, flt, scr, pick or pickers.MaxScorePicker()))
     return profiles
 

@@ -39,9 +39,17 @@ class FakeHub:
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
     url: str = ""
 
-    def add_folder(self, repo_id: str, folder: Path, names: list[str] | None = None, **kw: object) -> None:
+    def add_folder(
+        self,
+        repo_id: str,
+        folder: Path,
+        names: list[str] | None = None,
+        revisions: tuple[str, ...] = ("main",),
+        token: str | None = None,
+    ) -> None:
         chosen = names or [p.name for p in folder.iterdir() if p.is_file()]
-        self.repos[repo_id] = FakeRepo({n: (folder / n).read_bytes() for n in chosen}, **kw)  # type: ignore[arg-type]
+        files = {n: (folder / n).read_bytes() for n in chosen}
+        self.repos[repo_id] = FakeRepo(files, revisions=revisions, token=token)
 
     def downloaded(self) -> list[str]:
         """File names fetched with GET .../resolve/..., in order."""

@@ -69,7 +69,7 @@ def eventually(
         try:
             last = check()
             if last:
-                return last  # type: ignore[return-value]
+                return last
         except Exception as exc:
             last = exc
         if (dead := _dead(what, watch)) is not None:
@@ -98,7 +98,7 @@ async def eventually_async(
                 result = await result
             last = result
             if result:
-                return result  # type: ignore[return-value]
+                return result
         except Exception as exc:
             last = exc
         if (dead := _dead(what, watch)) is not None:
