@@ -23,6 +23,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+# Where the checkout and venv are set aside while volumes are mounted over their parents.
+STAGING = Path("/var/tmp/kvgate-pod-staging")
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -156,12 +158,30 @@ class Pod:
         return env
 
     # -- processes ---------------------------------------------------------------------------
+    def _kept(self, container: dict[str, Any]) -> list[tuple[Path, Path]]:
+        """(path, staging folder) for the checkout and the venv where a volume mounted over a
+        parent (an emptyDir on /tmp, with the clone under /tmp) would hide the code the
+        container runs: they are bind-mounted aside first and back in place after."""
+        targets = [Path(t) for _, t, _ in self._mounts(container)]
+        wanted = sorted({REPO, Path(sys.prefix)}, key=lambda p: len(p.parts))
+        kept: list[Path] = []
+        for path in wanted:
+            if any(path.is_relative_to(t) for t in targets) and not any(path.is_relative_to(k) for k in kept):
+                kept.append(path)
+        return [(path, STAGING / f"{self.name}-{i}") for i, path in enumerate(kept)]
+
     def argv(self, container: dict[str, Any]) -> list[str]:
         script = ["set -e"]
+        kept = self._kept(container)
+        for path, staging in kept:
+            script.append(f"mount --bind {shlex.quote(str(path))} {shlex.quote(str(staging))}")
         for source, target, read_only in self._mounts(container):
             script.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(target)}")
             if read_only:
                 script.append(f"mount -o remount,bind,ro {shlex.quote(target)}")
+        for path, staging in kept:
+            script.append(f"mkdir -p {shlex.quote(str(path))}")
+            script.append(f"mount --bind {shlex.quote(str(staging))} {shlex.quote(str(path))}")
         security = {**(self.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
         if security.get("readOnlyRootFilesystem"):
             script.append("mount -o remount,bind,ro /")
@@ -176,8 +196,8 @@ class Pod:
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)]
 
     def _prepare(self, container: dict[str, Any]) -> dict[str, str]:
-        for _, target, _ in self._mounts(container):
-            point = Path(target)
+        points = [Path(t) for _, t, _ in self._mounts(container)] + [s for _, s in self._kept(container)]
+        for point in points:
             if not point.exists():
                 missing = [p for p in [point, *point.parents] if not p.exists()]
                 point.mkdir(parents=True)
@@ -216,6 +236,10 @@ class Pod:
             except OSError:
                 pass
         shutil.rmtree(self.root / "volumes", ignore_errors=True)
+        try:
+            STAGING.rmdir()  # the last pod to stop removes the shared parent
+        except OSError:
+            pass
 
     def as_pod_object(self, ready: bool = True) -> dict[str, Any]:
         """The Pod the API server would list for it."""
