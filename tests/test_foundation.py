@@ -66,7 +66,6 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 # 3. kvgate/ (the CLI, the local stack, the bench, kvgate.testing): anything.
 CONTRACTS = ("kvgate.api.contracts",)
 K8S_TYPES = ("kvgate.api.k8s",)
-API_ALIASES = {"metrics.py"}  # api/metrics.py: a re-export of the contracts, until bench moves off it
 FLOORS: dict[str, tuple[str, ...]] = {
     "api/contracts": CONTRACTS,
     "api/k8s": K8S_TYPES + CONTRACTS,
@@ -83,8 +82,6 @@ def test_import_floors(folder: str) -> None:
     paths = (ROOT / folder).glob("*.py") if folder == "api" else (ROOT / folder).rglob("*.py")
     bad: list[str] = []
     for path in paths:
-        if folder == "api" and path.name in API_ALIASES:
-            continue
         for name in sorted(_kvgate_imports(path)):
             ok = _under(name, allowed)
             if folder == "api" and _under(name, K8S_TYPES):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvgate.api import metrics as m
+from kvgate.api.contracts import metrics as m
 
 # Counters summed over every label set of every engine.
 COUNTERS = (
