@@ -30,13 +30,6 @@ from kvgate.epp.datastore import EndpointState
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
 from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
 
-DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is assumed to generate
-
-
-def _max_tokens(body: dict | None) -> int:
-    value = (body or {}).get("max_tokens", (body or {}).get("max_completion_tokens"))
-    return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_TOKENS
-
 
 @dataclass
 class EndpointSpeed:
@@ -227,10 +220,6 @@ class PredictedLatencyScorer:
     working_set_seconds: float = 20.0
     # Learn each engine's speed apart (a pool of mixed accelerators) instead of the pool's one.
     per_endpoint_speed: bool = False
-    # Weight of a predicted wait for KV room (0, the default: ignored). Charging it spread
-    # groups over more engines and did worse in the virtual pool (more distinct prefixes pinned
-    # per engine); kept as a knob for pools where KV admission is the bottleneck.
-    kv_wait: float = 0.0
     prefix: PrecisePrefixCacheScorer = field(init=False)
     working_sets: WorkingSets = field(init=False)
     model: LatencyModel = field(init=False)
@@ -251,7 +240,6 @@ class PredictedLatencyScorer:
         fractions = self.prefix.cached_fractions(ctx, endpoints)
         n = len(ctx.request.token_ids)
         full = n - n % self.block_size
-        out_tokens = _max_tokens(ctx.request.body)
         uncached = ctx.cache.setdefault(PREFILL_TOKENS, {})
         out: dict[str, float] = {}
         ttft_only: dict[str, float] = ctx.cache.setdefault(f"{self.name}:ttft-only", {})
@@ -278,15 +266,6 @@ class PredictedLatencyScorer:
             # The learnt per-token time already carries the decode steps interleaved with
             # prefill; the first token then takes one more step.
             ttft = work * rate.seconds_per_token + rate.seconds_per_step
-            if self.kv_wait and m.kv_blocks_total:
-                # KV admission: the engine admits a request only when its blocks fit beside the
-                # running ones'; short of room it waits for running requests to finish.
-                bs = self.block_size
-                need = -(-(mine + out_tokens) // bs) + -(-ahead // bs)
-                free = m.kv_blocks_total * (1.0 - m.kv_usage)
-                deficit = need - free
-                if deficit > 0:
-                    ttft += deficit / m.kv_blocks_total * out_tokens * rate.seconds_per_step * self.kv_wait
             extra = self.work_penalty * mine
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its

@@ -125,7 +125,6 @@ class RunResult:
 class _Engine:
     def __init__(self, address: str, pool: PoolSpec, tokenizer: Any) -> None:
         self.address = address
-        self.clock = 0.0
         self.last_step = 0.0
         config = EngineConfig(
             model=MODEL,
