@@ -239,12 +239,13 @@ def _render_job(job: dict[str, Any]) -> dict[str, Any]:
         pieces: list[str] = []
         size = 0
         cap = int(job["max_output_chars"])
+        variables = dict(job["variables"])
         for piece in template.generate(
             messages=job["messages"],
             add_generation_prompt=job["add_generation_prompt"],
-            tools=None,
+            tools=variables.pop("tools", None),  # the request's tools travel with the variables
             documents=None,
-            **job["variables"],
+            **variables,
         ):
             size += len(piece)
             if size > cap:

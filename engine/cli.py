@@ -13,6 +13,7 @@ from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
 from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.server.tools.parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:  # the launcher imports uvicorn: only when serving
     from kvgate.engine.server.launcher import ServerOptions
@@ -184,6 +185,22 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     add_log_level(h)
 
+    t = p.add_argument_group("tool calling (vLLM's flags)")
+    t.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default when a request has tools): the model decides, and '
+        "--tool-call-parser reads its calls out of the text; without it such requests get a 400. "
+        '"required" and a named function work without it (decoding constrained to the tools\' schemas)',
+    )
+    t.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls (for tool_choice auto): hermes (<tool_call>{json}</tool_call>: "
+        "Hermes, Qwen2.5/3), llama3_json (Llama 3.1/3.2 JSON), pythonic ([f(x=1)]: Llama 3.2/4)",
+    )
+
     k = p.add_argument_group("KV events (vLLM ZMQ layout, read by llm-d / kvgate EPP)")
     k.add_argument(
         "--kv-events-endpoint",
@@ -253,6 +270,8 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         model_aliases=list(args.served_model_name[1:]) if args.served_model_name else [],
         enable_failure_injection=args.enable_failure_injection,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         max_request_body_bytes=args.max_request_body_bytes,
         header_read_timeout=args.header_read_timeout,
         body_read_timeout=args.body_read_timeout,

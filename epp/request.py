@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvgate.api.chat_template import ChatTemplateError, request_chat_template
-from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text, surely_too_long
+from kvgate.api.prompt import (
+    RequestTemplateNotAllowed,
+    chat_prompt_text,
+    surely_too_long,
+    template_message,
+    template_tools,
+)
 from kvgate.api.tokenizer import TooManyTokens
 
 
@@ -164,7 +170,7 @@ def _encode(tokenizer: Any, text: str, add_special_tokens: bool, policy: PromptP
 
 def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: PromptPolicy) -> list[int]:
     """The engine's own prompt path (kvgate.api.prompt), token for token: chat → template over
-    {role, content text, name}, then encode without special tokens; completions →
+    `template_message`s and the request's tools, then encode without special tokens; completions →
     encode(prompt, add_special_tokens=body.add_special_tokens, default true).
 
     Raises BadRequest for what no engine would serve: a request template the server does not
@@ -174,14 +180,12 @@ def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: 
         return []
     messages = body.get("messages")
     if isinstance(messages, list):
-        convo: list[dict[str, Any]] = []
-        for m in messages:
-            if not isinstance(m, dict):
-                return []
-            entry: dict[str, Any] = {"role": m.get("role"), "content": _content_text(m.get("content"))}
-            if m.get("name"):
-                entry["name"] = m["name"]
-            convo.append(entry)
+        if not all(isinstance(m, dict) for m in messages):
+            return []
+        try:
+            convo = [template_message(m) for m in messages]
+        except ChatTemplateError:
+            return []  # e.g. tool-call arguments that are no JSON: the engine answers the 400
         raw_kwargs = body.get("chat_template_kwargs")
         try:
             template = request_chat_template(body)
@@ -200,6 +204,7 @@ def _tokenize(body: dict[str, Any] | None, tokenizer: Tokenizer | None, policy: 
                 template_kwargs=raw_kwargs if isinstance(raw_kwargs, dict) else None,
                 request_template=template,
                 trust_request_template=policy.trust_request_chat_template,
+                tools=template_tools(body.get("tools")),
             )
         except ChatTemplateError as exc:
             if template is not None:  # the client's own template failed or hit its limits

@@ -299,6 +299,7 @@ def build_app(state: ServerState) -> Starlette:
                 req.continue_final_message,
                 req.chat_template_kwargs,
                 req.chat_template,
+                req.tools,
             )
         elif req.prompt is not None:
             # up to the body limit (32 MiB) of text: tokenize it off the event loop

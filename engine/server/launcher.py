@@ -52,6 +52,8 @@ class ServerOptions:
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
     enable_failure_injection: bool = False
     trust_request_chat_template: bool = False
+    enable_auto_tool_choice: bool = False  # vLLM's flag: serve tool_choice "auto"
+    tool_call_parser: str | None = None  # a kvgate.engine.server.tools.parsers.PARSERS name
     max_request_body_bytes: int = 32 * 1024 * 1024
     header_read_timeout: float = 10.0  # 0: none
     body_read_timeout: float = 30.0  # 0: none
@@ -154,7 +156,13 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics
     from kvgate.engine.server.serving import ModelInfo, OpenAIServing
     from kvgate.engine.server.slow_clients import protocol_class
+    from kvgate.engine.server.tools.request import ToolOptions
 
+    tools = ToolOptions(options.enable_auto_tool_choice, options.tool_call_parser)
+    try:
+        tools.check()
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     port = sock.getsockname()[1]
     stats = engine.get_stats()
     model_name = config.model_name()
@@ -201,7 +209,11 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
 
     state = ServerState(
         serving=OpenAIServing(
-            async_engine, tokenizer, info, trust_request_chat_template=options.trust_request_chat_template
+            async_engine,
+            tokenizer,
+            info,
+            trust_request_chat_template=options.trust_request_chat_template,
+            tool_options=tools,
         ),
         engine=async_engine,
         metrics=metrics,

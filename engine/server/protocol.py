@@ -82,10 +82,23 @@ class TextPart(_Lenient):
     text: str
 
 
+class ToolCallFunction(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # a JSON string (OpenAI); an object is taken too
+
+
+class MessageToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -109,8 +122,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template: str | None = None  # refused unless --trust-request-chat-template (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None
+    # Kept as sent: the chat template sees the same objects here and in the EPP (kvgate.api.prompt);
+    # validated in kvgate.engine.server.tools.request.
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -124,6 +140,7 @@ class TokenizeRequest(_Lenient):
     return_token_strs: bool = False
     chat_template: str | None = None  # as on chat completions: needs --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as on chat completions
 
 
 class DetokenizeRequest(_Lenient):

@@ -29,6 +29,8 @@ from kvgate.engine.server.responses import (
     sse,
     stream_error,
 )
+from kvgate.engine.server.tools.request import ToolOptions, ToolPlan, plan_tools
+from kvgate.engine.server.tools.stream import ToolStreamer, message_tool_calls
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -77,12 +79,18 @@ INLINE_PROMPT_CHARS = 32_768
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, tokenizer: Any, model: ModelInfo, trust_request_chat_template: bool = False
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        model: ModelInfo,
+        trust_request_chat_template: bool = False,
+        tool_options: ToolOptions | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
         self.trust_request_chat_template = trust_request_chat_template
+        self.tool_options = tool_options or ToolOptions()
         # Unique ids without a getrandom syscall per request (a GIL hand-off while the engine
         # thread is busy): a random per-process prefix plus a counter.
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -225,8 +233,15 @@ class OpenAIServing:
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
         request_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        from kvgate.api.prompt import ChatTemplateError, RequestTemplateNotAllowed, chat_prompt_text
+        from kvgate.api.prompt import (
+            ChatTemplateError,
+            RequestTemplateNotAllowed,
+            chat_prompt_text,
+            template_message,
+            template_tools,
+        )
 
         if continue_final_message and add_generation_prompt:
             raise bad_request(
@@ -235,12 +250,10 @@ class OpenAIServing:
             )
         if continue_final_message and messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs a final assistant message.", "messages")
-        convo = []
-        for m in messages:
-            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name:
-                entry["name"] = m.name
-            convo.append(entry)
+        try:
+            convo = [template_message(m.model_dump(exclude_none=True)) for m in messages]
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
         self.check_text_fits("".join(m["content"] for m in convo), "messages")
         try:
             text = chat_prompt_text(
@@ -251,6 +264,7 @@ class OpenAIServing:
                 template_kwargs=template_kwargs,
                 request_template=request_template,
                 trust_request_template=self.trust_request_chat_template,
+                tools=template_tools(tools),
             )
         except RequestTemplateNotAllowed as exc:
             raise APIError(400, str(exc), param="chat_template", code="chat_template_not_allowed") from None
@@ -266,6 +280,7 @@ class OpenAIServing:
         continue_final_message: bool,
         template_kwargs: dict[str, Any] | None,
         chat_template: str | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """`chat_prompt` for a request (chat completions, /tokenize): the request's own template
         follows --trust-request-chat-template, and slow work runs off the event loop."""
@@ -277,7 +292,7 @@ class OpenAIServing:
             )
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "chat_template") from None
-        args = (messages, add_generation_prompt, continue_final_message, template_kwargs, template)
+        args = (messages, add_generation_prompt, continue_final_message, template_kwargs, template, tools)
         if template is not None and self.trust_request_chat_template:
             return await asyncio.to_thread(self.chat_prompt, *args)  # waits on a child process
         if sum(len(m.text()) for m in messages) > INLINE_PROMPT_CHARS:
@@ -378,8 +393,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
-        if req.tools and req.tool_choice != "none":
-            raise bad_request("Tool calling is not supported by this engine.", "tools")
+        tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
         if req.response_format is not None and req.response_format.type != "text":
             raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
@@ -390,6 +404,7 @@ class OpenAIServing:
             req.continue_final_message,
             req.chat_template_kwargs,
             req.chat_template,
+            req.tools,
         )
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages")
@@ -401,18 +416,19 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamResult(
-                self._stream_chat(handle, meta, include_usage, req.logprobs, receive), handle.close
+                self._stream_chat(handle, meta, include_usage, req.logprobs, receive, tool_plan), handle.close
             )
         finals = await _collect(handle, receive)
         choices = []
         for index in range(len(items)):
             out = finals[index]
+            message, finish_reason = self._tool_message(tool_plan, out)
             choices.append(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": out.text},
+                    "message": message,
                     "logprobs": {"content": chat_logprobs(out.logprobs or [])} if req.logprobs else None,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": out.stop_reason,
                 }
             )
@@ -425,6 +441,22 @@ class OpenAIServing:
             "usage": meta.usage(finals),
         }
 
+    def _tool_message(self, plan: ToolPlan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's message and finish_reason: tool calls read out of its text when
+        the request asked for them (OpenAI: finish_reason "tool_calls", except for a named
+        function, which finishes "stop")."""
+        parser = plan.parser(self.tool_options)
+        calls = parser.parse(out.text, final=True) if parser is not None else None
+        if calls is None or not calls.calls:
+            return {"role": "assistant", "content": out.text}, out.finish_reason
+        found = calls.calls if plan.parallel else calls.calls[:1]
+        message = {
+            "role": "assistant",
+            "content": calls.content or None,
+            "tool_calls": message_tool_calls(found),
+        }
+        return message, _tool_finish_reason(plan, out.finish_reason)
+
     def _stream_chat(
         self,
         handle: RequestHandle,
@@ -432,18 +464,43 @@ class OpenAIServing:
         include_usage: bool,
         want_logprobs: bool,
         receive: Receive,
+        tool_plan: ToolPlan | None = None,
     ) -> AsyncGenerator[bytes, None]:
+        streamers: dict[int, ToolStreamer] = {}  # per choice, when tool calls are parsed
+
+        def tool_delta(index: int, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
+            assert tool_plan is not None
+            streamer = streamers.get(index)
+            if streamer is None:
+                parser = tool_plan.parser(self.tool_options)
+                assert parser is not None
+                streamer = streamers[index] = ToolStreamer(
+                    parser, max_calls=None if tool_plan.parallel else 1
+                )
+            delta = streamer.delta(out.text, final=out.finished)
+            finish: str | None = out.finish_reason
+            if out.finished and streamer.called:
+                finish = _tool_finish_reason(tool_plan, finish)
+            return delta, finish
+
+        parse_tools = tool_plan is not None and tool_plan.parser(self.tool_options) is not None
+
         def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
             lp = None
             if want_logprobs and out.new_logprobs:
                 lp = {"content": chat_logprobs(out.new_logprobs)}
-            if not out.delta_text and not out.finished and lp is None:
+            if parse_tools:
+                delta, finish_reason = tool_delta(index, out)
+            else:
+                delta = {"content": out.delta_text} if out.delta_text else {}
+                finish_reason = out.finish_reason
+            if not delta and not out.finished and lp is None:
                 return None
             c: dict[str, Any] = {
                 "index": index,
-                "delta": {"content": out.delta_text} if out.delta_text else {},
+                "delta": delta,
                 "logprobs": lp,
-                "finish_reason": out.finish_reason if out.finished else None,
+                "finish_reason": finish_reason if out.finished else None,
             }
             if out.finished:
                 c["stop_reason"] = out.stop_reason
@@ -460,6 +517,12 @@ class OpenAIServing:
             for i in range(len(handle.ids))
         ]
         return _sse_stream(handle, meta, "chat.completion.chunk", include_usage, receive, choice, roles)
+
+
+def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
+    if plan.mode == "named" or finish_reason != "stop":
+        return finish_reason
+    return "tool_calls"
 
 
 async def _sse_stream(

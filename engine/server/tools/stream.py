@@ -37,6 +37,7 @@ class _Sent:
 @dataclass
 class ToolStreamer:
     parser: ToolParser
+    max_calls: int | None = None  # parallel_tool_calls=false: only the first call
     content_sent: str = ""
     calls_sent: list[_Sent] = field(default_factory=list)
 
@@ -51,7 +52,7 @@ class ToolStreamer:
         content = self._content(parsed)
         if content:
             out["content"] = content
-        tool_deltas = self._calls(parsed.calls)
+        tool_deltas = self._calls(parsed.calls[: self.max_calls])
         if tool_deltas:
             out["tool_calls"] = tool_deltas
         return out
