@@ -1,5 +1,7 @@
 # The two commands a newcomer needs: `make up` (the local stack) and `make test`.
-.PHONY: setup up test lint
+# `make images` builds the engine (FLAVOR=cpu here, FLAVOR=cuda on request), EPP and operator
+# images into dist/images/*.oci.tar; `make images-test` runs them (pytest -m images).
+.PHONY: setup up test lint images images-test
 
 setup:
 	@scripts/setup.sh
@@ -12,3 +14,11 @@ test:
 
 lint: setup
 	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && scripts/typecheck.sh
+
+FLAVOR ?= cpu
+
+images:
+	@FLAVOR=$(FLAVOR) scripts/images.sh
+
+images-test: setup
+	@FLAVOR=$(FLAVOR) .venv/bin/pytest tests/images -m images -p no:cacheprovider

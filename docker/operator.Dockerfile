@@ -1,21 +1,36 @@
-# kvgate operator: slim Python with kopf, non-root, runs with a read-only root filesystem.
+# kvgate operator: Debian's python3 with kopf, non-root, runs with a read-only root filesystem.
 # Build from the repository root:  docker build -f docker/operator.Dockerfile -t ghcr.io/kvgate/operator:0.1.0 .
-FROM python:3.11-slim AS build
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/kvgate
+# `make images` builds it without Docker, FROM a local debootstrap of the same Debian release
+# (--build-arg BASE_IMAGE=...), which already has python3 and its venv module.
+ARG BASE_IMAGE=debian:bookworm-slim
+FROM ${BASE_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 DEBIAN_FRONTEND=noninteractive
+RUN python3 -c "import ensurepip" 2>/dev/null \
+    || { apt-get update && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+         && rm -rf /var/lib/apt/lists/*; }
+RUN python3 -m venv /opt/kvgate
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY kvgate ./kvgate
 COPY api ./api
 COPY operator ./operator
-RUN /opt/kvgate/bin/pip install ".[operator]"
+# pip_ca: an optional build secret, the CA bundle of a TLS-intercepting proxy between the build
+# and PyPI (`make images` passes the host's PIP_CERT); absent on a forge.
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+    && /opt/kvgate/bin/pip install ".[operator]"
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
+ENV DEBIAN_FRONTEND=noninteractive
+RUN command -v python3 >/dev/null \
+    || { apt-get update && apt-get install -y --no-install-recommends python3 ca-certificates \
+         && rm -rf /var/lib/apt/lists/*; }
+COPY --from=build /opt/kvgate /opt/kvgate
 ENV PATH=/opt/kvgate/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
-COPY --from=build /opt/kvgate /opt/kvgate
+RUN kvgate operator run --help >/dev/null
 WORKDIR /tmp
 USER 65532:65532
 EXPOSE 8080
