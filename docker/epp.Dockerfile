@@ -25,6 +25,10 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN command -v python3 >/dev/null \
     || { apt-get update && apt-get install -y --no-install-recommends python3 ca-certificates \
          && rm -rf /var/lib/apt/lists/*; }
+# A passwd entry for the numeric USER: kopf and torch ask getpass.getuser(), which fails for a
+# uid with none (KeyError: getpwuid(): uid not found: 65532).
+RUN groupadd --system --gid 65532 kvgate \
+    && useradd --system --uid 65532 --gid 65532 --home-dir /tmp --no-create-home --shell /usr/sbin/nologin kvgate
 COPY --from=build /opt/kvgate /opt/kvgate
 ENV PATH=/opt/kvgate/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
