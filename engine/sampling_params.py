@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvgate.engine.structured.spec import StructuredOutputSpec
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +23,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     skip_special_tokens: bool = True
+    # Guided decoding: the output must match this (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputSpec | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for out-of-range values."""
