@@ -23,6 +23,8 @@ from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, Block
 _U64 = struct.Struct("<Q")
 _NO_PARENT = 0x6B7667617465  # seed for the first block of a chain ("kvgate")
 _NO_LORA = 0xFFFFFFFFFFFFFFFF
+# What `hash_block_tokens` hashes with: vllm:cache_config_info's prefix_caching_hash_algo label.
+HASH_ALGO = "blake2b"
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_key: int | None = None) -> int:

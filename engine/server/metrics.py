@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvgate.api.contracts import metrics as names
+from kvgate.engine.block_pool import HASH_ALGO
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -177,7 +178,7 @@ class CacheConfigInfo:
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(self.num_gpu_blocks),
             "num_gpu_blocks_override": "None",
-            "prefix_caching_hash_algo": "sha256",
+            "prefix_caching_hash_algo": HASH_ALGO,  # what the prefix cache really hashes with
             "sliding_window": "None",
         }
 

@@ -77,10 +77,26 @@ def test_exposition_names_types_and_labels(sim_engine: EngineProcess) -> None:
     assert sample.labels["num_gpu_blocks"] == "256"
     assert sample.labels["enable_prefix_caching"] == "True"
     assert sample.labels["engine"] == "0"
+    _check_hash_algo_label(sample.labels["prefix_caching_hash_algo"])
     lora = fams[names.LORA_REQUESTS_INFO]
     (sample,) = lora.samples
     assert set(sample.labels) == {"max_lora", "running_lora_adapters", "waiting_lora_adapters"}
     assert sample.value > 1e9  # vLLM sets it to the time of the last change
+
+
+def _check_hash_algo_label(algo: str) -> None:
+    """The label names the hash the prefix cache really uses: hashlib's `algo` reproduces a
+    block hash (parent seed, no-LoRA key, then the token ids as little-endian u32)."""
+    import hashlib
+    import struct
+
+    from kvgate.engine.block_pool import hash_block_tokens
+
+    tokens = list(range(100, 116))
+    h = hashlib.new(algo, digest_size=8) if algo.startswith("blake2") else hashlib.new(algo)
+    h.update(struct.pack("<Q", 0x6B7667617465) + struct.pack("<Q", 0xFFFFFFFFFFFFFFFF))
+    h.update(struct.pack("<16I", *tokens))
+    assert int.from_bytes(h.digest()[:8], "little") == hash_block_tokens(None, tokens)
 
 
 async def _one(client: httpx.AsyncClient, base: str, i: int) -> dict:
