@@ -256,21 +256,28 @@ def build_app(state: ServerState) -> Starlette:
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "kvgate",
+            "root": model.root,
+            "parent": None,
+            "max_model_len": model.max_model_len,
+            "permission": [],
+        }
+
     async def models(request: Request) -> Response:
-        data: list[dict[str, Any]] = [
-            {
-                "id": name,
-                "object": "model",
-                "created": model.created,
-                "owned_by": "kvgate",
-                "root": model.root,
-                "parent": None,
-                "max_model_len": model.max_model_len,
-                "permission": [],
-            }
-            for name in model.served_names
-        ]
-        return _json({"object": "list", "data": data})
+        return _json({"object": "list", "data": [model_card(name) for name in model.served_names]})
+
+    async def retrieve_model(request: Request) -> Response:
+        """OpenAI's GET /v1/models/{model}: one Model object, or 404 for a name not served here.
+        Ids may hold slashes (`org/name`); clients send them raw or percent-encoded."""
+        name = request.path_params["model_id"]
+        if name not in model.served_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return _json(model_card(name))
 
     async def health(request: Request) -> Response:
         if not engine.alive:
@@ -332,6 +339,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/v1/completions", endpoint(completions, auth=True, generation=True), methods=["POST"]),
         Route("/v1/chat/completions", endpoint(chat, auth=True, generation=True), methods=["POST"]),
         Route("/v1/models", endpoint(models, auth=True), methods=["GET"]),
+        Route("/v1/models/{model_id:path}", endpoint(retrieve_model, auth=True), methods=["GET"]),
         Route("/health", endpoint(health), methods=["GET"]),
         Route("/ping", endpoint(health), methods=["GET", "POST"]),
         Route("/version", endpoint(version), methods=["GET"]),

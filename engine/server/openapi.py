@@ -42,6 +42,7 @@ _OPERATIONS: list[tuple[str, str, str, type | None, bool]] = [
         True,
     ),
     ("/v1/models", "get", "List the served model", None, True),
+    ("/v1/models/{model}", "get", "One served model (404 for another name)", None, True),
     ("/tokenize", "post", "Tokenize a prompt or a chat", TokenizeRequest, True),
     ("/detokenize", "post", "Turn token ids back into text", DetokenizeRequest, True),
     ("/health", "get", "200 while the engine runs and admits requests, else 503", None, False),

@@ -33,6 +33,29 @@ def test_models_carry_max_model_len(client: OpenAI) -> None:
     assert models.data[0].model_extra["max_model_len"] == 1024
 
 
+def test_retrieve_model(client: OpenAI, sim_engine: EngineProcess) -> None:
+    for name in (MODEL, "sim-alias"):
+        m = client.models.retrieve(name)
+        assert (m.id, m.object, m.owned_by) == (name, "model", "kvgate")
+        assert m.model_extra["max_model_len"] == 1024
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("no-such-model")
+    error = _error(info.value)
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert "no-such-model" in error["message"]
+    # the API key guards it like the list
+    r = httpx.get(f"{sim_engine.base_url}/v1/models/{MODEL}")
+    assert r.status_code == 401
+
+
+def test_retrieve_model_with_a_slash_in_its_id(engine_factory) -> None:
+    eng = engine_factory("--simulate", "--served-model-name", "org/sim-model")
+    c = OpenAI(base_url=f"{eng.base_url}/v1", api_key="x", max_retries=0, timeout=30)
+    assert c.models.retrieve("org/sim-model").id == "org/sim-model"  # sent as org%2Fsim-model
+    assert httpx.get(f"{eng.base_url}/v1/models/org/sim-model").json()["id"] == "org/sim-model"
+    assert httpx.get(f"{eng.base_url}/v1/models/org").status_code == 404
+
+
 def test_alias_is_served_under_the_primary_name(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model="sim-alias", messages=[{"role": "user", "content": "hi"}], max_tokens=2
