@@ -9,7 +9,7 @@ to find which of our keys a ``BlockRemoved`` refers to.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,12 +34,27 @@ def chain_key(parent: int, tokens: Sequence[int]) -> int:
 def block_keys(token_ids: Sequence[int], block_size: int, lora_id: int | None = None) -> list[int]:
     """Keys of every *full* block of a prompt, each chained from the one before it."""
     keys: list[int] = []
+    append = keys.append
     parent = root_key(lora_id)
     full = len(token_ids) - len(token_ids) % block_size
+    # chain_key inlined: this loop runs ~450 times per 7k-token pick, and the call was half its cost
     for start in range(0, full, block_size):
-        parent = chain_key(parent, token_ids[start : start + block_size])
-        keys.append(parent)
+        parent = hash((parent, *token_ids[start : start + block_size]))
+        append(parent)
     return keys
+
+
+def common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading block keys two prompts share. Keys are chained, so equal keys at a
+    position mean equal prompts up to it: a binary search finds the end in O(log n)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass
@@ -178,18 +193,74 @@ class ApproximateIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def prefix_blocks(
-        self, keys: Sequence[int], endpoints: Iterable[str], since: float | None = None
-    ) -> dict[str, int]:
-        """Like ``PreciseIndex.prefix_blocks``; with ``since``, only records made at or after it count."""
-        if since is None:
-            return _longest_prefix(keys, endpoints, self._lru.get)
-        lru = self._lru
+    def prefix_blocks(self, keys: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """Like ``PreciseIndex.prefix_blocks``."""
+        return _longest_prefix(keys, endpoints, self._lru.get)
 
-        def recent_holders(key: int) -> set[str]:
-            return {ep for ep, at in (lru.get(key) or {}).items() if at >= since}
 
-        return _longest_prefix(keys, endpoints, recent_holders)
+@dataclass
+class _RecentPick:
+    when: float
+    endpoint: str
+    keys: Sequence[int]
+
+
+class RecentPicks:
+    """This replica's own picks of the last few seconds, to bridge the gap before an engine's
+    ``BlockStored`` arrives: a burst of same-prefix requests must not scatter meanwhile.
+
+    Picks are grouped by their first block key (different first keys share nothing), and only
+    the newest ``per_endpoint`` picks of a group per endpoint are kept, so a query costs a few
+    binary searches per endpoint however high the pick rate.
+    """
+
+    def __init__(self, window_seconds: float, per_endpoint: int = 8) -> None:
+        self.window_seconds = window_seconds
+        self.per_endpoint = per_endpoint
+        self._groups: dict[int, dict[str, deque[_RecentPick]]] = {}
+        self._order: deque[tuple[float, int]] = deque()  # (when, first key), oldest first
+
+    def record(self, keys: Sequence[int], endpoint: str, when: float) -> None:
+        if not keys:
+            return
+        picks = self._groups.setdefault(keys[0], {}).setdefault(endpoint, deque(maxlen=self.per_endpoint))
+        picks.append(_RecentPick(when, endpoint, keys))
+        self._order.append((when, keys[0]))
+
+    def _expire(self, now: float) -> None:
+        since = now - self.window_seconds
+        order = self._order
+        while order and order[0][0] < since:
+            _, first = order.popleft()
+            group = self._groups.get(first)
+            if group is None:
+                continue
+            for endpoint in [ep for ep, picks in group.items() if not picks or picks[-1].when < since]:
+                del group[endpoint]
+            if not group:
+                del self._groups[first]
+
+    def prefix_blocks(self, keys: Sequence[int], endpoints: Iterable[str], now: float) -> dict[str, int]:
+        """Per endpoint: the most leading blocks of ``keys`` a pick within the window sent there."""
+        self._expire(now)
+        result = dict.fromkeys(endpoints, 0)
+        if not keys:
+            return result
+        group = self._groups.get(keys[0])
+        if not group:
+            return result
+        since = now - self.window_seconds
+        for endpoint in result:
+            best = 0
+            for pick in group.get(endpoint, ()):
+                if pick.when >= since:
+                    best = max(best, common_prefix_blocks(keys, pick.keys))
+            result[endpoint] = best
+        return result
+
+    def forget_endpoint(self, endpoint: str) -> None:
+        for group in self._groups.values():
+            group.pop(endpoint, None)
 
 
 def _longest_prefix(
@@ -202,6 +273,17 @@ def _longest_prefix(
         holders = lookup(key)
         if not holders:
             break
+        if len(alive) == 1:
+            # The common case deep into a prompt: one holder left, a membership test per block.
+            (only,) = alive
+            if only in holders:
+                depth += 1
+                continue
+            result[only] = depth
+            return result
+        if alive.issubset(holders):  # no allocation: most blocks of a shared prefix
+            depth += 1
+            continue
         still = alive.intersection(holders)
         if len(still) != len(alive):
             for ep in alive - still:

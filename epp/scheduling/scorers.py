@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvgate.epp.datastore import EndpointState
-from kvgate.epp.prefix_index import ApproximateIndex, block_keys, root_key
+from kvgate.epp.prefix_index import ApproximateIndex, RecentPicks, block_keys, root_key
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 
@@ -148,9 +148,11 @@ class PrecisePrefixCacheScorer:
     # requests does not scatter.
     recent_window_seconds: float = 2.0
     fallback: ApproximateIndex = field(init=False)
+    recent: RecentPicks = field(init=False)
 
     def __post_init__(self) -> None:
         self.fallback = ApproximateIndex(self.lru_capacity)
+        self.recent = RecentPicks(self.recent_window_seconds)
 
     def _keys(self, ctx: SchedulingContext, block_size: int | None = None) -> list[int]:
         size = block_size or self.block_size
@@ -193,7 +195,7 @@ class PrecisePrefixCacheScorer:
             # Our own recent picks (recorded in the default block size) bridge the gap before
             # the engine's BlockStored arrives.
             live = [a for group in by_size.values() for a in group]
-            recent = self.fallback.prefix_blocks(keys, live, since=ctx.now - self.recent_window_seconds)
+            recent = self.recent.prefix_blocks(keys, live, ctx.now)
             for address, n in recent.items():
                 fractions[address] = max(fractions[address], n / len(keys))
         if blind:
@@ -206,10 +208,14 @@ class PrecisePrefixCacheScorer:
         return [fractions[e.address] for e in endpoints]
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
-        self.fallback.record(self._keys(ctx), target.address, ctx.now)
+        keys = self._keys(ctx)
+        self.fallback.record(keys, target.address, ctx.now)
+        if self.recent_window_seconds > 0:
+            self.recent.record(keys, target.address, ctx.now)
 
     def forget_endpoint(self, address: str) -> None:
         self.fallback.forget_endpoint(address)
+        self.recent.forget_endpoint(address)
 
 
 __all__ = [

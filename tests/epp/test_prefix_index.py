@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
 from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, block_keys
+from kvgate.epp.prefix_index import (
+    ApproximateIndex,
+    PreciseIndex,
+    RecentPicks,
+    block_keys,
+    common_prefix_blocks,
+)
 
 BS = 4
 TOKENS = list(range(100, 116))  # four full blocks
@@ -89,20 +97,48 @@ def test_lora_blocks_do_not_match_base_model() -> None:
     assert idx.prefix_blocks(block_keys(TOKENS[:4], BS, lora_id=3), ["e1"]) == {"e1": 1}
 
 
-def test_approximate_index_is_lru_bounded_and_time_aware() -> None:
+def test_approximate_index_is_lru_bounded() -> None:
     idx = ApproximateIndex(capacity=3)
     idx.record([1, 2, 3], "a", when=10.0)
     idx.record([4], "b", when=20.0)  # evicts key 1, the least recently used
     assert len(idx) == 3
     assert idx.prefix_blocks([1, 2], ["a"]) == {"a": 0}
     assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 2}
-    assert idx.prefix_blocks([2, 3], ["a"], since=15.0) == {"a": 0}
-    mixed = ApproximateIndex(capacity=10)
-    mixed.record([5, 6], "c", when=30.0)
-    mixed.record([5], "d", when=12.0)
-    mixed.record([5, 6, 7], "e", when=14.0)
-    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=5.0) == {"c": 2, "d": 1, "e": 3}
-    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=13.0) == {"c": 2, "d": 0, "e": 3}
-    assert mixed.prefix_blocks([5, 6, 7], ["c", "d", "e"], since=25.0) == {"c": 2, "d": 0, "e": 0}
     idx.forget_endpoint("a")
     assert idx.prefix_blocks([2, 3], ["a"]) == {"a": 0}
+
+
+def test_common_prefix_blocks_agrees_with_a_linear_scan() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        shared = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        a = block_keys([*shared, *(rng.randrange(3) for _ in range(rng.randrange(0, 40)))], BS)
+        b = block_keys([*shared, *(rng.randrange(3) for _ in range(rng.randrange(0, 40)))], BS)
+        linear = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+        assert common_prefix_blocks(a, b) == linear
+
+
+def test_recent_picks_count_only_the_window() -> None:
+    recent = RecentPicks(window_seconds=10.0)
+    keys = block_keys(TOKENS, BS)
+    recent.record(keys[:2], "c", when=30.0)
+    recent.record(keys[:1], "d", when=12.0)
+    recent.record(keys, "e", when=24.0)
+    other = block_keys([999, *TOKENS[1:]], BS)
+    recent.record(other, "f", when=30.0)  # another first block: shares nothing
+    assert recent.prefix_blocks(keys, ["c", "d", "e", "f"], now=30.0) == {"c": 2, "d": 0, "e": 4, "f": 0}
+    assert recent.prefix_blocks(keys, ["c", "e"], now=35.0) == {"c": 2, "e": 0}
+    assert recent.prefix_blocks(keys, ["c"], now=41.0) == {"c": 0}
+    assert recent.prefix_blocks(other, ["f"], now=41.0) == {"f": 0}
+    assert not recent._groups  # everything expired is dropped, not only skipped
+
+
+def test_recent_picks_keep_a_bounded_number_per_endpoint() -> None:
+    recent = RecentPicks(window_seconds=100.0, per_endpoint=2)
+    keys = block_keys(TOKENS, BS)
+    recent.record(keys, "a", when=1.0)
+    recent.record(keys[:1], "a", when=2.0)
+    recent.record(keys[:1], "a", when=3.0)  # pushes out the full-prompt pick
+    assert recent.prefix_blocks(keys, ["a"], now=4.0) == {"a": 1}
+    recent.forget_endpoint("a")
+    assert recent.prefix_blocks(keys, ["a"], now=4.0) == {"a": 0}
