@@ -99,3 +99,28 @@ def test_failed_before_first_byte_is_served_by_another_engine(stack) -> None:
         f"http://127.0.0.1:{envoy.admin_port}/stats?filter=cluster.pool.upstream_rq_retry$"
     ).text
     assert int(stats.rsplit(":", 1)[1]) > 0, stats
+
+
+def test_concurrent_failures_are_all_retried(stack) -> None:
+    """20 clients at once, half their picks on the failing stub: every retry is made. Envoy's
+    default circuit breaker allows only 3 retries in flight per cluster, and the rest came back
+    as the stub's 503 (or a connect error) — what the all-faults chaos run lost after a kill."""
+    _engine, _stub, envoy = stack
+    statuses: list[int] = []
+
+    def client(c: int) -> None:
+        with httpx.Client(base_url=envoy.url, timeout=30) as http:
+            for i in range(5):
+                body = {"model": "default", "prompt": f"crowd {c} {i}", "max_tokens": 8}
+                statuses.append(http.post("/v1/completions", json=body).status_code)
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses.count(200) == len(statuses) == 100, statuses
+    overflow = httpx.get(
+        f"http://127.0.0.1:{envoy.admin_port}/stats?filter=cluster.pool.upstream_rq_retry_overflow$"
+    ).text
+    assert int(overflow.rsplit(":", 1)[1]) == 0, overflow

@@ -21,6 +21,7 @@ from typing import Any
 
 import envoy.config.accesslog.v3.accesslog_pb2 as accesslog_pb2
 import envoy.config.bootstrap.v3.bootstrap_pb2 as bootstrap_pb2
+import envoy.config.cluster.v3.circuit_breaker_pb2 as circuit_breaker_pb2
 import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
 import envoy.config.cluster.v3.outlier_detection_pb2 as outlier_detection_pb2
 import envoy.config.core.v3.address_pb2 as address_pb2
@@ -230,6 +231,18 @@ def _retry_elsewhere(retry_on: str, num_retries: int, max_attempts: int) -> rout
             )
         ],
         host_selection_retry_max_attempts=max_attempts,
+    )
+
+
+# Retries in flight per engine cluster. Envoy's default circuit breaker allows 3: when an engine
+# dies under 20 concurrent clients, every request past the third that met it got its 503 (or a
+# connect error) back instead of its retry. Each request still retries at most num_retries times.
+MAX_RETRIES_IN_FLIGHT = 1024
+
+
+def _retry_room() -> circuit_breaker_pb2.CircuitBreakers:
+    return circuit_breaker_pb2.CircuitBreakers(
+        thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(max_retries=wrap(MAX_RETRIES_IN_FLIGHT))]
     )
 
 
@@ -573,6 +586,10 @@ def build_bootstrap(
                 connect_timeout=_seconds(5),
                 lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
                 load_assignment=_load_assignment(FALLBACK_CLUSTER, fallback),
+                circuit_breakers=_retry_room(),
+                # a killed engine leaves the round robin at its first refusal, not at the next
+                # 2 s health check
+                outlier_detection=_eject_on_refused_connection(),
                 health_checks=[
                     health_check_pb2.HealthCheck(
                         timeout=_seconds(1),
@@ -636,6 +653,7 @@ def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
         load_assignment=_load_assignment(POOL_CLUSTER, pool),
         # an engine that refuses a connection is skipped by the retries' fallback for a while
         outlier_detection=_eject_on_refused_connection(),
+        circuit_breakers=_retry_room(),
         load_balancing_policy=cluster_pb2.LoadBalancingPolicy(
             policies=[
                 cluster_pb2.LoadBalancingPolicy.Policy(
