@@ -71,6 +71,16 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def recomputed_tokens(self, request: Request, num_hit: int) -> int:
+        """Prompt tokens the cache holds that this schedule computes anyway: a block-aligned
+        prompt cached whole still computes its last block (see `get_computed_blocks`).
+        vLLM reports these as `vllm:prompt_tokens_recomputed`."""
+        bs = self.block_size
+        if not self.enable_caching or request.num_tokens % bs or num_hit != request.num_tokens - bs:
+            return 0
+        self._extend_hashes(request, request.num_tokens)
+        return bs if self.pool.lookup(request.block_hashes[-1]) is not None else 0
+
     def cached_prefix_tokens(self, token_ids: list[int], lora_id: int | None = None) -> int:
         """How many leading tokens of a prompt the cache holds now, without a Request: a read-only
         estimate other threads may take (dict lookups are atomic; a block evicted meanwhile only

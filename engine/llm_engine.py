@@ -244,9 +244,11 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
             arrival_time=request.arrival_time,
+            first_scheduled_time=request.first_scheduled_time,
             first_token_time=request.first_token_time,
             finished_time=request.finished_time,
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            num_recomputed_tokens=request.num_recomputed_tokens,
         )
 
     def _decoded(self, token_id: int) -> str:

@@ -40,6 +40,10 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # wall clock, like the other timestamps
     first_token_time: float | None = None
     finished_time: float | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs, when requested
+    # Prompt tokens the prefix cache held but the first schedule computed again (a fully cached,
+    # block-aligned prompt recomputes its last block so the model has a position to sample from).
+    num_recomputed_tokens: int = 0

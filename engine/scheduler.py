@@ -177,6 +177,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.num_recomputed_tokens = self.kv.recomputed_tokens(request, num_hit)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             bisect.insort(self.running, request, key=lambda r: r.sort_key)

@@ -23,6 +23,29 @@ REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY_SECONDS = "vllm:e2e_request_latency_seconds"
+# vLLM's per-request phase histograms (arrival -> first scheduled -> first token -> last token)
+REQUEST_QUEUE_TIME_SECONDS = "vllm:request_queue_time_seconds"
+REQUEST_PREFILL_TIME_SECONDS = "vllm:request_prefill_time_seconds"
+REQUEST_DECODE_TIME_SECONDS = "vllm:request_decode_time_seconds"
+REQUEST_INFERENCE_TIME_SECONDS = "vllm:request_inference_time_seconds"
+REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS = "vllm:request_time_per_output_token_seconds"
+# vLLM's per-request size histograms
+REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+REQUEST_PREFILL_KV_COMPUTED_TOKENS = "vllm:request_prefill_kv_computed_tokens"
+REQUEST_MAX_NUM_GENERATION_TOKENS = "vllm:request_max_num_generation_tokens"
+REQUEST_PARAMS_N = "vllm:request_params_n"
+REQUEST_PARAMS_MAX_TOKENS = "vllm:request_params_max_tokens"
+ITERATION_TOKENS_TOTAL = "vllm:iteration_tokens_total"  # a histogram despite the suffix (vLLM's name)
+# vLLM's prompt-token accounting counters
+PROMPT_TOKENS_BY_SOURCE_TOTAL = "vllm:prompt_tokens_by_source_total"  # label `source`
+PROMPT_TOKENS_CACHED_TOTAL = "vllm:prompt_tokens_cached_total"
+PROMPT_TOKENS_RECOMPUTED_TOTAL = "vllm:prompt_tokens_recomputed_total"
+EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL = "vllm:external_prefix_cache_queries_total"
+EXTERNAL_PREFIX_CACHE_HITS_TOTAL = "vllm:external_prefix_cache_hits_total"
+MM_CACHE_QUERIES_TOTAL = "vllm:mm_cache_queries_total"
+MM_CACHE_HITS_TOTAL = "vllm:mm_cache_hits_total"
+ENGINE_SLEEP_STATE = "vllm:engine_sleep_state"  # label `sleep_state`
 
 LABEL_MODEL_NAME = "model_name"
 LABEL_ENGINE = "engine"

@@ -26,7 +26,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.errors import APIError
 from kvgate.engine.server.kv_publisher import KVEventPublisher
-from kvgate.engine.server.metrics import EngineMetrics, StatsSnapshot
+from kvgate.engine.server.metrics import EngineMetrics, FinishedRequestStats, StatsSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,26 @@ class _Add:
     arrival: float
     lora_id: int | None
     accepted: asyncio.Future[None]
+    arrival_wall: float  # time.time() at arrival: the engine's own timestamps are wall clock
+    parent: _Parent
+
+
+@dataclass
+class _Parent:
+    """The `n` sequences of one prompt (vLLM's parent request): vllm:request_params_n and
+    vllm:request_max_num_generation_tokens are observed once, when the last of them ends."""
+
+    n: int
+    unfinished: int
+    max_generation_tokens: int = 0
 
 
 @dataclass
 class _Timing:
     arrival: float
+    arrival_wall: float
+    max_tokens: int | None
+    parent: _Parent
     last_token: float | None = None
 
 
@@ -170,6 +185,8 @@ class AsyncEngine:
         ids = [request_id] if len(items) == 1 else [f"{request_id}-{i}" for i in range(len(items))]
         handle = RequestHandle(self, ids)
         arrival = time.monotonic()
+        arrival_wall = time.time()
+        parents = _parents(items)
         futures = []
         with self._cv:
             if self.max_queued_requests is not None:
@@ -187,7 +204,9 @@ class AsyncEngine:
                 futures.append(fut)
                 self._pending.add(fut)
                 self._routes[rid] = (handle, index)
-                self._adds.append(_Add(rid, prompt, params, arrival, lora_id, fut))
+                self._adds.append(
+                    _Add(rid, prompt, params, arrival, lora_id, fut, arrival_wall, parents[index])
+                )
             self._cv.notify()
         # Only the uncached part is work: a request whose prefix is cached must not make this
         # engine look busier than it is (a router would send the prefix's next users elsewhere).
@@ -328,13 +347,22 @@ class AsyncEngine:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, lora_id=add.lora_id)
         except ValueError as exc:
             return APIError(400, str(exc), code="invalid_request")
-        self._timings[add.request_id] = _Timing(arrival=add.arrival)
+        self._timings[add.request_id] = _Timing(
+            add.arrival, add.arrival_wall, add.params.max_tokens, add.parent
+        )
         return None
 
     def _observe(self, outputs: list[RequestOutput], now: float) -> None:
         m = self.metrics
         m.touch()
+        # vLLM's iteration tokens: tokens generated this step plus the whole prompt of each
+        # request whose prefill completed in it (the same accounting as vllm:prompt_tokens).
+        iteration_tokens = 0
         for out in outputs:
+            iteration_tokens += len(out.new_token_ids)
+            if out.new_token_ids and len(out.token_ids) == len(out.new_token_ids):
+                iteration_tokens += len(out.prompt_token_ids)
+                m.prompt_done(len(out.prompt_token_ids), out.num_cached_tokens, out.num_recomputed_tokens)
             timing = self._timings.get(out.request_id)
             if timing is None:
                 continue
@@ -348,3 +376,48 @@ class AsyncEngine:
                 del self._timings[out.request_id]
                 m.e2e.observe(now - timing.arrival)
                 m.request_finished(out.finish_reason)
+                m.request_done(_finished_stats(out, timing))
+                parent = timing.parent
+                parent.unfinished -= 1
+                parent.max_generation_tokens = max(parent.max_generation_tokens, len(out.token_ids))
+                if parent.unfinished == 0:
+                    m.parent_done(parent.n, parent.max_generation_tokens)
+        if outputs:
+            m.iteration_tokens.observe(iteration_tokens)
+
+
+def _parents(items: list[tuple[list[int], SamplingParams]]) -> list[_Parent]:
+    """Which items are the n sequences of one prompt: the server fans `n` out into consecutive
+    items sharing one prompt list (a new prompt, even with equal tokens, is a new list)."""
+    groups: list[list[int]] = []
+    previous: list[int] | None = None
+    for index, (prompt, _) in enumerate(items):
+        if groups and prompt is previous:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+        previous = prompt
+    out: list[_Parent] = [_Parent(1, 1)] * len(items)
+    for group in groups:
+        parent = _Parent(n=len(group), unfinished=len(group))
+        for index in group:
+            out[index] = parent
+    return out
+
+
+def _finished_stats(out: RequestOutput, timing: _Timing) -> FinishedRequestStats:
+    """vLLM's phases from the engine's wall-clock timestamps; queueing starts at the server's
+    arrival, so the wait before the engine thread took the request in counts as queued."""
+    end = out.finished_time if out.finished_time is not None else time.time()
+    scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else end
+    first_token = out.first_token_time if out.first_token_time is not None else end
+    return FinishedRequestStats(
+        queue_time=max(0.0, scheduled - timing.arrival_wall),
+        prefill_time=max(0.0, first_token - scheduled),
+        decode_time=max(0.0, end - first_token),
+        inference_time=max(0.0, end - scheduled),
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_generation_tokens=len(out.token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        max_tokens_param=timing.max_tokens,
+    )

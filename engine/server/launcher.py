@@ -173,7 +173,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         enable_prefix_caching=config.enable_prefix_caching,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
-    metrics = EngineMetrics(model_name, cache)
+    metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
     publisher = None
     if options.kv_events_endpoint:
         topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)

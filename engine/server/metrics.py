@@ -36,7 +36,47 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
-FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's request_latency_buckets: e2e and the per-phase histograms share them.
+REQUEST_LATENCY_BUCKETS = E2E_BUCKETS
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's FinishReason strings: every series exists from the start. kvgate's engine ends requests
+# with stop, length or abort; error and repetition stay 0 (no per-request error finish, no
+# repetition detector), as on a vLLM that never hits them.
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to `max_value` (max_model_len)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(out)
+            out.append(float(mantissa * scale))
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished engine request, in the quantities vLLM's per-request histograms take."""
+
+    queue_time: float  # arrival at the server -> first scheduled
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> last token
+    inference_time: float  # first scheduled -> last token
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int
+    max_tokens_param: int | None
+
+    @property
+    def mean_time_per_output_token(self) -> float:
+        # vLLM: decode time over the tokens after the first; 0 for a single-token request
+        return self.decode_time / (self.num_generation_tokens - 1) if self.num_generation_tokens > 1 else 0.0
 
 
 def _escape(value: str) -> str:
@@ -184,7 +224,9 @@ class CacheConfigInfo:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, cache: CacheConfigInfo, engine_index: str = "0") -> None:
+    def __init__(
+        self, model_name: str, cache: CacheConfigInfo, engine_index: str = "0", max_model_len: int = 2048
+    ) -> None:
         self.lock = threading.Lock()
         base = {names.LABEL_MODEL_NAME: model_name, names.LABEL_ENGINE: engine_index}
         self._families: list[_Metric] = []
@@ -230,6 +272,54 @@ class EngineMetrics:
             "Prefix cache hits, in terms of number of cached tokens.",
         )
         self.preemptions = scalar(names.NUM_PREEMPTIONS_TOTAL, "counter", "Cumulative number of preemptions.")
+        by_source = Scalar(
+            names.PROMPT_TOKENS_BY_SOURCE_TOTAL, "counter", "Number of prompt tokens by source."
+        )
+        self._families.append(by_source)
+        self.prompt_by_source = {
+            src: by_source.child({**base, "source": src}) for src in PROMPT_TOKEN_SOURCES
+        }
+        self.prompt_cached = scalar(
+            names.PROMPT_TOKENS_CACHED_TOTAL, "counter", "Number of cached prompt tokens (local + external)."
+        )
+        self.prompt_recomputed = scalar(
+            names.PROMPT_TOKENS_RECOMPUTED_TOTAL,
+            "counter",
+            "Number of cached tokens recomputed for forward pass.",
+        )
+        # vLLM registers these whatever the config; kvgate has no KV connector and serves no
+        # multimodal input, so they honestly stay 0 (as on a vLLM without either).
+        scalar(
+            names.EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        scalar(
+            names.EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
+        scalar(
+            names.MM_CACHE_QUERIES_TOTAL,
+            "counter",
+            "Multi-modal cache queries, in terms of number of queried items.",
+        )
+        scalar(
+            names.MM_CACHE_HITS_TOTAL,
+            "counter",
+            "Multi-modal cache hits, in terms of number of cached items.",
+        )
+        sleep = Scalar(
+            names.ENGINE_SLEEP_STATE,
+            "gauge",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+        )
+        self._families.append(sleep)
+        for state in SLEEP_STATES:  # kvgate has no sleep mode: always awake
+            sleep.child({**base, "sleep_state": state}).set(1.0 if state == "awake" else 0.0)
         success = Scalar(names.REQUEST_SUCCESS_TOTAL, "counter", "Count of successfully processed requests.")
         self._families.append(success)
         self.success = {r: success.child({**base, "finished_reason": r}) for r in FINISH_REASONS}
@@ -241,6 +331,61 @@ class EngineMetrics:
         )
         self.e2e = histogram(
             names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", E2E_BUCKETS
+        )
+        self.tpot = histogram(
+            names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.queue_time = histogram(
+            names.REQUEST_QUEUE_TIME_SECONDS,
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            names.REQUEST_INFERENCE_TIME_SECONDS,
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            names.REQUEST_PREFILL_TIME_SECONDS,
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            names.REQUEST_DECODE_TIME_SECONDS,
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            names.REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.", token_buckets
+        )
+        self.prefill_kv_computed = histogram(
+            names.REQUEST_PREFILL_KV_COMPUTED_TOKENS,
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            token_buckets,
+        )
+        self.iteration_tokens = histogram(
+            names.ITERATION_TOKENS_TOTAL,
+            "Histogram of number of tokens per engine_step.",
+            tuple(float(b) for b in ITERATION_TOKENS_BUCKETS),
+        )
+        self.max_num_generation_tokens = histogram(
+            names.REQUEST_MAX_NUM_GENERATION_TOKENS,
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.params_n = histogram(
+            names.REQUEST_PARAMS_N,
+            "Histogram of the n request parameter.",
+            tuple(float(b) for b in PARAMS_N_BUCKETS),
+        )
+        self.params_max_tokens = histogram(
+            names.REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request parameter.", token_buckets
         )
         # vLLM's info gauges carry no model_name: the cache config plus the engine index.
         info = Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig")
@@ -323,6 +468,33 @@ class EngineMetrics:
         if counter is not None:
             counter.inc()
         self._version += 1
+
+    def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int, num_recomputed_tokens: int) -> None:
+        """A request finished its prefill (first token): vLLM's prompt-token accounting.
+        Engine thread (caller holds `lock`)."""
+        cached = max(num_cached_tokens, 0)
+        self.prompt_by_source["local_compute"].inc(num_prompt_tokens - cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached)
+        self.prompt_cached.inc(cached)
+        self.prompt_recomputed.inc(num_recomputed_tokens)
+
+    def request_done(self, stats: FinishedRequestStats) -> None:
+        """vLLM's per-request histograms for one finished request (caller holds `lock`)."""
+        self.queue_time.observe(stats.queue_time)
+        self.prefill_time.observe(stats.prefill_time)
+        self.decode_time.observe(stats.decode_time)
+        self.inference_time.observe(stats.inference_time)
+        self.tpot.observe(stats.mean_time_per_output_token)
+        self.request_prompt_tokens.observe(stats.num_prompt_tokens)
+        self.request_generation_tokens.observe(stats.num_generation_tokens)
+        self.prefill_kv_computed.observe(stats.num_prompt_tokens - max(stats.num_cached_tokens, 0))
+        if stats.max_tokens_param:
+            self.params_max_tokens.observe(stats.max_tokens_param)
+
+    def parent_done(self, n: int, max_generation_tokens: int) -> None:
+        """All `n` sequences of one prompt finished (vLLM's parent request); caller holds `lock`."""
+        self.params_n.observe(n)
+        self.max_num_generation_tokens.observe(max_generation_tokens)
 
     def touch(self) -> None:
         """Something changed outside `update` (a histogram observation); caller holds `lock`."""

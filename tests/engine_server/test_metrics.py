@@ -60,7 +60,7 @@ def test_exposition_names_types_and_labels(sim_engine: EngineProcess) -> None:
     reasons = {
         s.labels["finished_reason"] for s in fams["vllm:request_success"].samples if s.name.endswith("_total")
     }
-    assert reasons == {"stop", "length", "abort"}
+    assert reasons == {"stop", "length", "abort", "error", "repetition"}
     for name in histograms:
         assert fams[name].type == "histogram"
         assert f"{name}_bucket" in exposed and f"{name}_sum" in exposed and f"{name}_count" in exposed
