@@ -147,6 +147,25 @@ def _header_present(name: str) -> route_components_pb2.HeaderMatcher:
     return route_components_pb2.HeaderMatcher(name=name, present_match=True)
 
 
+def _epp_stream_retry() -> base_pb2.RetryPolicy:
+    """An ext_proc stream whose EPP replica dies (reset, refused) before answering is opened
+    again on another replica: Envoy keeps the stream's messages (headers, body chunks) for the
+    retry and replays them, so the request is picked as if nothing happened. Twice: a stream
+    whose connection to the dying replica was still being set up fails once on connect and
+    once more on the retry's reset (seen in e2e/test_epp_replica_killed.py)."""
+    return base_pb2.RetryPolicy(
+        retry_on="connect-failure,refused-stream,reset,unavailable",
+        num_retries=wrap(2),
+        retry_host_predicate=[
+            base_pb2.RetryPolicy.RetryHostPredicate(
+                name="envoy.retry_host_predicates.previous_hosts",
+                typed_config=_any(previous_hosts_pb2.PreviousHostsPredicate()),
+            )
+        ],
+        host_selection_retry_max_attempts=3,
+    )
+
+
 def _ext_proc_filter(
     failure_mode: str, message_timeout: float, response_phase: bool
 ) -> ext_proc_pb2.ExternalProcessor:
@@ -155,6 +174,7 @@ def _ext_proc_filter(
         grpc_service=grpc_service_pb2.GrpcService(
             envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EPP_CLUSTER),
             timeout=_seconds(10),
+            retry_policy=_epp_stream_retry(),
         ),
         failure_mode_allow=failure_mode == "FailOpen",
         # FailClose with no EPP answering: the pool is unavailable, not broken (Envoy says 500)
@@ -536,6 +556,8 @@ def build_bootstrap(
         # stream fails at once, before any body is streamed, so FailOpen can still let the
         # request through (a body already handed to a dying stream cannot be recovered).
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent(0)),
+        # every stream a killed replica held is retried at once (see _epp_stream_retry)
+        circuit_breakers=_retry_room(),
     )
     if epp_health_check:
         epp_cluster.health_checks.append(
