@@ -43,6 +43,43 @@ def render_chart(*sets: str) -> dict:
     raise AssertionError("no gateway ConfigMap rendered")
 
 
+def _docs(*sets: str) -> list[dict]:
+    out = subprocess.run(
+        [str(HELM), "template", "t", str(ROOT / "charts" / "kvgate"), "--namespace", "ns", "--set",
+         "envoyGateway.enabled=true", "--set", "envoyGateway.pool=p", *(a for s in sets for a in ("--set", s))],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _epp_cluster(docs: list[dict]) -> dict:
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "envoy.yaml" in d.get("data", {})]
+    clusters = yaml.safe_load(cm["data"]["envoy.yaml"])["static_resources"]["clusters"]
+    return next(c for c in clusters if c["name"] == "epp")
+
+
+def test_chart_gateway_has_every_epp_replica_as_a_host() -> None:
+    """By default the gateway resolves a headless Service of the pool's EPP pods: one Envoy host
+    per ready replica, each health-checked (not one ClusterIP, which pins every pick to one pod)."""
+    docs = _docs()
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "p-epp-replicas"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is False
+    # the operator's EPP pods (operator/children/epp.py) on their named gRPC port
+    assert svc["spec"]["selector"] == {"kvgate.dev/model-deployment": "p", "kvgate.dev/role": "epp"}
+    assert svc["spec"]["ports"][0]["targetPort"] == "grpc"
+    epp = _epp_cluster(docs)
+    address = epp["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["address"] == "p-epp-replicas.ns.svc"
+    assert epp["type"] == "STRICT_DNS" and epp["dns_refresh_rate"] == "1s"
+    assert epp["health_checks"] and epp["outlier_detection"]
+    # a Service of the user's own: used as given, no headless Service of ours
+    docs = _docs("envoyGateway.eppService=mine")
+    assert not [d for d in docs if d["metadata"]["name"] == "p-epp-replicas"]
+    address = _epp_cluster(docs)["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["address"] == "mine.ns.svc"
+
+
 def test_chart_gateway_config_is_generated_and_fresh() -> None:
     gen = _generator()
     assert gen.TARGET.read_text() == gen.rendered(), (

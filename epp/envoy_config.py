@@ -556,6 +556,9 @@ def build_bootstrap(
         # stream fails at once, before any body is streamed, so FailOpen can still let the
         # request through (a body already handed to a dying stream cannot be recovered).
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent(0)),
+        # A host name (a headless Service in a cluster) names every ready replica: one host per
+        # address, re-resolved each second so a new or rescheduled replica joins quickly.
+        dns_refresh_rate=None if all_ips else _seconds(1),
         # every stream a killed replica held is retried at once (see _epp_stream_retry)
         circuit_breakers=_retry_room(),
     )

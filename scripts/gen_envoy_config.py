@@ -29,8 +29,9 @@ V = ".Values.envoyGateway"
 LISTEN_PORT, EPP_PORT, MAX_BODY = 31001, 31002, 31000003
 EPP_HOST = "kvgate-epp-host.sentinel.invalid"
 SUBSTITUTIONS = {
-    EPP_HOST: f'{{{{ {V}.eppAddress | default (printf "%s.%s.svc" ({V}.eppService | default (printf "%s-epp" '
-    f"{V}.pool)) .Release.Namespace) }}}}",
+    # default: the chart's headless Service of the EPP pods, so every replica is a host
+    EPP_HOST: f'{{{{ {V}.eppAddress | default (printf "%s.%s.svc" ({V}.eppService | default (printf '
+    f'"%s-epp-replicas" {V}.pool)) .Release.Namespace) }}}}',
     f"port_value: {LISTEN_PORT}": f"port_value: {{{{ {V}.port }}}}",
     f"port_value: {EPP_PORT}": f"port_value: {{{{ {V}.eppPort }}}}",
     f"'{MAX_BODY + 1}'": f"'{{{{ add1 (int64 {V}.maxRequestBodyBytes) }}}}'",
