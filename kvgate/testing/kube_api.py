@@ -82,8 +82,15 @@ RESOURCES = (
 
 
 @asynccontextmanager
-async def api_server(namespace: str = "default", token: str = "token-1") -> AsyncIterator[ApiServer]:
-    cert, key = self_signed_cert(("localhost",))
+async def api_server(
+    namespace: str = "default",
+    token: str = "token-1",
+    hostnames: tuple[str, ...] = ("localhost",),
+    port: int | None = None,
+) -> AsyncIterator[ApiServer]:
+    """``hostnames`` go into the serving certificate (kopf's in-cluster login dials
+    kubernetes.default.svc, not an IP); ``port`` None picks a free one."""
+    cert, key = self_signed_cert(hostnames)
     with tempfile.TemporaryDirectory(prefix="kvgate-sa-") as tmp:
         sa_dir = Path(tmp)
         (sa_dir / "ca.crt").write_bytes(cert)
@@ -100,7 +107,10 @@ async def api_server(namespace: str = "default", token: str = "token-1") -> Asyn
                 namespaced=True,
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )
-        async with emulator, kmock.Server(emulator, server_cls=_tls_server_class(context)) as server:
+        async with (
+            emulator,
+            kmock.Server(emulator, port=port, server_cls=_tls_server_class(context)) as server,
+        ):
             api = ApiServer(emulator, "127.0.0.1", int(server.port), sa_dir)
             api.rotate(token)
             yield api

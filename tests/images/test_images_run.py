@@ -5,18 +5,22 @@ filesystem (see conftest.py). Run with `make images && make images-test`."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
+import shutil
 import subprocess
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import kmock
 import pytest
 
 from kvgate.local.ports import free_ports
-from kvgate.testing import fake_hub
-from kvgate.testing.polling import eventually
+from kvgate.operator.resources import BY_KIND, CRDS, EVENTS, NAMESPACES
+from kvgate.testing import fake_hub, kube_api
+from kvgate.testing.polling import eventually, eventually_async
 from kvgate.testing.processes import Process, http_get, start_envoy, stop_all
 
 from .conftest import Image
@@ -137,41 +141,89 @@ def test_epp_image_routes_a_request_to_the_engine_image(
         stop_all(*procs)
 
 
-def test_operator_image_entrypoint_starts_in_a_pods_shape(
+async def test_operator_image_entrypoint_logs_in_and_runs_in_a_pods_shape(
     open_image: Callable[[str], Image], tmp_path: Path
 ) -> None:
     """The chart's command line (`kvgate operator run ...` through the image's ENTRYPOINT) in a
-    pod's shape: in-cluster credentials from a mounted service-account folder, the kubelet's env.
-    kopf's in-cluster login always dials kubernetes.default.svc:443, where nothing listens here,
-    so the check is that it gets that far (credentials read, its identity found, kopf started) as
-    uid 65532 on a read-only root, and fails only on the connection."""
+    pod's shape, as uid 65532 on a read-only root: in-cluster credentials from a mounted
+    service-account folder and kopf's in-cluster login, which always dials
+    https://kubernetes.default.svc (port 443). An emulated API server behind TLS listens there
+    (the pod's /etc/hosts maps the name to loopback), accepting only the mounted token: the
+    operator must log in, start its watches and answer its liveness probe."""
     image = open_image("operator")
-    sa = tmp_path / "serviceaccount"  # what the kubelet projects, world-readable (defaultMode 0644)
-    sa.mkdir(mode=0o755)
-    for name, text in {"token": "token-1", "namespace": "models", "ca.crt": ""}.items():
-        (sa / name).write_text(text)
-        (sa / name).chmod(0o644)
-    hosts = tmp_path / "hosts"  # a pod's /etc/hosts; cluster DNS would resolve this name
-    hosts.write_text("127.0.0.1 localhost kubernetes.default.svc\n")
-    argv = image.argv(
-        "operator", "run", "--namespace=models", "--liveness-port", str(free_ports(1)[0]),
-        binds={str(sa): "/run/secrets/kubernetes.io/serviceaccount", str(hosts): "/etc/hosts"},  # /var/run -> /run
-        env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"},
-    )  # fmt: skip
-    proc = Process("operator", argv, tmp_path / "operator.log").start()
+    names = ("localhost", "kubernetes.default.svc")
     try:
-        # kopf retries the connection for ever; its log names the address it dials
-        eventually(
-            lambda: "kubernetes.default.svc:443" in proc.log_tail(400), 120, "the operator dialling the API"
+        server = kube_api.api_server("models", hostnames=names, port=443)
+        api = await server.__aenter__()
+    except OSError as exc:  # 443 taken (or not ours to bind) on this machine
+        pytest.skip(f"cannot serve the API on 127.0.0.1:443 here: {exc}")
+    try:
+        # Discovery must list what the operator watches, or kopf watches nothing.
+        api.emulator.resources[CRDS.key] = kmock.ResourceInfo(
+            kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}
         )
-        log = proc.log_tail(400)
+        for res in (NAMESPACES, EVENTS, *BY_KIND.values()):
+            api.emulator.resources[res.key] = kmock.ResourceInfo(
+                kind=res.kind,
+                namespaced=res.namespaced,
+                verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+                subresources={"status"},
+            )
+        sa = tmp_path / "serviceaccount"  # what the kubelet projects, world-readable (defaultMode 0644)
+        sa.mkdir(mode=0o755)
+        for name in ("token", "namespace", "ca.crt"):
+            shutil.copy(api.sa_dir / name, sa / name)
+            (sa / name).chmod(0o644)
+        hosts = tmp_path / "hosts"  # a pod's /etc/hosts; cluster DNS would resolve this name
+        hosts.write_text("127.0.0.1 localhost kubernetes.default.svc\n")
+        liveness = free_ports(1)[0]
+        argv = image.argv(
+            "operator", "run", "--namespace=models", "--liveness-port", str(liveness),
+            "--no-scanning",  # kmock cannot serve a list of v1/namespaces; the chart scans
+            binds={str(sa): "/run/secrets/kubernetes.io/serviceaccount", str(hosts): "/etc/hosts"},  # /var/run -> /run
+            env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "443"},
+        )  # fmt: skip
+        proc = Process("operator", argv, tmp_path / "operator.log").start()
+        try:
+
+            def watching() -> bool:  # logged in with the mounted token, CRD resolved, watch open
+                seen = {
+                    r.resource.plural for r in api.emulator if r.action == kmock.action.WATCH and r.resource
+                }
+                return "modeldeployments" in seen
+
+            await eventually_async(
+                watching, 120, "the operator image watching modeldeployments", watch=[proc]
+            )
+
+            # polled from a thread: the emulated API server runs on this event loop
+            await asyncio.to_thread(
+                eventually,
+                lambda: _healthz(liveness),
+                60,
+                "the operator image's liveness probe",
+                watch=[proc],
+            )
+            log = proc.log_tail(400)
+        finally:
+            stop_all(proc)
+        assert api.emulator.refused == 0, log[-3000:]
+        for bad in (
+            "getpwuid",
+            "Read-only file system",
+            "Permission denied",
+            "ModuleNotFoundError",
+            "no Kubernetes credentials",
+            "CERTIFICATE_VERIFY_FAILED",
+            "Traceback",
+        ):
+            assert bad not in log, log[-3000:]
     finally:
-        stop_all(proc)
-    for bad in (
-        "getpwuid",
-        "Read-only file system",
-        "Permission denied",
-        "ModuleNotFoundError",
-        "no Kubernetes credentials",
-    ):
-        assert bad not in log, log[-3000:]
+        await server.__aexit__(None, None, None)
+
+
+def _healthz(port: int) -> bool:
+    try:
+        return http_get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+    except OSError:
+        return False
