@@ -16,9 +16,9 @@ from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
 from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.outputs import PositionLogprobs, RequestOutput, TokenLogprob
+from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput, TokenLogprob
 from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner_api import ModelRunner, SampledToken
+from kvgate.engine.runner_api import ModelRunner, PromptLogprobsChunk, SampledToken
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -201,6 +201,8 @@ class LLMEngine:
         if on_scheduled is not None:
             on_scheduled()
         sampled = self.runner.execute(batch)
+        if batch.prompt_logprobs:
+            self._gather_prompt_logprobs(batch.prompt_logprobs)
         by_id = {s.request_id: s for s in sampled}
         touched = self.scheduler.update(batch, sampled)
         return [self._output(req, by_id[req.request_id]) for req in touched]
@@ -230,7 +232,13 @@ class LLMEngine:
             delta += detok.flush()
             del self._detok[rid]
 
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True  # with the first output only, never again
+            prompt_logprobs = [None, *request.prompt_logprobs]
+
         return RequestOutput(
+            prompt_logprobs=prompt_logprobs,
             request_id=rid,
             prompt_token_ids=request.prompt_token_ids,
             num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -250,6 +258,29 @@ class LLMEngine:
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             num_recomputed_tokens=request.num_recomputed_tokens,
         )
+
+    def _gather_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
+        """Append a step's prompt logprobs to their requests, in prompt order."""
+        for rid, chunk in chunks.items():
+            request = self.scheduler.requests.get(rid)
+            if request is None or request.prompt_logprobs is None:
+                continue  # aborted while the step ran
+            owed = request.next_prompt_logprob_pos
+            n = len(chunk.token_logprobs)
+            if owed is None or n == 0:
+                continue
+            first = request.prompt_token_ids[owed + 1 : owed + 1 + n]
+            d = self._decoded
+            for i, token in enumerate(first):
+                top = [
+                    TokenLogprob(t, v, d(t))
+                    for t, v in zip(chunk.top_ids[i], chunk.top_logprobs[i], strict=True)
+                ]
+                request.prompt_logprobs.append(
+                    PromptTokenLogprobs(
+                        TokenLogprob(token, chunk.token_logprobs[i], d(token)), chunk.token_ranks[i], top
+                    )
+                )
 
     def _decoded(self, token_id: int) -> str:
         text = self._token_text.get(token_id)

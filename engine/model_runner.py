@@ -25,7 +25,7 @@ from kvgate.engine.layers.attention import (
 from kvgate.engine.layers.sampler import Sampler, SampleRequest
 from kvgate.engine.loader import Checkpoint, load_model, open_checkpoint
 from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
-from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.runner_api import PromptLogprobsChunk, SampledToken, ScheduledBatch, ScheduledSeq
 
 if TYPE_CHECKING:
     from kvgate.api.tokenizer import Tokenizer
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 1 << 30
+# Prompt-logprob rows per log-softmax: bounds the fp32 scratch to rows x vocab (256 x 49k = 50 MB).
+_PROMPT_LOGPROB_ROWS = 256
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -257,6 +259,8 @@ class TorchModelRunner:
         self._validate(seqs)
         with torch.inference_mode():
             hidden, last_token_rows = self._forward(seqs)
+            if any(s.prompt_logprob_targets for s in seqs):
+                self._prompt_logprobs(batch, seqs, hidden, last_token_rows)
             sampled_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.sample]
             if not sampled_seqs:
                 return []
@@ -270,6 +274,39 @@ class TorchModelRunner:
             tokens = self.sampler(logits, requests)
         by_id = {t.request_id: t for t in tokens}
         return [by_id[s.request_id] for s in batch.seqs if s.sample]
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, seqs: list[ScheduledSeq], hidden: torch.Tensor, last_rows: list[int]
+    ) -> None:
+        """Prompt logprobs from this step's hidden states, for the seqs that asked: fp32
+        log-softmax over `_PROMPT_LOGPROB_ROWS` rows at a time, keeping only the top-K and the
+        actual next token per row, so a long prompt never holds a [tokens, vocab] tensor."""
+        for s, last in zip(seqs, last_rows, strict=True):
+            targets = s.prompt_logprob_targets
+            if not targets:
+                continue
+            first_row = last - len(s.token_ids) + 1 + s.prompt_logprob_row
+            k = s.sampling_params.prompt_logprobs or 0
+            out = PromptLogprobsChunk([], [], [], [])
+            for lo in range(0, len(targets), _PROMPT_LOGPROB_ROWS):
+                part = targets[lo : lo + _PROMPT_LOGPROB_ROWS]
+                rows = hidden[first_row + lo : first_row + lo + len(part)]
+                logprobs = self.model.compute_logits(rows).float().log_softmax(dim=-1)
+                ids = torch.tensor(part, device=logprobs.device)
+                chosen = logprobs.gather(1, ids[:, None])  # [rows, 1]
+                # vLLM's rank: 1 + how many tokens are strictly more likely.
+                ranks = (logprobs > chosen).sum(dim=-1) + 1
+                out.token_logprobs.extend(chosen[:, 0].tolist())
+                out.token_ranks.extend(ranks.tolist())
+                if k:
+                    top = logprobs.topk(k, dim=-1)
+                    out.top_ids.extend(top.indices.tolist())
+                    out.top_logprobs.extend(top.values.tolist())
+                else:
+                    out.top_ids.extend([] for _ in part)
+                    out.top_logprobs.extend([] for _ in part)
+                del logprobs
+            batch.prompt_logprobs[s.request_id] = out
 
     def _validate(self, seqs: list[ScheduledSeq]) -> None:
         for s in seqs:

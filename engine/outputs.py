@@ -24,6 +24,16 @@ class PositionLogprobs:
 
 
 @dataclass
+class PromptTokenLogprobs:
+    """Logprobs at one prompt position (from the second token on): the actual prompt token with
+    its rank in the vocabulary, and the top-K alternatives (ranks 1..K)."""
+
+    token: TokenLogprob
+    rank: int
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """State of one engine request after a step. Cumulative fields and per-step deltas."""
 
@@ -47,3 +57,6 @@ class RequestOutput:
     # Prompt tokens the prefix cache held but the first schedule computed again (a fully cached,
     # block-aligned prompt recomputes its last block so the model has a position to sample from).
     num_recomputed_tokens: int = 0
+    # Prompt logprobs (first output only, when asked): None for the first prompt token, then one
+    # entry per later prompt token, as vLLM returns them.
+    prompt_logprobs: list[PromptTokenLogprobs | None] | None = None

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvgate.engine.outputs import FinishReason, PositionLogprobs
+from kvgate.engine.outputs import FinishReason, PositionLogprobs, PromptTokenLogprobs
 from kvgate.engine.sampling_params import SamplingParams
 
 
@@ -64,6 +64,10 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
+    # Prompt logprobs gathered so far, for prompt tokens 1.. (the position before predicts each);
+    # kept across preemption so recomputed chunks never produce them twice.
+    prompt_logprobs: list[PromptTokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
@@ -73,6 +77,17 @@ class Request:
             self.all_token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def next_prompt_logprob_pos(self) -> int | None:
+        """The first position whose prompt logprob is still owed (position p predicts prompt
+        token p + 1), or None when none is (not asked, or all gathered)."""
+        if self.prompt_logprobs is None:
+            return None
+        done = len(self.prompt_logprobs)
+        return done if done < len(self.prompt_token_ids) - 1 else None
 
     @property
     def num_tokens(self) -> int:

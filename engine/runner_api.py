@@ -28,12 +28,29 @@ class ScheduledSeq:
     sample: bool  # True when this step completes the prompt or decodes: sample one token
     sampling_params: SamplingParams
     num_generated: int = 0  # tokens generated before this step (seeds stay reproducible)
+    # Prompt logprobs: rows [prompt_logprob_row, prompt_logprob_row + len(targets)) of this
+    # chunk predict `prompt_logprob_targets` (the next prompt tokens). None: not asked for.
+    prompt_logprob_row: int = 0
+    prompt_logprob_targets: list[int] | None = None
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """What a runner computed for one chunk's prompt positions (one entry per target token)."""
+
+    token_logprobs: list[float]  # of each target (the actual next prompt token)
+    token_ranks: list[int]  # 1 = the most likely token
+    top_ids: list[list[int]]  # top-K token ids per position, best first
+    top_logprobs: list[list[float]]
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
     finished_request_ids: list[str] = field(default_factory=list)  # drop per-request runner state
+    # Filled by the runner during `execute`, for each seq with prompt_logprob_targets: computed
+    # from the same forward pass as the prefill, so it travels beside the sampled tokens.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

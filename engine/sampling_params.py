@@ -23,6 +23,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     skip_special_tokens: bool = True
+    # Top-K logprobs at each prompt position after the first (vLLM's extension); the prompt
+    # token itself is always included. Computed in the prefill forward pass, never from cache.
+    prompt_logprobs: int | None = None
     # Guided decoding: the output must match this (JSON schema, regex, choice, grammar).
     structured_outputs: StructuredOutputSpec | None = None
 
@@ -44,6 +47,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be non-negative")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be between 0 and 20")
 
     @property
     def greedy(self) -> bool:

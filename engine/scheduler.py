@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from kvgate.engine.block_pool import KVBlock
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
@@ -113,7 +114,7 @@ class Scheduler:
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
-        return ScheduledSeq(
+        seq = ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
             start_pos=start,
@@ -122,6 +123,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             num_generated=request.num_output_tokens,
         )
+        _ask_prompt_logprobs(seq, request)
+        return seq
 
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
@@ -166,6 +169,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            if request.prompt_logprobs is not None:
+                hit_blocks, num_hit = _limit_cache_hit(request, hit_blocks, num_hit, block_size)
             num_new = request.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
@@ -234,3 +239,31 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+
+def _limit_cache_hit(
+    request: Request, hit_blocks: list[KVBlock], num_hit: int, block_size: int
+) -> tuple[list[KVBlock], int]:
+    """A request still owed prompt logprobs takes no cache hit past the first position it needs:
+    those positions must go through the model. Requests that do not ask keep full cache use."""
+    need = request.next_prompt_logprob_pos
+    if need is None or num_hit <= need:
+        return hit_blocks, num_hit
+    keep = need // block_size
+    return hit_blocks[:keep], keep * block_size
+
+
+def _ask_prompt_logprobs(seq: ScheduledSeq, request: Request) -> None:
+    """Point the runner at the rows of this chunk whose prompt logprobs are still owed: position
+    p predicts prompt token p + 1, for p from the first one owed (positions a preemption makes
+    the model compute again are skipped) up to the second-to-last prompt token."""
+    first = request.next_prompt_logprob_pos
+    if first is None:
+        return
+    start = seq.start_pos
+    end = start + len(seq.token_ids)
+    lo, hi = max(start, first), min(end, request.num_prompt_tokens - 1)
+    if lo >= hi:
+        return
+    seq.prompt_logprob_row = lo - start
+    seq.prompt_logprob_targets = request.prompt_token_ids[lo + 1 : hi + 1]

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.runner_api import SampledToken, ScheduledBatch
+from kvgate.engine.runner_api import PromptLogprobsChunk, SampledToken, ScheduledBatch, ScheduledSeq
 
 _MASK = 0xFFFFFFFFFFFFFFFF
 _WORD = re.compile(r"^[Ġ▁ ][a-z]{2,9}$")
@@ -119,6 +119,8 @@ class SimulatedRunner:
         out: list[SampledToken] = []
         words = self._words
         for seq in batch.seqs:
+            if seq.prompt_logprob_targets:
+                batch.prompt_logprobs[seq.request_id] = self._fake_prompt_logprobs(seq)
             if not seq.sample:
                 continue
             params = seq.sampling_params
@@ -157,3 +159,29 @@ class SimulatedRunner:
             top.append((alt, best - 1.0 - k * 0.75 - math.log1p(k)))
             k += 1
         sampled.top_logprobs = top[:n] if n > 0 else []
+
+    def _fake_prompt_logprobs(self, seq: ScheduledSeq) -> PromptLogprobsChunk:
+        """Well-formed synthetic prompt logprobs (there is no model): each prompt token is the
+        most likely at its position (rank 1) with a logprob fixed by (token, position), and the
+        top-K trail off below it, so repeated requests see the same values."""
+        targets = seq.prompt_logprob_targets or []
+        k = seq.sampling_params.prompt_logprobs or 0
+        first = seq.start_pos + seq.prompt_logprob_row
+        out = PromptLogprobsChunk([], [], [], [])
+        words = self._words
+        for i, token in enumerate(targets):
+            r = _mix(token ^ _mix(first + i))
+            best = -((r >> 8) % 1000 + 1) / 2000.0
+            ids, values = [token], [best]
+            x = r
+            while len(ids) < k and len(ids) < len(words):
+                x = _mix(x)
+                alt = words[x % len(words)]
+                if alt not in ids:
+                    values.append(best - 1.0 - len(ids) * 0.75)
+                    ids.append(alt)
+            out.token_logprobs.append(best)
+            out.token_ranks.append(1)
+            out.top_ids.append(ids[:k])
+            out.top_logprobs.append(values[:k])
+        return out

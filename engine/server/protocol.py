@@ -52,6 +52,8 @@ class _SamplingFields(_Lenient):
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extension: top-K logprobs at every prompt position (plus the prompt token itself).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -70,7 +72,7 @@ class _SamplingFields(_Lenient):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[_TOKEN_ID] | list[list[_TOKEN_ID]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: only with echo (score the prompt, generate nothing)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

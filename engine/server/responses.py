@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.engine.outputs import PositionLogprobs, RequestOutput
+from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
 
 
 def dumps(obj: Any) -> str:
@@ -84,3 +84,66 @@ def completion_logprobs(positions: list[PositionLogprobs] | None, start_offset: 
         offsets.append(offset)
         offset += len(p.sampled.decoded)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+# JSON has no -inf; vLLM clamps logprobs to this floor in its responses.
+_LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, _LOGPROB_FLOOR)
+
+
+def prompt_logprobs_json(entries: list[PromptTokenLogprobs | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per position a map
+    token id -> {logprob, rank, decoded_token}: the actual prompt token first, then the top-K."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {
+            str(e.token.token_id): {
+                "logprob": _lp(e.token.logprob),
+                "rank": e.rank,
+                "decoded_token": e.token.decoded,
+            }
+        }
+        for rank, t in enumerate(e.top, start=1):
+            d.setdefault(
+                str(t.token_id), {"logprob": _lp(t.logprob), "rank": rank, "decoded_token": t.decoded}
+            )
+        out.append(d)
+    return out
+
+
+def echo_completion_logprobs(
+    entries: list[PromptTokenLogprobs | None], first_token: str, generated: list[PositionLogprobs] | None
+) -> dict[str, Any]:
+    """Completions with echo + logprobs: the prompt tokens' logprobs (OpenAI's null for the first
+    token) followed by the generated ones, text offsets running on through both."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for e in entries:
+        if e is None:
+            tokens.append(first_token)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            tokens.append(e.token.decoded)
+            token_logprobs.append(_lp(e.token.logprob))
+            entry = {t.decoded: _lp(t.logprob) for t in e.top}
+            entry.setdefault(e.token.decoded, _lp(e.token.logprob))
+            top.append(entry)
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    rest = completion_logprobs(generated, offset)
+    return {
+        "tokens": tokens + rest["tokens"],
+        "token_logprobs": token_logprobs + rest["token_logprobs"],
+        "top_logprobs": top + rest["top_logprobs"],
+        "text_offset": offsets + rest["text_offset"],
+    }

@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
-from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
 from kvgate.engine.server.errors import APIError, bad_request
@@ -26,6 +26,8 @@ from kvgate.engine.server.responses import (
     ResponseMeta,
     chat_logprobs,
     completion_logprobs,
+    echo_completion_logprobs,
+    prompt_logprobs_json,
     sse,
     stream_error,
 )
@@ -95,6 +97,9 @@ class OpenAIServing:
         # thread is busy): a random per-process prefix plus a counter.
         self._id_prefix = uuid.uuid4().hex[:16]
         self._ids = itertools.count()
+
+    def _first_token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _next_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):08x}"
@@ -172,7 +177,11 @@ class OpenAIServing:
             )
 
     def _params(
-        self, req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> list[SamplingParams]:
         base = SamplingParams(
             n=1,
@@ -189,6 +198,7 @@ class OpenAIServing:
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
         try:
             base.validate()
@@ -305,8 +315,15 @@ class OpenAIServing:
         self._reject_unsupported(req)
         if req.suffix:
             raise bad_request("suffix is not supported.", "suffix")
-        if req.echo and req.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported.", "echo")
+        _check_prompt_logprobs(req)
+        # OpenAI and vLLM: echo with max_tokens 0 scores the prompt and returns it alone (vLLM
+        # runs one token and drops it); without echo, 0 is out of range.
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1, got 0.", "max_tokens")
+        echo_only = req.echo and req.max_tokens == 0
+        prompt_lp = req.prompt_logprobs
+        if prompt_lp is None and req.echo:
+            prompt_lp = req.logprobs  # echo + logprobs: the prompt's too (None: not asked)
         p = req.prompt
         chars = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str)) if p else 0
         if chars > INLINE_PROMPT_CHARS:
@@ -320,32 +337,43 @@ class OpenAIServing:
             )
         items: list[tuple[list[int], SamplingParams]] = []
         for ids in prompts:
-            max_tokens = self._check_prompt(ids, req.max_tokens, "prompt")
-            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs))
+            max_tokens = self._check_prompt(ids, 1 if echo_only else req.max_tokens, "prompt")
+            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs, prompt_lp))
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
+        scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
         rid = f"cmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamResult(
-                self._stream_completion(handle, meta, include_usage, req.logprobs is not None, echo, receive),
+                self._stream_completion(
+                    handle, meta, include_usage, req.logprobs is not None, echo, receive, scoring
+                ),
                 handle.close,
             )
         finals = await _collect(handle, receive)
         choices = []
         for index in range(len(items)):
             out = finals[index]
-            text = out.text if echo is None else echo[index // req.n] + out.text
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": completion_logprobs(out.logprobs, 0) if req.logprobs is not None else None,
-                    "finish_reason": out.finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
+            generated = "" if echo_only else out.text
+            text = generated if echo is None else echo[index // req.n] + generated
+            lp = None
+            if req.logprobs is not None:
+                if scoring is not None:
+                    lp = scoring.logprobs(index // req.n, out, None if echo_only else out.logprobs)
+                else:
+                    lp = completion_logprobs(out.logprobs, 0)
+            c: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            }
+            if req.prompt_logprobs is not None:
+                c["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs or [])
+            choices.append(c)
         return {
             "id": rid,
             "object": "text_completion",
@@ -363,18 +391,25 @@ class OpenAIServing:
         want_logprobs: bool,
         echo: list[str] | None,
         receive: Receive,
+        scoring: _Echo | None = None,
     ) -> AsyncGenerator[bytes, None]:
         offsets: dict[int, int] = {}  # per choice that has started: its text offset (logprobs)
+        echo_only = scoring is not None and scoring.echo_only
 
         def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
-            text = out.delta_text
-            if echo is not None and index not in offsets:
+            text = "" if echo_only else out.delta_text
+            first = index not in offsets
+            if echo is not None and first:
                 text = echo[index // meta.n] + text
             chunk_lp = None
             if want_logprobs:
-                new_lp = out.new_logprobs or []
-                chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp)
+                new_lp = None if echo_only else (out.new_logprobs or [])
+                if scoring is not None and first:
+                    chunk_lp = scoring.logprobs(index // meta.n, out, new_lp)
+                    offsets[index] = sum(len(t) for t in chunk_lp["tokens"])
+                else:
+                    chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp or [])
             else:
                 offsets.setdefault(index, 0)
             if not text and not out.finished and not chunk_lp:
@@ -398,6 +433,7 @@ class OpenAIServing:
             raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
+        _check_prompt_logprobs(req)
         ids = await self.chat_prompt_ids(
             req.messages,
             req.add_generation_prompt,
@@ -409,7 +445,7 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        items = [(ids, p) for p in self._params(req, max_tokens, logprobs)]
+        items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs)]
         rid = f"chatcmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
@@ -432,7 +468,7 @@ class OpenAIServing:
                     "stop_reason": out.stop_reason,
                 }
             )
-        return {
+        body = {
             "id": rid,
             "object": "chat.completion",
             "created": meta.created,
@@ -440,6 +476,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": meta.usage(finals),
         }
+        if req.prompt_logprobs is not None:  # vLLM: on the response, not per choice (one prompt)
+            body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs or [])
+        return body
 
     def _tool_message(self, plan: ToolPlan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason: tool calls read out of its text when
@@ -585,10 +624,15 @@ async def _next_batch(handle: RequestHandle) -> list[tuple[int, RequestOutput]]:
 async def _collect(handle: RequestHandle, receive: Receive) -> dict[int, RequestOutput]:
     watcher = asyncio.ensure_future(watch_disconnect(receive, handle))
     finals: dict[int, RequestOutput] = {}
+    prompt_lps: dict[int, list[PromptTokenLogprobs | None]] = {}
     try:
         while not handle.done:
             index, out = await handle.next()
+            if out.prompt_logprobs is not None:  # only the first output carries them
+                prompt_lps[index] = out.prompt_logprobs
             if out.finished:
+                if out.prompt_logprobs is None and index in prompt_lps:
+                    out.prompt_logprobs = prompt_lps[index]
                 finals[index] = out
     except EngineDeadError as exc:
         raise APIError(exc.status, f"{exc} Retry on another replica.", code="engine_stopped") from None
@@ -598,3 +642,24 @@ async def _collect(handle: RequestHandle, receive: Receive) -> dict[int, Request
         watcher.cancel()
         handle.close()
     return finals
+
+
+def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    # vLLM's rule: the streamed bodies have no place for them.
+    if req.stream and req.prompt_logprobs:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+
+
+@dataclass
+class _Echo:
+    """Completions with echo: what the logprobs of each prompt's choices start with."""
+
+    prompts: list[list[int]]
+    echo_only: bool  # max_tokens 0: the prompt alone, the one token run to get there dropped
+    first_token_text: Callable[[int], str]
+
+    def logprobs(
+        self, prompt_index: int, out: RequestOutput, generated: list[PositionLogprobs] | None
+    ) -> dict[str, Any]:
+        first = self.first_token_text(self.prompts[prompt_index][0])
+        return echo_completion_logprobs(out.prompt_logprobs or [None], first, generated)
