@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -104,7 +107,24 @@ class _PoolCollector(Collector):
                 [self.pool_name, s.address, str(s.kv_events_live).lower()],
                 self.datastore.index.block_count(s.address),
             )
-        yield from (ready, kv, queue, per_pod, blocks)
+        # Signal freshness for dashboards and alerts (read at scrape time, off the pick path):
+        # how old each endpoint's last scraped metrics are, and whether its KV events are live.
+        now = time.monotonic()
+        age = GaugeMetricFamily(
+            "kvgate_epp_endpoint_metrics_age_seconds",
+            "Seconds since the endpoint's /metrics were last scraped successfully (-1: never)",
+            labels=[*pool, "endpoint"],
+        )
+        live = GaugeMetricFamily(
+            "kvgate_epp_kv_events_live",
+            "1 while the endpoint's KV-event subscription is connected and in sequence",
+            labels=[*pool, "endpoint"],
+        )
+        for s in self.datastore.all():
+            seconds = s.age(now)
+            age.add_metric([self.pool_name, s.address], -1.0 if math.isinf(seconds) else seconds)
+            live.add_metric([self.pool_name, s.address], 1.0 if s.kv_events_live else 0.0)
+        yield from (ready, kv, queue, per_pod, blocks, age, live)
 
 
 UNKNOWN_MODEL = "unknown"  # the label of every model name the pool does not serve

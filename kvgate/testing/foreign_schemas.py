@@ -1,5 +1,6 @@
-"""OpenAPI schemas for the two foreign kinds kvgate writes but does not define: KEDA's
-ScaledObject (keda.sh/v1alpha1) and Gateway API's HTTPRoute (gateway.networking.k8s.io/v1).
+"""OpenAPI schemas for the foreign kinds kvgate writes but does not define: KEDA's
+ScaledObject (keda.sh/v1alpha1), Gateway API's HTTPRoute (gateway.networking.k8s.io/v1) and the
+Prometheus Operator's PodMonitor, ServiceMonitor and PrometheusRule (monitoring.coreos.com/v1).
 
 Written by us from those projects' API references, covering the fields a ScaledObject or an
 HTTPRoute may carry at the levels kvgate writes; unknown fields are rejected (strict), types
@@ -160,6 +161,155 @@ HTTP_ROUTE: dict[str, Any] = _kind_schema(
                         },
                         "retry": _OPAQUE,
                         "sessionPersistence": _OPAQUE,
+                    },
+                },
+            },
+        },
+    }
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus Operator (monitoring.coreos.com/v1), from its API reference: the chart's opt-in
+# monitoring objects. Durations use the operator's pattern; TLS, OAuth2, basic auth and
+# relabelling blocks are opaque (the chart writes none).
+# ---------------------------------------------------------------------------------------------
+
+_DURATION = {
+    "type": "string",
+    "pattern": "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$",
+}
+_STR_MAP = {"type": "object", "additionalProperties": _STR}
+_SECRET_KEY = {
+    "type": "object",
+    "required": ["key"],
+    "properties": {"name": _STR, "key": _STR, "optional": {"type": "boolean"}},
+}
+_LABEL_SELECTOR = {
+    "type": "object",
+    "properties": {
+        "matchLabels": _STR_MAP,
+        "matchExpressions": {"type": "array", "items": _OPAQUE},
+    },
+}
+_NAMESPACE_SELECTOR = {
+    "type": "object",
+    "properties": {"any": {"type": "boolean"}, "matchNames": {"type": "array", "items": _STR}},
+}
+_SCRAPE_ENDPOINT_COMMON = {
+    "path": _STR,
+    "scheme": {"type": "string", "enum": ["http", "https", "HTTP", "HTTPS"]},
+    "params": {"type": "object", "additionalProperties": {"type": "array", "items": _STR}},
+    "interval": _DURATION,
+    "scrapeTimeout": _DURATION,
+    "honorLabels": {"type": "boolean"},
+    "honorTimestamps": {"type": "boolean"},
+    "trackTimestampsStaleness": {"type": "boolean"},
+    "authorization": {
+        "type": "object",
+        "properties": {"type": _STR, "credentials": _SECRET_KEY},
+    },
+    "bearerTokenSecret": _SECRET_KEY,
+    "basicAuth": _OPAQUE,
+    "oauth2": _OPAQUE,
+    "tlsConfig": _OPAQUE,
+    "metricRelabelings": {"type": "array", "items": _OPAQUE},
+    "relabelings": {"type": "array", "items": _OPAQUE},
+    "proxyUrl": _STR,
+    "followRedirects": {"type": "boolean"},
+    "enableHttp2": {"type": "boolean"},
+    "filterRunning": {"type": "boolean"},
+}
+_INT_OR_STRING = {"x-kubernetes-int-or-string": True}
+_MONITOR_COMMON = {
+    "jobLabel": _STR,
+    "podTargetLabels": {"type": "array", "items": _STR},
+    "selector": _LABEL_SELECTOR,
+    "namespaceSelector": _NAMESPACE_SELECTOR,
+    "sampleLimit": {"type": "integer", "format": "int64"},
+    "targetLimit": {"type": "integer", "format": "int64"},
+    "labelLimit": {"type": "integer", "format": "int64"},
+    "attachMetadata": _OPAQUE,
+    "scrapeClass": _STR,
+}
+
+POD_MONITOR: dict[str, Any] = _kind_schema(
+    {
+        "type": "object",
+        "required": ["selector"],
+        "properties": {
+            **_MONITOR_COMMON,
+            "podMetricsEndpoints": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        **_SCRAPE_ENDPOINT_COMMON,
+                        "port": _STR,
+                        "portNumber": {"type": "integer", "minimum": 1, "maximum": 65535},
+                        "targetPort": _INT_OR_STRING,
+                    },
+                },
+            },
+        },
+    }
+)
+
+SERVICE_MONITOR: dict[str, Any] = _kind_schema(
+    {
+        "type": "object",
+        "required": ["selector", "endpoints"],
+        "properties": {
+            **_MONITOR_COMMON,
+            "targetLabels": {"type": "array", "items": _STR},
+            "endpoints": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        **_SCRAPE_ENDPOINT_COMMON,
+                        "port": _STR,
+                        "targetPort": _INT_OR_STRING,
+                        "bearerTokenFile": _STR,
+                    },
+                },
+            },
+        },
+    }
+)
+
+PROMETHEUS_RULE: dict[str, Any] = _kind_schema(
+    {
+        "type": "object",
+        "properties": {
+            "groups": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": _DURATION,
+                        "query_offset": _DURATION,
+                        "limit": {"type": "integer"},
+                        "partial_response_strategy": _STR,
+                        "labels": _STR_MAP,
+                        "rules": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["expr"],
+                                "properties": {
+                                    "record": _STR,
+                                    "alert": _STR,
+                                    "expr": _INT_OR_STRING,
+                                    "for": _DURATION,
+                                    "keep_firing_for": _DURATION,
+                                    "labels": _STR_MAP,
+                                    "annotations": _STR_MAP,
+                                },
+                            },
+                        },
                     },
                 },
             },

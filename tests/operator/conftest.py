@@ -296,8 +296,8 @@ def _k8s_validator(api_version: str, kind: str) -> jsonschema.Draft202012Validat
 
 class Validator:
     """Validates any object kvgate emits: built-in kinds with kubernetes-validate (strict, a
-    current Kubernetes), our kinds with our CRDs' schemas and CEL rules, KEDA's and Gateway
-    API's kinds with the schemas in foreign_schemas.py."""
+    current Kubernetes), our kinds with our CRDs' schemas and CEL rules, KEDA's, Gateway API's
+    and the Prometheus Operator's kinds with the schemas in foreign_schemas.py."""
 
     def __init__(self) -> None:
         from kvgate.api.k8s.crds import crd_manifests
@@ -309,6 +309,12 @@ class Validator:
             self.openapi[key] = version["schema"]["openAPIV3Schema"]
         self.openapi[("keda.sh/v1alpha1", "ScaledObject")] = foreign_schemas.SCALED_OBJECT
         self.openapi[("gateway.networking.k8s.io/v1", "HTTPRoute")] = foreign_schemas.HTTP_ROUTE
+        for kind, schema in (
+            ("PodMonitor", foreign_schemas.POD_MONITOR),
+            ("ServiceMonitor", foreign_schemas.SERVICE_MONITOR),
+            ("PrometheusRule", foreign_schemas.PROMETHEUS_RULE),
+        ):
+            self.openapi[("monitoring.coreos.com/v1", kind)] = schema
 
     @functools.cache  # noqa: B019  (one session-wide instance)
     def _crd_validator(self, key: tuple[str, str]) -> jsonschema.Draft202012Validator:

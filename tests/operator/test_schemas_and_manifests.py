@@ -34,6 +34,7 @@ VALUES_FILES = [
     None,
     CHART / "examples" / "values-gpu.yaml",
     CHART / "examples" / "values-envoy-gateway.yaml",
+    CHART / "examples" / "values-monitoring.yaml",
 ]
 
 
@@ -480,6 +481,45 @@ def test_every_rendered_template_is_valid(
     }
     gpu = [d for d in rendered_chart["values-gpu.yaml"] if d["kind"] == "ModelDeployment"]
     assert gpu and ModelDeploymentSpec.model_validate(gpu[0]["spec"])
+
+
+def test_monitoring_values_render_valid_prometheus_operator_objects_and_dashboards(
+    rendered_chart: dict[str, list[dict[str, Any]]], validator: Any
+) -> None:
+    import json
+
+    docs = rendered_chart["values-monitoring.yaml"]
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in docs:
+        validator.check(doc)  # PodMonitor/ServiceMonitor/PrometheusRule: foreign_schemas.py
+        by_kind.setdefault(doc["kind"], []).append(doc)
+    assert {
+        p["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] for p in by_kind["PodMonitor"]
+    } == {"engine"}  # the EPP is scraped through its Service when the ServiceMonitor is on
+    (rule,) = by_kind["PrometheusRule"]
+    alerts = {r["alert"] for r in rule["spec"]["groups"][0]["rules"]}
+    assert alerts == {
+        "KvgatePoolSaturated",
+        "KvgateEppNotReady",
+        "KvgateKVEventsStale",
+        "KvgateEngineErrorRate",
+        "KvgateTTFTP90OverSLO",
+    }
+    dashboards = [c for c in by_kind["ConfigMap"] if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
+    assert len(dashboards) == 3
+    for cm in dashboards:
+        (text,) = cm["data"].values()
+        assert json.loads(text)["panels"]
+    assert not any(
+        d["kind"] in ("PodMonitor", "ServiceMonitor", "PrometheusRule") for d in rendered_chart["default"]
+    )
+    bad = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": "x"},
+        "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "http", "interval": "15 seconds"}]},
+    }
+    assert validator.errors(bad)
 
 
 def test_operator_deployment_and_rbac(rendered_chart: dict[str, list[dict[str, Any]]]) -> None:
