@@ -16,20 +16,12 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     logs = tmp_path_factory.mktemp("gateway-prompt-logprobs")
-    engine = harness.start_engine(logs, "--served-model-name", "default")
-    procs = [engine.proc]
-    try:
-        engine.wait_ready()
-        epp = harness.start_epp(logs, [engine])
-        procs.append(epp.proc)
-        envoy = harness.start_envoy(logs, epp.grpc_port)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+    with harness.gateway_stack(logs, engines=1, engine_args=("--served-model-name", "default")) as (
+        _,
+        _,
+        envoy,
+    ):
         yield envoy
-    finally:
-        harness.stop_all(*procs)
 
 
 def test_prompt_logprob_requests_pass_through_the_gateway(gateway) -> None:

@@ -22,7 +22,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,11 +284,11 @@ def start_envoy(log_dir: Path, epp_port: int, **kwargs: Any) -> Envoy:
 
 @contextmanager
 def gateway_stack(
-    log_dir: Path, engines: int = 2, **envoy_kwargs: Any
+    log_dir: Path, engines: int = 2, engine_args: Sequence[str] = (), **envoy_kwargs: Any
 ) -> Iterator[tuple[list[Engine], Epp, Envoy]]:
-    """Simulated engines, the EPP (its default precise-prefix profile: it tokenizes every
-    prompt) and Envoy in front, all ready; stopped on exit."""
-    started = [start_engine(log_dir) for _ in range(engines)]
+    """Simulated engines (each given ``engine_args``), the EPP (its default precise-prefix
+    profile: it tokenizes every prompt) and Envoy in front, all ready; stopped on exit."""
+    started = [start_engine(log_dir, *engine_args) for _ in range(engines)]
     procs = [e.proc for e in started]
     try:
         for e in started:
