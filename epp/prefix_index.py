@@ -201,7 +201,6 @@ class ApproximateIndex:
 @dataclass
 class _RecentPick:
     when: float
-    endpoint: str
     keys: Sequence[int]
 
 
@@ -224,7 +223,7 @@ class RecentPicks:
         if not keys:
             return
         picks = self._groups.setdefault(keys[0], {}).setdefault(endpoint, deque(maxlen=self.per_endpoint))
-        picks.append(_RecentPick(when, endpoint, keys))
+        picks.append(_RecentPick(when, keys))
         self._order.append((when, keys[0]))
 
     def _expire(self, now: float) -> None:
