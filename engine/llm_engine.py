@@ -21,6 +21,7 @@ from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner_api import ModelRunner, PromptLogprobsChunk, SampledToken
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class LLMEngine:
             eos = {single} if single is not None else set()
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.vocab_size = self.runner.vocab_size
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._byte_table: ByteLevelTable | None = None
         self._byte_table_built = False  # built on first use: keeps engine start-up fast
@@ -164,6 +166,8 @@ class LLMEngine:
             lora_id=lora_id,
             eos_token_ids=self.eos_token_ids,
         )
+        if params.structured_outputs is not None:
+            request.grammar = self.structured.matcher(params.structured_outputs)
         self.scheduler.add_request(request)
         self._detok[request_id] = IncrementalDetokenizer(
             self.tokenizer,
@@ -200,6 +204,7 @@ class LLMEngine:
             return []
         if on_scheduled is not None:
             on_scheduled()
+        self.structured.prepare(batch, self.scheduler.requests)
         sampled = self.runner.execute(batch)
         if batch.prompt_logprobs:
             self._gather_prompt_logprobs(batch.prompt_logprobs)
@@ -223,8 +228,11 @@ class LLMEngine:
             new_logprobs = [position]
 
         detok = self._detok[rid]
-        # Stopped already, before any text: by EOS or a stop token id, which stay out of the text.
-        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        # Stopped already, before any text: by EOS or a stop token id, which stay out of the text
+        # (a completed grammar also stops the request, and its last token is text).
+        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
+            token in request.eos_token_ids or token in params.stop_token_ids
+        )
         delta = "" if ended_by_token and not params.include_stop_str_in_output else detok.add_token(token)
         if detok.stop_string is not None and not request.is_finished:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, detok.stop_string)

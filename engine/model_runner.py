@@ -269,9 +269,12 @@ class TorchModelRunner:
             if any(s.sampling_params.min_tokens > s.num_generated for s, _ in sampled_seqs):
                 self._ensure_eos()
             requests = [
-                SampleRequest(s.request_id, s.sampling_params, s.num_generated) for s, _ in sampled_seqs
+                SampleRequest(
+                    s.request_id, s.sampling_params, s.num_generated, batch.bitmask_rows.get(s.request_id)
+                )
+                for s, _ in sampled_seqs
             ]
-            tokens = self.sampler(logits, requests)
+            tokens = self.sampler(logits, requests, batch.token_bitmask)
         by_id = {t.request_id: t for t in tokens}
         return [by_id[s.request_id] for s in batch.seqs if s.sample]
 

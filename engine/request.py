@@ -5,16 +5,20 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvgate.engine.outputs import FinishReason, PositionLogprobs, PromptTokenLogprobs
 from kvgate.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgate.engine.structured.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3  # eos, a stop token id or a stop string
+    FINISHED_STOPPED = 3  # eos, a stop token id, a stop string or a completed grammar
     FINISHED_LENGTH = 4  # max_tokens or max_model_len
     FINISHED_ABORTED = 5
 
@@ -68,6 +72,7 @@ class Request:
     # kept across preemption so recomputed chunks never produce them twice.
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
     prompt_logprobs_sent: bool = False
+    grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -14,9 +14,12 @@ computing in this very step (as in vLLM).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvgate.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -51,6 +54,11 @@ class ScheduledBatch:
     # Filled by the runner during `execute`, for each seq with prompt_logprob_targets: computed
     # from the same forward pass as the prefill, so it travels beside the sampled tokens.
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # Structured outputs: the tokens each constrained seq may sample this step, as an int32
+    # [rows, ceil(vocab / 32)] bitmask on the CPU (bit t % 32 of word t // 32: token t is
+    # allowed), and each constrained seq's row. Unconstrained seqs have no row.
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ cheap when its blocks have not been evicted meanwhile).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from kvgate.engine.block_pool import KVBlock
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -221,6 +224,18 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
             touched.append(request)
+            if request.grammar is not None and not request.grammar.accept(token.token_id):
+                # The sampler draws allowed tokens only, so this is a bug somewhere: end the
+                # request rather than stream output that breaks its constraint.
+                log.error(
+                    "request %s sampled token %d, which its grammar does not allow (%s); stopping it",
+                    request.request_id,
+                    token.token_id,
+                    request.grammar.error,
+                )
+                request.grammar = None
+                self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
+                continue
             status, reason = self._check_stop(request, token.token_id)
             if status is not None:
                 self.finish_request(request, status, reason)
@@ -234,6 +249,8 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token_id
+        if request.grammar is not None and request.grammar.finished:
+            return RequestStatus.FINISHED_STOPPED, None  # complete: nothing but EOS may follow
         if params.max_tokens is not None and n_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         if request.num_tokens >= self.config.max_model_len:

@@ -5,7 +5,11 @@ decode cost that grows with the batch) and returns tokens that are a pure functi
 (request seed or id, output position), so a request yields the same text whether its prefix
 was cached, whether it was preempted and recomputed, and on every engine replica. Tokens are
 drawn from ordinary word pieces of the vocabulary so the text reads like (nonsense) words.
-Never imports torch.
+
+Structured outputs are honoured: a constrained request only gets tokens its grammar allows
+(the natural word when allowed, and once its natural length is reached the tokens that close
+the output: EOS, then a quote, brace or bracket), so simulated JSON is valid JSON.
+Never imports torch (a step's token bitmask is read through `tolist()`).
 """
 
 from __future__ import annotations
@@ -80,6 +84,14 @@ class SimulatedRunner:
         if eos_token_id is not None:
             words = [w for w in words if w != eos_token_id]
         self._words = words
+        # Tokens that end what a grammar has open, in the order a closing walk prefers them.
+        self._closers: list[int] = [] if eos_token_id is None else [eos_token_id]
+        if tokenizer is not None:
+            backend = getattr(tokenizer, "backend", tokenizer)
+            for text in ('"', "}", "]", ","):
+                tid = backend.token_to_id(text) if hasattr(backend, "token_to_id") else None
+                if tid is not None:
+                    self._closers.append(int(tid))
         self._sleep = sleep
         self._keys: dict[str, int] = {}  # request id -> token-stream key, until it finishes
         self.steps = 0
@@ -135,11 +147,33 @@ class SimulatedRunner:
                 and pos + 1 >= 8 + key % _MAX_NATURAL_LEN
             ):
                 token = self.eos_token_id
+            row = batch.bitmask_rows.get(seq.request_id)
+            if row is not None and batch.token_bitmask is not None:
+                token = self._constrained(batch.token_bitmask[row].tolist(), token, r, pos >= 4 + key % 12)
             sampled = SampledToken(request_id=seq.request_id, token_id=token)
             if params.logprobs is not None:
                 self._fake_logprobs(sampled, r, params.logprobs)
             out.append(sampled)
         return out
+
+    def _constrained(self, mask: list[int], natural: int | None, r: int, closing: bool) -> int:
+        """An allowed token: a closer once the answer has run its natural length, else the
+        natural word when allowed, else one of the allowed tokens picked by `r`."""
+
+        def allowed(t: int) -> bool:
+            return 0 <= t < len(mask) * 32 and (mask[t >> 5] >> (t & 31)) & 1 == 1
+
+        if closing:
+            for t in self._closers:
+                if allowed(t):
+                    return t
+        if natural is not None and natural != self.eos_token_id and allowed(natural):
+            return natural
+        ids = [w * 32 + b for w, bits in enumerate(mask) if bits for b in range(32) if (bits >> b) & 1]
+        ids = [t for t in ids if t < self.vocab_size] or [t for t in self._closers if allowed(t)]
+        if not ids:
+            raise RuntimeError("the grammar allows no token of this vocabulary")
+        return ids[r % len(ids)]
 
     def _fake_logprobs(self, sampled: SampledToken, r: int, n: int) -> None:
         """Well-formed logprobs: the sampled token is the most likely, the rest trail off."""

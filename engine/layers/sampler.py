@@ -12,6 +12,9 @@ A seeded request's noise for its k-th generated token comes from a generator see
 batch mixes and preemption-by-recompute, with no per-request state to leak.
 
 Logprobs follow vLLM: log-softmax of the raw model logits (before temperature or any masking).
+
+Structured outputs arrive as a token bitmask per constrained row; it is applied before any
+sampling transform, so temperature, top-k/p and min-p act on the allowed tokens only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 from kvgate.engine.runner_api import SampledToken
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.structured.bitmask import unpack_bitmask
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
 _MASK64 = (1 << 64) - 1
@@ -35,6 +39,7 @@ class SampleRequest:
     request_id: str
     params: SamplingParams
     num_generated: int = 0
+    bitmask_row: int | None = None  # row of the step's token bitmask (structured outputs)
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -59,14 +64,22 @@ class Sampler:
         # Masked while a request is below min_tokens (the model's EOS ids; per-request stop ids are added).
         self.eos_token_ids = set(stop_token_ids_for_min_tokens)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> list[SampledToken]:
-        """logits: [len(rows), vocab] fp32. Returns one SampledToken per row, in order."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SampleRequest],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> list[SampledToken]:
+        """logits: [len(rows), vocab] fp32; token_bitmask: int32 [k, ceil(vocab/32)], indexed
+        by each row's `bitmask_row`. Returns one SampledToken per row, in order."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         if not rows:
             return []
         raw = logits
         logits = self._mask_min_tokens(logits, rows)
+        if token_bitmask is not None:
+            logits = self._mask_grammar(raw, logits, rows, token_bitmask)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if random_rows:
@@ -89,6 +102,25 @@ class Sampler:
                 masked = logits.clone()
             masked[i, stop_ids] = float("-inf")
         return logits if masked is None else masked
+
+    @staticmethod
+    def _mask_grammar(
+        raw: torch.Tensor, logits: torch.Tensor, rows: Sequence[SampleRequest], token_bitmask: torch.Tensor
+    ) -> torch.Tensor:
+        """Disallowed tokens to -inf on the constrained rows only. Where min_tokens masked the
+        only tokens the grammar allows (its end), the grammar wins: it cannot be extended."""
+        constrained = [(i, r.bitmask_row) for i, r in enumerate(rows) if r.bitmask_row is not None]
+        if not constrained:
+            return logits
+        index = torch.tensor([i for i, _ in constrained], device=logits.device)
+        masks = token_bitmask.index_select(0, torch.tensor([b for _, b in constrained]))
+        allowed = unpack_bitmask(masks.to(logits.device), logits.shape[1])
+        sub = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+        dead = torch.isneginf(sub).all(dim=-1)
+        if bool(dead.any()):
+            grammar_only = raw.index_select(0, index).masked_fill(~allowed, float("-inf"))
+            sub = torch.where(dead[:, None], grammar_only, sub)
+        return logits.index_copy(0, index, sub)
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
         device = logits.device

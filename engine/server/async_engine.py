@@ -27,6 +27,7 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.errors import APIError
 from kvgate.engine.server.kv_publisher import KVEventPublisher
 from kvgate.engine.server.metrics import EngineMetrics, FinishedRequestStats, StatsSnapshot
+from kvgate.engine.structured import StructuredOutputSpec
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self._idle_event = asyncio.Event()  # set while no client request is in flight
         self._idle_event.set()
+        self._compile_slots = asyncio.Semaphore(2)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,6 +170,13 @@ class AsyncEngine:
             self.publisher.close()
 
     # ---- event-loop side -------------------------------------------------------------------
+    async def compile_structured(self, spec: StructuredOutputSpec) -> None:
+        """Compile a structured-output constraint off the event loop, a few at a time (a
+        compile is bounded by the grammar library's limits, but many at once would starve
+        the engine thread). Raises StructuredOutputError when it cannot be used."""
+        async with self._compile_slots:
+            await asyncio.to_thread(self.engine.structured.compile, spec)
+
     async def submit(
         self,
         request_id: str,

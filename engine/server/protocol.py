@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kvgate.engine.server.errors import APIError
+from kvgate.engine.server.structured import StructuredFields
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -28,8 +29,9 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = False
 
 
-class _SamplingFields(_Lenient):
-    """Fields both generation endpoints share (OpenAI's plus vLLM's extras)."""
+class _SamplingFields(StructuredFields, _Lenient):
+    """Fields both generation endpoints share (OpenAI's plus vLLM's extras; the structured
+    output fields are in `structured.py`)."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -110,10 +112,6 @@ class ChatMessage(_Lenient):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Lenient):
-    type: str = "text"
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -129,7 +127,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Lenient):

@@ -33,6 +33,7 @@ from kvgate.engine.server.responses import (
 )
 from kvgate.engine.server.tools.request import ToolOptions, ToolPlan, plan_tools
 from kvgate.engine.server.tools.stream import ToolStreamer, message_tool_calls
+from kvgate.engine.structured import StructuredOutputError, StructuredOutputSpec
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -182,6 +183,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured: StructuredOutputSpec | None = None,
     ) -> list[SamplingParams]:
         base = SamplingParams(
             n=1,
@@ -199,6 +201,7 @@ class OpenAIServing:
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured,
         )
         try:
             base.validate()
@@ -210,6 +213,35 @@ class OpenAIServing:
             return [base]
         # Each choice gets its own seed so choices differ yet stay reproducible (vLLM does the same).
         return [replace(base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
+
+    async def _structured(
+        self, req: CompletionRequest | ChatCompletionRequest, tool_schema: dict[str, Any] | None = None
+    ) -> StructuredOutputSpec | None:
+        """The request's output constraint, compiled (a 400 before anything is queued when it
+        cannot be used). A required or named tool_choice constrains to its calls' schema."""
+        spec = req.structured_spec()
+        if tool_schema is not None:
+            if spec is not None:
+                raise bad_request(
+                    "A required or named tool_choice cannot be combined with another structured "
+                    "output constraint.",
+                    "tool_choice",
+                )
+            try:
+                spec = StructuredOutputSpec.json_schema(tool_schema)
+                await self.engine.compile_structured(spec)
+            except StructuredOutputError as exc:
+                raise bad_request(
+                    f"The tools' parameters cannot constrain decoding: {exc}", "tools"
+                ) from None
+            return spec
+        if spec is not None:
+            param = "response_format" if req.response_format is not None else None
+            try:
+                await self.engine.compile_structured(spec)
+            except StructuredOutputError as exc:
+                raise bad_request(str(exc), exc.param or param) from None
+        return spec
 
     # ---- prompts ---------------------------------------------------------------------------
     def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -316,6 +348,7 @@ class OpenAIServing:
         if req.suffix:
             raise bad_request("suffix is not supported.", "suffix")
         _check_prompt_logprobs(req)
+        structured = await self._structured(req)
         # OpenAI and vLLM: echo with max_tokens 0 scores the prompt and returns it alone (vLLM
         # runs one token and drops it); without echo, 0 is out of range.
         if req.max_tokens == 0 and not req.echo:
@@ -338,7 +371,7 @@ class OpenAIServing:
         items: list[tuple[list[int], SamplingParams]] = []
         for ids in prompts:
             max_tokens = self._check_prompt(ids, 1 if echo_only else req.max_tokens, "prompt")
-            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs, prompt_lp))
+            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs, prompt_lp, structured))
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
         rid = f"cmpl-{self._next_id()}"
@@ -429,8 +462,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
         tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request("Only response_format {'type': 'text'} is supported.", "response_format")
+        structured = await self._structured(req, tool_plan.json_schema())
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
         _check_prompt_logprobs(req)
@@ -445,7 +477,7 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._check_prompt(ids, requested, "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs)]
+        items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs, structured)]
         rid = f"chatcmpl-{self._next_id()}"
         handle = await self.engine.submit(rid, items)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])

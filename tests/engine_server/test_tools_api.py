@@ -1,13 +1,16 @@
 """`tools` / `tool_choice` on a real simulated `kvgate engine serve`, through the openai client:
-vLLM's rules for what is accepted (the simulator writes random text, so the calls themselves
-are checked on the real model in e2e/test_tool_calling.py)."""
+vLLM's rules for what is accepted. The simulator writes random text, but only what a grammar
+allows, so required/named calls validate here too; e2e/test_structured_outputs.py checks them on the
+real model."""
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 from openai import OpenAI
@@ -67,7 +70,8 @@ def auto_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAI]:
 
 def _chat(client: OpenAI, **kw):
     kw.setdefault("messages", [{"role": "user", "content": "Weather in Paris?"}])
-    return client.chat.completions.create(model=MODEL, max_tokens=8, **kw)
+    kw.setdefault("max_tokens", 8)
+    return client.chat.completions.create(model=MODEL, **kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"tool_choice": "auto"}])
@@ -111,9 +115,19 @@ def test_tool_history_is_accepted_and_none_answers_in_text(client: OpenAI) -> No
 
 
 def test_required_and_named_are_served_without_the_auto_flags(client: OpenAI) -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = _chat(client, tools=TOOLS, tool_choice=choice)
-        assert r.choices[0].finish_reason is not None
+    """Without the auto flags, and valid: decoding is constrained to the calls' schema (the
+    simulator samples only what the grammar allows)."""
+    params = TOOLS[0]["function"]["parameters"]
+    for choice, finish in (
+        ("required", "tool_calls"),
+        ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+    ):
+        for seed in range(3):
+            r = _chat(client, tools=TOOLS, tool_choice=choice, max_tokens=200, seed=seed)
+            (call,) = r.choices[0].message.tool_calls or [None]
+            assert call is not None and call.function.name == "get_weather", r
+            jsonschema.validate(json.loads(call.function.arguments), params)
+            assert r.choices[0].finish_reason == finish
 
 
 def test_auto_with_the_flags_streams_and_answers(auto_client: OpenAI) -> None:

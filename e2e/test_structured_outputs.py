@@ -1,7 +1,9 @@
-"""Tool calling on the real default model (SmolLM2-135M-Instruct) through the gateway (Envoy +
-EPP) of `kvgate up`, with the openai client and langchain-openai: `required` and a named
-`tool_choice` are enforced by grammar, so even this small model returns calls whose arguments
-validate against the function's parameters, streamed and not."""
+"""Structured outputs and tool calling on the real default model (SmolLM2-135M-Instruct) through
+the gateway (Envoy + EPP) of `kvgate up`, with the openai client and langchain-openai.
+
+`response_format` JSON schemas, `required` and a named `tool_choice` are enforced by grammar,
+so even this small model returns JSON that validates against the schema and calls whose
+arguments validate against the function's parameters, streamed and not."""
 
 from __future__ import annotations
 
@@ -51,11 +53,50 @@ TIME = {
 TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-# The engine has no guided decoding yet: unconstrained, SmolLM2 writes prose. Strict xfails turn
-# into failures once required/named are constrained to ToolPlan.json_schema().
-needs_grammar = pytest.mark.xfail(
-    strict=True, reason="required/named tool_choice not grammar-constrained yet"
-)
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 40},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
+        },
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    },
+    "order": {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 12},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+            "express": {"type": "boolean"},
+            "status": {"type": "string", "enum": ["new", "paid", "shipped"]},
+        },
+        "required": ["items", "express", "status"],
+        "additionalProperties": False,
+    },
+    "weather": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "temperature_c": {"type": "number"},
+            "conditions": {"anyOf": [{"type": "string", "maxLength": 30}, {"type": "null"}]},
+        },
+        "required": ["city", "temperature_c", "conditions"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +124,6 @@ def _valid(name: str, arguments: str) -> dict:
     return args
 
 
-@needs_grammar
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_returns_valid_calls(client: OpenAI, parallel: bool) -> None:
     r = client.chat.completions.create(
@@ -99,7 +139,6 @@ def test_required_returns_valid_calls(client: OpenAI, parallel: bool) -> None:
         _valid(call.function.name, call.function.arguments)
 
 
-@needs_grammar
 def test_named_choice_returns_that_function_with_valid_arguments(client: OpenAI) -> None:
     r = client.chat.completions.create(
         model="default", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
@@ -132,7 +171,6 @@ def _streamed_calls(client: OpenAI, **kw) -> tuple[list[dict], str | None]:
     return calls, finish
 
 
-@needs_grammar
 @pytest.mark.parametrize(
     ("choice", "finish"),
     [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")],
@@ -159,7 +197,6 @@ def test_tool_history_and_auto_through_the_gateway(client: OpenAI) -> None:
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
 
 
-@needs_grammar
 @pytest.mark.skipif(
     importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed"
 )
@@ -180,3 +217,46 @@ def test_langchain_bind_tools(stack: UpProcess) -> None:
         streamed = part if streamed is None else streamed + part
     assert streamed is not None and streamed.tool_calls[0]["name"] == "get_weather"
     jsonschema.validate(streamed.tool_calls[0]["args"], PARAMS["get_weather"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_response_format_json_schema_validates(client: OpenAI, name: str, stream: bool) -> None:
+    schema = SCHEMAS[name]
+    kw = dict(
+        model="default", max_tokens=150, temperature=0,
+        messages=[{"role": "user", "content": f"Invent a {name} and give it as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+    )  # fmt: skip
+    if stream:
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+    else:
+        r = client.chat.completions.create(**kw)
+        text, finish = r.choices[0].message.content or "", r.choices[0].finish_reason
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("langchain_openai") is None, reason="langchain-openai not installed"
+)
+def test_langchain_with_structured_output(stack: UpProcess) -> None:
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=40)
+        age: int = Field(ge=0, le=130)
+
+    llm = ChatOpenAI(
+        model="default", base_url=f"{stack.stack['gateway_url']}/v1", api_key="none", temperature=0,
+        max_tokens=100, max_retries=0,
+    )  # fmt: skip
+    for method in ("json_schema", "function_calling", "json_mode"):
+        prompt = "Invent a person. Answer in JSON with keys name and age."
+        person = llm.with_structured_output(Person, method=method).invoke(prompt)
+        assert isinstance(person, Person), (method, person)
