@@ -64,6 +64,11 @@ def main() -> None:
     ap.add_argument("--rates", default=None, help="req/s, comma-separated (default: the preset's)")
     ap.add_argument("--seeds", default="0", help="comma-separated; results are averaged over them")
     ap.add_argument("--epp-replicas", type=int, default=1)
+    ap.add_argument(
+        "--no-admissions",
+        action="store_true",
+        help="engines do not announce admissions: each EPP replica sees only its own picks",
+    )
     args = ap.parse_args()
 
     preset = PRESETS[args.preset].values
@@ -77,6 +82,7 @@ def main() -> None:
         # kvgate bench's simulated timing (~70B on one accelerator)
         sim=SimulationConfig(prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005),
         epp_replicas=args.epp_replicas,
+        announce_admissions=not args.no_admissions,
     )
     count, warmup = int(preset["num_requests"]), int(preset["warmup_requests"])  # type: ignore[call-overload]
     print(

@@ -6,11 +6,13 @@ consistent enough view without locks because everything runs on one asyncio loop
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvgate.api.contracts.admissions import Admission
 from kvgate.epp.prefix_index import PreciseIndex
 
 
@@ -122,11 +124,16 @@ class EndpointState:
 
 
 Listener = Callable[[Endpoint, bool], None]  # (endpoint, added?)
+AdmissionListener = Callable[[str, Admission], None]  # (endpoint address, what it admitted)
 
 
 class Datastore:
-    def __init__(self, unreachable_after_failures: int = 3) -> None:
+    def __init__(self, unreachable_after_failures: int = 3, replica_id: str | None = None) -> None:
         self._states: dict[str, EndpointState] = {}
+        # Names this replica's picks to the engines, which announce them to every replica
+        # (kvgate.api.contracts.admissions); random, so replicas never share one.
+        self.replica_id = replica_id or secrets.token_hex(6)
+        self._admission_listeners: list[AdmissionListener] = []
         self.index = PreciseIndex()
         self.synced = False  # discovery has delivered its first full endpoint list
         # Envoy sends this EPP the response phase, so EndpointState.inflight is exact
@@ -149,6 +156,17 @@ class Datastore:
     # -- discovery ---------------------------------------------------------------------------
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
+
+    def subscribe_admissions(self, listener: AdmissionListener) -> None:
+        self._admission_listeners.append(listener)
+
+    def note_admission(self, address: str, admission: Admission) -> None:
+        """An engine admitted a request some EPP replica picked; another replica's pick is news
+        (our own were recorded when we made them)."""
+        if admission.picked_by == self.replica_id or address not in self._states:
+            return
+        for listener in self._admission_listeners:
+            listener(address, admission)
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         wanted = {e.address: e for e in endpoints}

@@ -7,12 +7,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvgate.api.contracts.admissions import Admission
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
+from kvgate.epp.prefix_index import block_keys
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext, SchedulingProfile
 
 log = logging.getLogger("kvgate.epp.director")
+
+# Tokens per KV block of an engine that has not said (its KV events carry its size).
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -42,6 +47,7 @@ class Director:
         self.profile = profile
         self.saturation = saturation
         datastore.subscribe(self._on_endpoint)
+        datastore.subscribe_admissions(self._on_admission)
 
     def _on_endpoint(self, endpoint: Endpoint, added: bool) -> None:
         # What our own routing remembers about an endpoint dies with it (the KV-event index is
@@ -51,6 +57,30 @@ class Director:
                 forget = getattr(scorer, "forget_endpoint", None)
                 if forget is not None:
                     forget(endpoint.address)
+
+    def _on_admission(self, address: str, admission: Admission) -> None:
+        """Another replica's pick, announced by the engine that admitted it: count it as that
+        replica would have (queued prefill work there, recent prefix placement, working set),
+        so active-active replicas judge queues and placement alike."""
+        state = self.datastore.get(address)
+        if state is None:
+            return
+        now = self.clock()
+        tokens = admission.token_ids
+        index = self.datastore.index
+        uncached: int | None = None
+        for scorer, _ in self.profile.scorers:
+            observe = getattr(scorer, "observe_admission", None)
+            if observe is not None:
+                found = observe(address, tokens, now, index)
+                if uncached is None and isinstance(found, int):
+                    uncached = found
+        if uncached is None:  # no prefix-aware scorer: what the index says is cached there
+            size = index.block_size(address) or DEFAULT_BLOCK_SIZE
+            keys = block_keys(tokens, size)
+            cached = index.prefix_blocks(keys, [address]).get(address, 0) * size if keys else 0
+            uncached = max(0, len(tokens) - cached)
+        state.note_pick(now, uncached)
 
     def candidates(self, request: InferenceRequest) -> list[EndpointState]:
         reachable = self.datastore.reachable

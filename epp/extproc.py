@@ -26,6 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from kvgate.api.contracts.admissions import PICKED_BY_HEADER
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import BadRequest, InferenceRequest, PromptPolicy, Tokenizer, parse_body
@@ -314,7 +315,12 @@ class EndpointPickerHandler:
     def _forward(
         self, x: _Exchange, decision: Decision, payload: bytes, has_body: bool
     ) -> list[ep.ProcessingResponse]:
-        set_headers = [_header(DESTINATION_HEADER, decision.targets[0])]
+        set_headers = [
+            _header(DESTINATION_HEADER, decision.targets[0]),
+            # The engine announces the admission to every EPP replica (a client's own value is
+            # overwritten): see kvgate.api.contracts.admissions.
+            _header(PICKED_BY_HEADER, self.director.datastore.replica_id),
+        ]
         if has_body:
             set_headers.append(_header("content-length", str(len(payload))))
         if x.generated_id:

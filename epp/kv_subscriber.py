@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from kvgate.api.contracts import admissions
 from kvgate.api.contracts.kv_events import KVEventDecodeError, decode_batch, decode_seq, encode_seq
 from kvgate.epp.datastore import Datastore, Endpoint
 
@@ -187,6 +188,9 @@ class KVEventSubscribers:
                 state.kv_synced = True
             while True:
                 frames = await sock.recv_multipart()
+                if len(frames) == 2 and admissions.is_admission_topic(frames[0]):
+                    self._admission(endpoint.address, frames[1])
+                    continue
                 if len(frames) != 3:
                     log.warning(
                         "endpoint %s: KV-event message has %d frames, expected 3",
@@ -209,6 +213,14 @@ class KVEventSubscribers:
             if state is not None:
                 state.kv_events_live = False
             sock.close()
+
+    def _admission(self, address: str, payload: bytes) -> None:
+        try:
+            admission = admissions.decode(payload)
+        except admissions.AdmissionDecodeError as exc:
+            log.warning("endpoint %s: %s", address, exc)
+            return
+        self.datastore.note_admission(address, admission)
 
     async def close(self) -> None:
         for task in self._tasks.values():

@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from kvgate.api.contracts.admissions import PICKED_BY_HEADER, valid_replica_id
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
@@ -60,6 +61,12 @@ class ServerState:
     body_total_timeout: float | None = 120.0  # seconds for a whole body (a trickle); None: no limit
     metrics_auth: bool = False  # /metrics requires the API key too
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _picked_by(request: Request) -> str | None:
+    """The kvgate EPP replica that routed this request, when it asked for an admission
+    announcement (kvgate.api.contracts.admissions); a malformed value asks for nothing."""
+    return valid_replica_id(request.headers.get(PICKED_BY_HEADER))
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -244,14 +251,14 @@ def build_app(state: ServerState) -> Starlette:
 
     async def completions(request: Request) -> Any:
         req = parse_body(CompletionRequest, await read_body(request))
-        result = await serving.completions(req, request.receive)
+        result = await serving.completions(req, request.receive, _picked_by(request))
         if isinstance(result, dict):
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)
 
     async def chat(request: Request) -> Any:
         req = parse_body(ChatCompletionRequest, await read_body(request))
-        result = await serving.chat(req, request.receive)
+        result = await serving.chat(req, request.receive, _picked_by(request))
         if isinstance(result, dict):
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)

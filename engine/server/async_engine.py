@@ -54,6 +54,7 @@ class _Add:
     accepted: asyncio.Future[None]
     arrival_wall: float  # time.time() at arrival: the engine's own timestamps are wall clock
     parent: _Parent
+    picked_by: str | None = None  # the kvgate EPP replica that routed it: announce its admission
 
 
 @dataclass
@@ -182,6 +183,7 @@ class AsyncEngine:
         request_id: str,
         items: list[tuple[list[int], SamplingParams]],
         lora_id: int | None = None,
+        picked_by: str | None = None,
     ) -> RequestHandle:
         """Admit one client request as one engine request per (prompt, params) item.
 
@@ -214,7 +216,7 @@ class AsyncEngine:
                 self._pending.add(fut)
                 self._routes[rid] = (handle, index)
                 self._adds.append(
-                    _Add(rid, prompt, params, arrival, lora_id, fut, arrival_wall, parents[index])
+                    _Add(rid, prompt, params, arrival, lora_id, fut, arrival_wall, parents[index], picked_by)
                 )
             self._cv.notify()
         # Only the uncached part is work: a request whose prefix is cached must not make this
@@ -302,7 +304,12 @@ class AsyncEngine:
                     aborts, self._aborts = self._aborts, []
                     result = _StepResult()
                     for add in adds:
-                        result.accepts.append((add.accepted, self._apply_add(add)))
+                        refused = self._apply_add(add)
+                        result.accepts.append((add.accepted, refused))
+                        if refused is None and add.picked_by and self.publisher is not None:
+                            # Before the step: the other EPP replicas learn of this pick now,
+                            # not after its prefill stores blocks.
+                            self.publisher.publish_admission(add.picked_by, add.prompt_token_ids, add.lora_id)
                     # After the adds: a client may leave before its admission was answered.
                     for rid in aborts:
                         # A client that left mid-request counts as finished_reason="abort".

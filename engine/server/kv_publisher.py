@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from kvgate.api.contracts import admissions
 from kvgate.api.contracts.kv_events import KVEvent, KVEventBatch, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ class KVEventPublisher:
         connect: bool = False,
     ) -> None:
         self.topic = topic.encode()
+        # kv@<host:port>@<model> -> kvgate-admitted@<host:port>@<model>
+        self.admission_topic = admissions.TOPIC_PREFIX.encode() + self.topic.partition(b"@")[2]
         self._dp_rank = data_parallel_rank
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -83,6 +86,16 @@ class KVEventPublisher:
         try:
             self._pub.send_multipart((self.topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
         except zmq.Again:  # PUB never blocks past its HWM; a slow subscriber catches up via replay
+            pass
+
+    def publish_admission(self, picked_by: str, token_ids: list[int], lora_id: int | None) -> None:
+        """Announce a request a kvgate EPP replica picked (see kvgate.api.contracts.admissions).
+        Not sequenced or replayed: an announcement only bridges the seconds before the KV events
+        and scrapes that follow it, so a lost one costs nothing lasting."""
+        payload = admissions.encode(admissions.Admission(picked_by, token_ids, lora_id))
+        try:
+            self._pub.send_multipart((self.admission_topic, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
             pass
 
     def _serve_replay(self, endpoint: str, ready: threading.Event) -> None:

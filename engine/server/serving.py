@@ -342,7 +342,9 @@ class OpenAIServing:
         return self.chat_prompt(*args)
 
     # ---- completions -----------------------------------------------------------------------
-    async def completions(self, req: CompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
+    async def completions(
+        self, req: CompletionRequest, receive: Receive, picked_by: str | None = None
+    ) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
         if req.suffix:
@@ -375,7 +377,7 @@ class OpenAIServing:
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
         rid = f"cmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items)
+        handle = await self.engine.submit(rid, items, picked_by=picked_by)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -458,7 +460,9 @@ class OpenAIServing:
         return _sse_stream(handle, meta, "text_completion", include_usage, receive, choice)
 
     # ---- chat completions ------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, receive: Receive) -> dict[str, Any] | StreamResult:
+    async def chat(
+        self, req: ChatCompletionRequest, receive: Receive, picked_by: str | None = None
+    ) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
         tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
@@ -479,7 +483,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs, structured)]
         rid = f"chatcmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items)
+        handle = await self.engine.submit(rid, items, picked_by=picked_by)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvgate.epp.datastore import EndpointState
+from kvgate.epp.prefix_index import PreciseIndex
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
 from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
 
@@ -307,6 +308,13 @@ class PredictedLatencyScorer:
         tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(target.address)
         if tokens is not None:
             self.model.speed(target.address).recent_uncached.append(tokens)
+
+    def observe_admission(self, address: str, token_ids: list[int], now: float, index: PreciseIndex) -> int:
+        """Another EPP replica's pick, announced by the engine: it fills that engine's cache
+        as our own picks do. Returns the tokens the engine must compute for it."""
+        keys, uncached = self.prefix.observe_admission(address, token_ids, now, index)
+        self.working_sets.touch(address, self.working_sets.sampled(keys), now)
+        return uncached
 
     def _sampled_keys(self, ctx: SchedulingContext) -> frozenset[int]:
         cache_key = f"{self.name}:sampled-keys"

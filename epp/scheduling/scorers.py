@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvgate.epp.datastore import EndpointState
-from kvgate.epp.prefix_index import ApproximateIndex, RecentPicks, block_keys, root_key
+from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, RecentPicks, block_keys, root_key
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 
@@ -212,6 +212,22 @@ class PrecisePrefixCacheScorer:
         self.fallback.record(keys, target.address, ctx.now)
         if self.recent_window_seconds > 0:
             self.recent.record(keys, target.address, ctx.now)
+
+    def observe_admission(
+        self, address: str, token_ids: list[int], now: float, index: PreciseIndex
+    ) -> tuple[list[int], int]:
+        """Another EPP replica's pick, announced by the engine: bridge the gap before its
+        BlockStored as for our own picks. Returns the prompt's block keys (default size) and
+        the tokens the engine must compute for it (what it had cached or was about to)."""
+        keys = block_keys(token_ids, self.block_size)
+        size = index.block_size(address) or self.block_size
+        sized = keys if size == self.block_size else block_keys(token_ids, size)
+        cached = index.prefix_blocks(sized, [address]).get(address, 0) * size if sized else 0
+        if self.recent_window_seconds > 0 and keys:
+            recent = self.recent.prefix_blocks(keys, [address], now).get(address, 0) * self.block_size
+            cached = max(cached, recent)
+            self.recent.record(keys, address, now)
+        return keys, max(0, len(token_ids) - cached)
 
     def forget_endpoint(self, address: str) -> None:
         self.fallback.forget_endpoint(address)

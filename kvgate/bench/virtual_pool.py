@@ -11,7 +11,8 @@ What is modelled: Poisson arrivals; each engine steps whenever it has work, a st
 simulated runner's duration; the EPP scrapes every engine every `scrape_interval` (waiting,
 running, KV use — what the real scraper reads) and receives each step's KV events
 `kv_event_delay` later; several EPP replicas can share the pool (arrivals alternate between
-them, as Envoy balances). What is not: network and process overheads, HTTP streaming.
+them, as Envoy balances), each learning the others' picks from the engines' admission
+announcements `admission_delay` after they are made. What is not: network and process overheads, HTTP streaming.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.api.contracts.admissions import Admission
 from kvgate.bench.workloads import BenchRequest, WorkloadSpec, generate
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.llm_engine import LLMEngine
@@ -60,6 +62,10 @@ class PoolSpec:
     scrape_interval: float = 0.05
     kv_event_delay: float = 0.005
     epp_replicas: int = 1
+    # Engines announce each admission to every EPP replica (kvgate.api.contracts.admissions),
+    # this long after the pick; False models engines that do not (other routers, old engines).
+    announce_admissions: bool = True
+    admission_delay: float = 0.002
 
 
 @dataclass
@@ -224,6 +230,12 @@ class VirtualPool:
         self.records[request.request_id] = RequestRecord(
             req.index, req.group, address, self.now, len(tokens), req.max_tokens
         )
+        if self.pool.announce_admissions:
+            picker = self.replicas[req.index % len(self.replicas)][0]
+            admission = Admission(picker.replica_id, tokens)
+            for store, _ in self.replicas:
+                if store is not picker:
+                    self._at(self.now + self.pool.admission_delay, "admitted", (store, address, admission))
         eng = self.engines[address]
         eng.engine.add_request(
             request.request_id,
@@ -285,6 +297,9 @@ class VirtualPool:
                 address, events = payload
                 for store, _ in self.replicas:
                     store.index.apply(address, events)
+            elif kind == "admitted":
+                store, address, admission = payload
+                store.note_admission(address, admission)
             elif kind == "scrape":
                 self._scrape_all()
                 if self._events or self._waiting_on:  # something will still happen

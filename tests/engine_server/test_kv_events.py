@@ -190,3 +190,43 @@ def test_eviction_publishes_block_removed_for_stored_hashes(engine_factory) -> N
     assert removed, "a full pool must evict and announce it"
     assert set(removed) <= stored, "only announced blocks are ever removed"
     dealer.close()
+
+
+def test_admissions_of_epp_picks_are_announced(sim_engine: EngineProcess) -> None:
+    """A request a kvgate EPP picked (x-kvgate-picked-by) is announced on the KV-event socket
+    under its own topic, with the prompt's tokens; others are not, and a subscriber filtering
+    on "kv@" (as the tests above and llm-d's indexer do) never sees one."""
+    from kvgate.api.contracts import admissions
+
+    assert sim_engine.kv_endpoint is not None
+    poke = lambda: _complete(sim_engine, f"warm up {uuid.uuid4().hex} " * 4)  # noqa: E731
+    sub = subscribe_kv_events(sim_engine.kv_endpoint, poke, topic=b"")  # every topic
+    prompt = "announce this admission " * 4 + uuid.uuid4().hex
+    ids = httpx.post(f"{sim_engine.base_url}/tokenize", json={"prompt": prompt}, headers=AUTH).json()[
+        "tokens"
+    ]
+    for header in (
+        {},
+        {admissions.PICKED_BY_HEADER: "not a replica id"},
+        {admissions.PICKED_BY_HEADER: "a9"},
+    ):
+        r = httpx.post(
+            f"{sim_engine.base_url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 1},
+            headers={**AUTH, **header},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+    announced = []
+    while sub.poll(500):
+        frames = sub.recv_multipart()
+        if admissions.is_admission_topic(frames[0]):
+            assert len(frames) == 2
+            announced.append((frames[0], admissions.decode(frames[1])))
+        else:
+            assert len(frames) == 3 and frames[0].startswith(b"kv@")  # KV events keep vLLM's layout
+    sub.close()
+    assert len(announced) == 1, "only the request with a valid replica id is announced"
+    topic, adm = announced[0]
+    assert topic == admissions.topic_for(sim_engine.base_url.removeprefix("http://"), "sim-model")
+    assert adm.picked_by == "a9" and adm.token_ids == ids and adm.lora_id is None

@@ -1,0 +1,179 @@
+"""Admission announcements: active-active EPP replicas learn each other's picks from the engines
+(kvgate.api.contracts.admissions) — the wire format, what a replica does with one, and one over
+real ZMQ from the engine's publisher to the EPP's subscriber."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from kvgate.api.contracts import admissions
+from kvgate.api.contracts.admissions import Admission, AdmissionDecodeError
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.director import Director
+from kvgate.epp.kv_subscriber import KVEventSubscribers
+from kvgate.epp.request import InferenceRequest
+from kvgate.epp.saturation import SaturationDetector
+from kvgate.epp.scheduling.config import build_profiles, load_config
+from kvgate.testing import eventually_async
+
+NOW = 100.0
+ENGINES = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+
+
+class Tokens:
+    """One token per character."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def request(prompt: str, rid: str) -> InferenceRequest:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 10}
+    return InferenceRequest(rid, "m", "m", body, tokenizer=Tokens())  # type: ignore[arg-type]
+
+
+def replica(profile: str = "precise-prefix") -> tuple[Datastore, Director]:
+    store = Datastore()
+    store.set_endpoints([Endpoint(a, kv_events=f"tcp://{a}") for a in ENGINES])
+    for state in store.all():
+        state.kv_events_live = True
+        store.update_metrics(
+            state.address, EndpointMetrics(updated_at=NOW, sent_at=NOW, prefill_tokens_pending=0)
+        )
+    (built,) = [p for p in build_profiles(load_config(None, profile)) if p.name == profile]
+    return store, Director(store, built, SaturationDetector(), clock=lambda: NOW)
+
+
+# -- the wire format ----------------------------------------------------------------------------
+
+
+def test_round_trip() -> None:
+    sent = Admission("replica-a", [1, 2, 3, 70000], lora_id=7, ts=5.0)
+    assert admissions.decode(admissions.encode(sent)) == sent
+    assert admissions.topic_for("10.0.0.1:8000", "m") == b"kvgate-admitted@10.0.0.1:8000@m"
+    assert admissions.is_admission_topic(b"kvgate-admitted@x@m")
+    assert not admissions.is_admission_topic(b"kv@x@m")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xc1garbage",
+        msgpack.packb({"not": "a list"}),
+        msgpack.packb([1.0, "a", None]),  # three fields
+        msgpack.packb([1.0, "bad id with spaces", None, [1]]),
+        msgpack.packb([1.0, "a" * 65, None, [1]]),
+        msgpack.packb([1.0, "a", "lora", [1]]),
+        msgpack.packb([1.0, "a", None, [1, True]]),
+        msgpack.packb([1.0, "a", None, [1, -1]]),
+        msgpack.packb([1.0, "a", None, [1, 2**40]]),
+        msgpack.packb([1.0, "a", None, "tokens"]),
+    ],
+)
+def test_forged_payloads_are_refused(raw: bytes) -> None:
+    with pytest.raises(AdmissionDecodeError):
+        admissions.decode(raw)
+
+
+def test_header_values_that_name_no_replica_ask_for_nothing() -> None:
+    assert admissions.valid_replica_id("3f2a9c01b7e4") == "3f2a9c01b7e4"
+    for bad in (None, "", "a b", "x" * 65, "é", "a\nb"):
+        assert admissions.valid_replica_id(bad) is None
+
+
+# -- what a replica does with one ---------------------------------------------------------------
+
+
+def test_a_replica_ignores_its_own_picks_and_unknown_endpoints() -> None:
+    store, _ = replica()
+    seen: list[str] = []
+    store.subscribe_admissions(lambda address, adm: seen.append(address))
+    store.note_admission(ENGINES[0], Admission(store.replica_id, [1, 2, 3]))
+    store.note_admission("10.9.9.9:8000", Admission("other", [1, 2, 3]))
+    assert seen == []
+    store.note_admission(ENGINES[0], Admission("other", [1, 2, 3]))
+    assert seen == [ENGINES[0]]
+
+
+def test_replicas_get_distinct_ids() -> None:
+    assert len({Datastore().replica_id for _ in range(50)}) == 50
+
+
+def test_another_replicas_pick_counts_as_queued_work_there() -> None:
+    store, _ = replica()
+    target = store.get(ENGINES[1])
+    assert target is not None and target.pending_prefill_tokens() == 0
+    store.note_admission(ENGINES[1], Admission("replica-a", [ord("x")] * 500))
+    assert target.pending_prefill_tokens() == 500
+    # the engine's next scrape (sent after the settle time) shows it: no longer counted twice
+    store.update_metrics(ENGINES[1], EndpointMetrics(updated_at=NOW + 5, sent_at=NOW + 5))
+    assert target.pending_prefill_tokens() == 0
+
+
+@pytest.mark.parametrize("profile", ["precise-prefix", "precise-prefix-weights"])
+def test_a_new_prefix_picked_by_one_replica_is_followed_by_the_other(profile: str) -> None:
+    """Replica A places a new 2,000-token system prompt; before that engine has stored a block,
+    replica B gets a request with the same prompt. With the engine's announcement B sends it to
+    the same engine (a cache hit to come); without, it places the prompt a second time."""
+    prefix = "s" * 2000
+    a_store, a = replica(profile)
+    first = a.pick(request(prefix + " first question", "r1"))
+    assert first.routed
+    chosen = first.targets[0]
+
+    def second_pick(announced: bool) -> str:
+        b_store, b = replica(profile)
+        # Both replicas' scrapes now show the chosen engine busy with that first prefill.
+        for store in (a_store, b_store):
+            store.update_metrics(
+                chosen, EndpointMetrics(updated_at=NOW, sent_at=NOW, waiting=1, prefill_tokens_pending=2015)
+            )
+        if announced:
+            b_store.note_admission(
+                chosen, Admission(a_store.replica_id, Tokens().encode(prefix + " first question"))
+            )
+        decision = b.pick(request(prefix + " second question", "r2"))
+        assert decision.routed
+        return decision.targets[0]
+
+    assert second_pick(announced=False) != chosen
+    assert second_pick(announced=True) == chosen
+
+
+# -- over real ZMQ: engine publisher -> EPP subscriber -------------------------------------------
+
+
+async def test_subscriber_delivers_announcements_from_the_engine_publisher() -> None:
+    pytest.importorskip("kvgate.engine.server.kv_publisher")
+    from kvgate.engine.server.kv_publisher import KVEventPublisher
+
+    address = ENGINES[0]
+    pub = KVEventPublisher("tcp://127.0.0.1:*", topic=f"kv@{address}@m")
+    store = Datastore()
+    got: list[tuple[str, Admission]] = []
+    store.subscribe_admissions(lambda a, adm: got.append((a, adm)))
+    subs = KVEventSubscribers(store)
+    try:
+        store.set_endpoints([Endpoint(address, kv_events=pub.endpoint)])
+
+        async def delivered() -> bool:
+            # PUB drops what it sends before the SUB has connected: resend until one lands
+            pub.publish_admission(store.replica_id, [9, 9], None)  # our own: never delivered
+            pub.publish_admission("replica-b", [1, 2, 3], 4)
+            await asyncio.sleep(0.05)
+            return bool(got)
+
+        await eventually_async(delivered, 10, "an admission announcement delivered")
+        where, adm = got[0]
+        assert where == address
+        assert adm.picked_by == "replica-b" and adm.token_ids == [1, 2, 3] and adm.lora_id == 4
+        assert all(a.picked_by == "replica-b" for _, a in got)
+        # announcements are not KV events: the index and its sequence are untouched
+        assert store.index.block_count(address) == 0
+        assert subs.subscribers[address].last_seq is None
+    finally:
+        await subs.close()
+        pub.close()
