@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -80,6 +81,47 @@ def test_chart_gateway_has_every_epp_replica_as_a_host() -> None:
     assert address["socket_address"]["address"] == "mine.ns.svc"
 
 
+def test_chart_gateway_sends_picks_to_the_pools_engines_and_retries_elsewhere() -> None:
+    """The picked route goes to a cluster of the pool's engines (a headless Service of the engine
+    pods, one host per address) with Envoy's override-host policy, not to an ORIGINAL_DST
+    cluster: a request that fails before its first byte is retried on another engine instead of
+    the same dead pod address."""
+    docs = _docs()
+    (svc,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "p-engines"]
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is False
+    # the operator's engine pods (operator/children/common.engine_selector) on their named port
+    assert svc["spec"]["selector"] == {"kvgate.dev/model-deployment": "p", "kvgate.dev/role": "engine"}
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "envoy.yaml" in d.get("data", {})]
+    cfg = yaml.safe_load(cm["data"]["envoy.yaml"])
+    pool = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "pool")
+    assert pool["type"] == "STRICT_DNS" and pool["dns_refresh_rate"] == "1s"
+    address = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "p-engines.ns.svc", "port_value": 8000}
+    policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "name" in r}
+    picked = routes["picked"]
+    assert picked["route"]["cluster"] == "pool"
+    retry = picked["route"]["retry_policy"]
+    assert retry["num_retries"] == 2 and "connect-failure" in retry["retry_on"]
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    assert picked["request_body_buffer_limit"] == "8388608"  # the body is kept for a retry
+    assert routes["unpicked"]["route"]["cluster"] == "pool"
+    # engines named by the user: no Service of ours, their address and port
+    docs = _docs("envoyGateway.engineAddress=engines.example", "envoyGateway.enginePort=9000")
+    assert not [d for d in docs if d["metadata"]["name"] == "p-engines"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "envoy.yaml" in d.get("data", {})]
+    pool = next(
+        c
+        for c in yaml.safe_load(cm["data"]["envoy.yaml"])["static_resources"]["clusters"]
+        if c["name"] == "pool"
+    )
+    address = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {"address": "engines.example", "port_value": 9000}
+
+
 def test_chart_gateway_config_is_generated_and_fresh() -> None:
     gen = _generator()
     assert gen.TARGET.read_text() == gen.rendered(), (
@@ -127,6 +169,8 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
             "envoyGateway.eppAddress=127.0.0.1",
             f"envoyGateway.eppPort={epp.grpc_port}",
             f"envoyGateway.port={port}",
+            "envoyGateway.engineAddress=127.0.0.1",
+            f"envoyGateway.enginePort={engine.port}",
         )
         cfg["static_resources"]["listeners"][0]["address"]["socket_address"]["address"] = "127.0.0.1"
         cfg["admin"]["address"]["socket_address"]["port_value"] = admin
@@ -141,7 +185,9 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
         envoy.wait_ready()
         envoy.wait_epp_healthy()
         # a listener the client would like to reach instead: it must never see a connection
-        forged = harness.free_ports(1)[0]
+        trap = socket.create_server(("127.0.0.1", 0))
+        trap.settimeout(0)
+        forged = trap.getsockname()[1]
         body = {"model": "default", "prompt": "forged", "max_tokens": 2}
         headers = {"x-gateway-destination-endpoint": f"127.0.0.1:{forged}"}
         resp = httpx.post(f"{envoy.url}/v1/completions", json=body, headers=headers, timeout=10)
@@ -150,8 +196,15 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
         epp.proc.kill()
         envoy.wait_epp_healthy(False)
         resp = httpx.post(f"{envoy.url}/v1/completions", json=body, headers=headers, timeout=10)
-        # FailOpen with the EPP down and no destination: refused as JSON, never sent to the forged port
-        assert resp.status_code == 503, resp.text
-        assert resp.json()["error"]["type"] == "service_unavailable"
+        # FailOpen with the EPP down: either let through to the pool's engines (round robin over
+        # them, as the pool cluster falls back to) or refused as JSON; never the forged port
+        if resp.status_code == 200:
+            assert resp.json()["choices"][0]["text"]
+        else:
+            assert resp.status_code == 503, resp.text
+            assert resp.json()["error"]["type"] == "service_unavailable"
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody connected to the forged destination
+        trap.close()
     finally:
         harness.stop_all(*procs)

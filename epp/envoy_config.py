@@ -354,12 +354,13 @@ def build_bootstrap(
     ``direct_upstream``: ip:port reached by requests carrying ``x-kvgate-route: direct``,
     bypassing ext_proc (a same-Envoy baseline for latency measurements).
     ``epp_addresses``: every EPP replica (host:port), all serving at once; default: epp_host:epp_port.
-    ``pool_endpoints``: the engines, when known up front (the local stack). Then the picked
+    ``pool_endpoints``: the engines, when known up front (the local stack), or a host name that
+    resolves to every engine (a headless Service of the pool's pods, the chart). Then the picked
     route goes to a cluster of exactly those hosts with Envoy's override-host policy: the EPP's
     choice first, and a request that fails before its first response byte (connect failure,
     reset, 503 from a draining engine) is retried once on the EPP's next fallback, never on the
     same dead address. Without it, an ORIGINAL_DST cluster connects to whatever ip:port the EPP
-    names (a Kubernetes pool) and cannot retry elsewhere.
+    names and cannot retry elsewhere.
     ``expose_upstream_header``: add ``x-kvgate-upstream`` (the engine that answered) to
     responses; for tests and benchmarks, off for real traffic.
     ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
@@ -373,6 +374,9 @@ def build_bootstrap(
     fallback = [_split(e) for e in fallback_endpoints or []]
     epps = [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)]
     pool = [_split(e) for e in pool_endpoints or []]
+    # A host name (a headless Service of the engine pods, in a cluster) stands for every engine
+    # it resolves to; how many is unknown here.
+    pool_by_dns = any(not _is_ip(h) for h, _ in pool)
 
     upstream_headers = (
         [
@@ -440,7 +444,9 @@ def build_bootstrap(
     if pool:
         picked_action.retry_policy.CopyFrom(
             _retry_elsewhere(
-                "connect-failure,refused-stream,reset", max(1, min(2, len(pool) - 1)), max_attempts=3
+                "connect-failure,refused-stream,reset",
+                2 if pool_by_dns else max(1, min(2, len(pool) - 1)),
+                max_attempts=3,
             )
         )
     routes.append(
@@ -458,8 +464,12 @@ def build_bootstrap(
         )
     )
     # Before the EPP answers (and whenever it cannot), the request has no destination header.
+    # With the engines known as a pool (and no fallback list), FailOpen's unpicked requests go
+    # round robin over them: the override-host policy's fallback when no destination is named.
     unpicked = route_components_pb2.RouteAction(
-        cluster=FALLBACK_CLUSTER if fallback else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
+        cluster=FALLBACK_CLUSTER if fallback else POOL_CLUSTER if pool else ROUTED_CLUSTER,
+        timeout=route_timeout,
+        idle_timeout=idle,
     )
     if fallback:
         # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
@@ -602,7 +612,7 @@ def build_bootstrap(
     )
     clusters = [epp_cluster, routed]
     if pool:
-        clusters.append(_override_host_cluster(pool))
+        clusters.append(_override_host_cluster(pool, by_dns=pool_by_dns))
     if fallback:
         clusters.append(
             cluster_pb2.Cluster(
@@ -646,10 +656,12 @@ def build_bootstrap(
     return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True, sort_keys=True))
 
 
-def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
+def _override_host_cluster(pool: list[tuple[str, int]], by_dns: bool = False) -> cluster_pb2.Cluster:
     """The engines as hosts, chosen by the EPP: Envoy's override-host policy (made for GIE)
     reads the destination list (chosen first, then fallbacks) from the EPP's envoy.lb metadata
-    or header, and a retry takes the next entry. Unknown destinations fall back to round robin."""
+    or header, and a retry takes the next entry. Unknown destinations fall back to round robin.
+    `by_dns`: the pool is a host name (a headless Service of the engine pods) re-resolved each
+    second, one host per address; a pod the EPP picks before DNS lists it is served round robin."""
     policy = override_host_pb2.OverrideHost(
         override_host_sources=[
             override_host_pb2.OverrideHost.OverrideHostSource(
@@ -673,7 +685,9 @@ def _override_host_cluster(pool: list[tuple[str, int]]) -> cluster_pb2.Cluster:
     )
     return cluster_pb2.Cluster(
         name=POOL_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC,
+        type=cluster_pb2.Cluster.STRICT_DNS if by_dns else cluster_pb2.Cluster.STATIC,
+        dns_refresh_rate=_seconds(1) if by_dns else None,
+        dns_lookup_family=cluster_pb2.Cluster.V4_PREFERRED if by_dns else cluster_pb2.Cluster.AUTO,
         connect_timeout=_seconds(2),
         load_assignment=_load_assignment(POOL_CLUSTER, pool),
         # an engine that refuses a connection is skipped by the retries' fallback for a while

@@ -28,14 +28,21 @@ V = ".Values.envoyGateway"
 # sentinel -> Helm expression; the sentinels cannot occur in a real config
 LISTEN_PORT, EPP_PORT, MAX_BODY = 31001, 31002, 31000003
 EPP_HOST = "kvgate-epp-host.sentinel.invalid"
+POOL_HOST, POOL_PORT = "kvgate-pool-host.sentinel.invalid", 31004
 SUBSTITUTIONS = {
     # default: the chart's headless Service of the EPP pods, so every replica is a host
     EPP_HOST: f'{{{{ {V}.eppAddress | default (printf "%s.%s.svc" ({V}.eppService | default (printf '
     f'"%s-epp-replicas" {V}.pool)) .Release.Namespace) }}}}',
+    # default: the chart's headless Service of the pool's engine pods (override-host pool cluster:
+    # a retry goes to another engine, not back to a dead pod address)
+    POOL_HOST: f'{{{{ {V}.engineAddress | default (printf "%s-engines.%s.svc" {V}.pool .Release.Namespace) }}}}',
+    f"port_value: {POOL_PORT}": f"port_value: {{{{ {V}.enginePort }}}}",
     f"port_value: {LISTEN_PORT}": f"port_value: {{{{ {V}.port }}}}",
     f"port_value: {EPP_PORT}": f"port_value: {{{{ {V}.eppPort }}}}",
     f"'{MAX_BODY + 1}'": f"'{{{{ add1 (int64 {V}.maxRequestBodyBytes) }}}}'",
     f"larger than {MAX_BODY} bytes": f"larger than {{{{ int64 {V}.maxRequestBodyBytes }}}} bytes",
+    # a retry re-sends the body: buffered up to the largest allowed body
+    f"request_body_buffer_limit: '{MAX_BODY}'": f"request_body_buffer_limit: '{{{{ int64 {V}.maxRequestBodyBytes }}}}'",
     "failure_mode_allow: true": f'failure_mode_allow: {{{{ eq {V}.failureMode "FailOpen" }}}}',
 }
 
@@ -71,6 +78,7 @@ def rendered() -> str:
         epp_tls=True,
         listen_host="0.0.0.0",
         limits=GatewayLimits(max_request_body_bytes=MAX_BODY),
+        pool_endpoints=[f"{POOL_HOST}:{POOL_PORT}"],
     )
     text = yaml.safe_dump(boot, sort_keys=False, width=10_000)
     for sentinel, expression in SUBSTITUTIONS.items():
