@@ -50,6 +50,21 @@ def test_logs_are_prefixed_and_stop_all_ends_the_whole_group(tmp_path: Path) -> 
     assert proc.tail()[0] == "hello from the child"
 
 
+def test_a_progress_bar_shows_as_where_it_ended_not_one_endless_line(tmp_path: Path) -> None:
+    """A bar redraws with carriage returns (tqdm when stderr is not a terminal it knows of):
+    the console shows the last redraw, the log file keeps every byte."""
+    bar = "import sys; [sys.stderr.write(f'\\rLoading {i}/50') for i in range(51)]; sys.stderr.write('\\n'); print('done', flush=True)"
+    echo = io.StringIO()
+    sup = Supervisor(tmp_path, echo=echo)
+    sup.start(ProcessSpec(name="engine-0", argv=[sys.executable, "-c", bar]))
+    eventually(lambda: "done" in echo.getvalue(), 15, "the child's last line")
+    lines = echo.getvalue().splitlines()
+    assert lines[0].startswith("[engine-0]") and lines[0].endswith("Loading 50/50"), lines[0][:200]
+    assert "Loading 0/50" not in lines[0]
+    assert b"\rLoading 0/50" in (tmp_path / "engine-0.log").read_bytes()
+    sup.stop_all(timeout_s=5)
+
+
 def test_a_child_that_ignores_sigterm_is_killed(tmp_path: Path) -> None:
     sup = Supervisor(tmp_path)
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(300)"

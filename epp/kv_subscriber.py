@@ -60,7 +60,15 @@ class EndpointSubscriber:
         try:
             batches = sorted(await self.replay(0))
         except Exception as exc:  # readiness must not hang on an engine that never answers
-            log.warning("endpoint %s: initial KV-event replay failed: %s", self.endpoint.address, exc)
+            state = self.datastore.get(self.endpoint.address)
+            if state is not None and state.metrics.updated_at == 0:
+                # never scraped either: an engine still starting has nothing cached to replay
+                log.info(
+                    "endpoint %s: no KV-event replay yet (engine starting); following live events",
+                    self.endpoint.address,
+                )
+            else:
+                log.warning("endpoint %s: initial KV-event replay failed: %s", self.endpoint.address, exc)
             return
         for _, payload in batches:
             self._apply(payload)

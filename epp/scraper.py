@@ -287,7 +287,9 @@ class MetricsScraper:
         host, _, port = endpoint.address.rpartition(":")
         getter = KeepAliveGetter(host.strip("[]"), int(port), self.path, self.timeout)
         models = KeepAliveGetter(host.strip("[]"), int(port), "/v1/models", self.timeout)
-        was_ok = True
+        # None until the first answer: an engine still loading its model is not news, and a
+        # start-up that logs "unreachable" for every engine reads like a failure.
+        was_ok: bool | None = None
         next_models = 0.0
         n = 0
         try:
@@ -297,7 +299,10 @@ class MetricsScraper:
                 if ok and n % self.health_every == 0:
                     await self.probe_health(endpoint, getter)
                 if ok != was_ok:
-                    log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
+                    if was_ok is None and not ok:
+                        log.debug("endpoint %s not answering yet", endpoint.address)
+                    else:
+                        log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
                     was_ok = ok
                 if ok and time.monotonic() >= next_models:
                     await self.fetch_models(endpoint, models)

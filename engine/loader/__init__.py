@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +13,8 @@ import torch
 from kvgate.engine.layers.attention import AttentionBackend
 from kvgate.engine.loader.checkpoint import Checkpoint
 from kvgate.engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("kvgate.engine")
 
 __all__ = ["Checkpoint", "load_model", "open_checkpoint"]
 
@@ -33,7 +38,11 @@ def load_model(
     device: torch.device,
     progress: bool = True,
 ) -> LlamaForCausalLM:
-    """Build the model on `device` and stream the checkpoint's tensors into it."""
+    """Build the model on `device` and stream the checkpoint's tensors into it.
+
+    `progress`: a bar while loading when stderr is a terminal; otherwise (a log file, `kvgate up`
+    reading its children line by line) one line when done, since a bar's carriage-return
+    updates arrive there as one endless line."""
     from tqdm import tqdm
 
     model = LlamaForCausalLM(
@@ -45,13 +54,18 @@ def load_model(
         rope_freq_factors=checkpoint.rope_freq_factors,
     )
 
+    bar_shown = progress and sys.stderr.isatty()
+
     def with_progress() -> Iterator[tuple[str, torch.Tensor]]:
-        bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", disable=not progress)
+        bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", disable=not bar_shown)
         with bar:
             for item in checkpoint.tensors():
                 yield item
                 bar.update(1)
 
+    start = time.monotonic()
     with torch.inference_mode():
         model.load_weights(with_progress())
+    if progress and not bar_shown:
+        log.info("loaded %d weight tensors in %.1fs", checkpoint.num_tensors, time.monotonic() - start)
     return model.eval()

@@ -158,7 +158,9 @@ class Supervisor:
             for raw in iter(popen.stdout.readline, b""):
                 log.write(raw)
                 log.flush()
-                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                # A progress bar redraws itself with carriage returns: show where it ended, not
+                # every redraw glued into one line (the log file keeps the bytes as written).
+                line = raw.decode("utf-8", "replace").rstrip("\r\n").rsplit("\r", 1)[-1]
                 proc._tail.append(line)
                 if self.echo is not None:
                     with self._echo_lock:

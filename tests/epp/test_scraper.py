@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 
 import pytest
@@ -142,3 +144,45 @@ def test_mapping_override_is_used() -> None:
     mapping = MetricMapping(MetricSpec("q"), MetricSpec("r"), MetricSpec("kv"))
     m = parse_metrics("q 1\nr 2\nkv 0.9\n", mapping, now=1.0)
     assert (m.waiting, m.running, m.kv_usage) == (1, 2, 0.9)
+
+
+async def test_an_engine_still_starting_is_not_logged_as_unreachable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`kvgate up` starts the EPP beside engines that load their model for seconds: those first
+    refused scrapes are not news. Once answered, the endpoint is 'reachable'; losing it later
+    is 'unreachable'."""
+    body = VLLM.encode()
+    writers = []
+
+    async def handler(reader, writer):
+        writers.append(writer)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    caplog.set_level(logging.INFO, logger="kvgate.epp.scraper")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nobody listens there yet: the engine is "starting"
+    ds = Datastore()
+    scraper = MetricsScraper(ds, MAPPINGS["vllm"], interval=0.02)
+    ds.set_endpoints([Endpoint(f"127.0.0.1:{port}")])
+    state = ds.all()[0]
+    await eventually_async(lambda: state.metrics.consecutive_failures >= 3, 5, "refused scrapes")
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO], caplog.text
+    server = await asyncio.start_server(handler, "127.0.0.1", port)
+    await eventually_async(lambda: ds.reachable(state), 5, "the engine up")
+    assert [r.getMessage() for r in caplog.records] == [f"endpoint 127.0.0.1:{port} reachable"]
+    server.close()
+    for w in writers:
+        w.close()
+    await eventually_async(lambda: not ds.reachable(state), 5, "the engine gone")
+    await eventually_async(lambda: "unreachable" in caplog.text, 5, "its loss logged")
+    ds.set_endpoints([])
+    await scraper.close()
