@@ -60,11 +60,24 @@ def positive_float(text: str) -> float:
     return value
 
 
-def add_log_level(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """`--log-level` as every server spells it."""
+def add_log_level(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, default_format: str = "text"
+) -> None:
+    """`--log-level`, `--log-format` and `--quiet` as every server spells them (kvgate.api.logs)."""
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
     )
+    add_log_format(parser, default_format)
+
+
+def add_log_format(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "text") -> None:
+    parser.add_argument(
+        "--log-format",
+        default=default,
+        choices=["text", "json"],
+        help="one line per record: 'text' (time level logger: message) or 'json' (one object per line)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="log only warnings and errors")
 
 
 # What `--trust-request-chat-template` allows, the same on the engine and the EPP; the limits are

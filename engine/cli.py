@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -284,11 +283,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    from kvgate.api import logs
+
+    logs.configure(args.log_level, args.log_format, args.quiet)
     if args.kv_events_replay_endpoint and not args.kv_events_endpoint:
         print("kvgate engine serve: --kv-events-replay-endpoint needs --kv-events-endpoint", file=sys.stderr)
         return 2

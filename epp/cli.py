@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from kvgate.api.cli_args import add_log_level, add_request_template_flag
@@ -148,7 +147,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--kv-cache-usage-percentage-metric", default="", help="override: KV-cache use (0-1) series"
     )
-    add_log_level(p)
+    add_log_level(p, default_format="json")
 
 
 def _fail(message: str) -> int:
@@ -159,16 +158,13 @@ def _fail(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvgate.api import logs
     from kvgate.epp.discovery import EndpointListError, static_endpoints
     from kvgate.epp.scheduling.config import ConfigError, load_config
     from kvgate.epp.scraper import MAPPINGS, MetricMapping, MetricSpec
-    from kvgate.epp.server import JsonFormatter, ServerSettings, needs_tokenizer, serve_forever
+    from kvgate.epp.server import ServerSettings, needs_tokenizer, serve_forever
 
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    # --log-level governs kvgate's own loggers; libraries (grpc, httpx) stay at warnings
-    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
-    logging.getLogger("kvgate").setLevel(args.log_level.upper())
+    logs.configure(args.log_level, args.log_format, args.quiet)
 
     if bool(args.endpoints) == bool(args.pool_name):
         return _fail("give exactly one of --endpoints (static list) or --pool-name (Kubernetes)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -186,23 +185,3 @@ async def serve_forever(settings: ServerSettings) -> None:
     await stop.wait()
     log.info("EPP stopping")
     await server.stop()
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line; `extra=` fields (request_id, endpoint, ...) become keys."""
-
-    _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for key, value in vars(record).items():
-            if key not in self._STD and not key.startswith("_"):
-                out[key] = value
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)

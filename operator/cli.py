@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from kvgate.api.cli_args import port, positive_float
+from kvgate.api.cli_args import add_log_format, port, positive_float
 from kvgate.operator.config import (
     DEFAULT_ENGINE_IMAGE,
     DEFAULT_EPP_IMAGE,
@@ -73,6 +72,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--run-as-user", type=int, default=65532, help="uid the engine and EPP pods run as")
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    add_log_format(p)
 
 
 def _config(args: argparse.Namespace) -> OperatorConfig:
@@ -119,10 +119,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvgate operator run: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from kvgate.api import logs
+
+    logs.configure("debug" if args.verbose else "info", args.log_format, args.quiet)
     import asyncio
 
     from kvgate.operator.handlers import Operator  # kopf is heavy: import only when running

@@ -99,6 +99,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
     )
     p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=None,
+        help="the engines' and EPPs' log lines: text or json (default: each one's own, engines text, EPPs json)",
+    )
+    p.add_argument(
         "--failure-mode",
         choices=["FailOpen", "FailClose"],
         default="FailOpen",
@@ -145,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
+        log_format=args.log_format,
         expose_upstream_header=args.expose_upstream_header,
         failure_mode=args.failure_mode,
         envoy_bin=args.envoy_bin,

@@ -59,6 +59,7 @@ class StackConfig:
     ready_timeout_s: float = 120.0
     expose_upstream_header: bool = False  # x-kvgate-upstream on responses (the bench reads it)
     failure_mode: str = "FailClose"  # Envoy when no EPP replica answers (kvgate up: FailOpen)
+    log_format: str | None = None  # --log-format for engines and EPPs; None: each one's default
 
 
 def find_envoy(explicit: str | None = None) -> str:
@@ -111,6 +112,8 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     if cfg.simulate:
         argv.append("--simulate")
         argv += cfg.sim.argv()
+    if cfg.log_format:
+        argv += ["--log-format", cfg.log_format]
     argv += list(cfg.engine_args)
     return ProcessSpec(name=f"engine-{i}", argv=argv)
 
@@ -145,6 +148,8 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--config-file", cfg.epp_config_file]
     elif cfg.profile:
         argv += ["--profile", cfg.profile]
+    if cfg.log_format:
+        argv += ["--log-format", cfg.log_format]
     argv += list(cfg.epp_args)
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
 
