@@ -12,6 +12,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "charts" / "kvgate" / "dashboards"
 R = "$__rate_interval"
+GENERATION = "/v1/completions|/v1/chat/completions"  # the handlers that generate
 
 
 def _q(metric: str, by: str = "", q: float = 0.9) -> str:
@@ -76,9 +77,15 @@ POOL = [
         [(f"sum by (error_code) (rate(inference_objective_request_error_total[{R}]))", "{{error_code}}")],
     ),
     (
-        "Endpoint errors/s",
+        # counted by the engines (vLLM's http_requests_total): the EPP stays out of the response path
+        "Engine error answers/s (4xx, 5xx)",
         "reqps",
-        [(f"sum by (endpoint) (rate(inference_pool_endpoint_error_total[{R}]))", "{{endpoint}}")],
+        [
+            (
+                f'sum by (instance, status) (rate(http_requests_total{{handler=~"{GENERATION}", status=~"4xx|5xx"}}[{R}]))',
+                "{{instance}} {{status}}",
+            )
+        ],
     ),
     ("Ready endpoints", "short", [("inference_pool_ready_pods", "{{name}}")]),
 ]

@@ -174,7 +174,11 @@ def build_app(state: ServerState) -> Starlette:
             )
 
     def endpoint(
-        fn: Callable[[Request], Awaitable[Any]], *, auth: bool = False, generation: bool = False
+        fn: Callable[[Request], Awaitable[Any]],
+        *,
+        auth: bool = False,
+        generation: bool = False,
+        handler: str = "",
     ) -> Callable[[Request], Awaitable[Any]]:
         async def handle(request: Request) -> Any:
             try:
@@ -197,6 +201,8 @@ def build_app(state: ServerState) -> Starlette:
             except Exception:  # never a stack trace to the client; the log has it
                 log.exception("unhandled error in %s %s", request.method, request.url.path)
                 response = error_response(500, "Internal server error.", code="internal_error")
+            if handler:
+                state.metrics.note_http(handler, request.method, getattr(response, "status_code", 200))
             # Echo the gateway's request id so Envoy/EPP logs and ours line up.
             request_id = request.headers.get("x-request-id")
             if request_id and _REQUEST_ID.fullmatch(request_id):
@@ -342,18 +348,21 @@ def build_app(state: ServerState) -> Starlette:
             state.extra["openapi"] = json.dumps(openapi_document(state.version))
         return Response(state.extra["openapi"], media_type="application/json")
 
+    def route(path: str, fn: Callable[[Request], Awaitable[Any]], methods: list[str], **kw: bool) -> Route:
+        return Route(path, endpoint(fn, handler=path, **kw), methods=methods)
+
     routes = [
-        Route("/v1/completions", endpoint(completions, auth=True, generation=True), methods=["POST"]),
-        Route("/v1/chat/completions", endpoint(chat, auth=True, generation=True), methods=["POST"]),
-        Route("/v1/models", endpoint(models, auth=True), methods=["GET"]),
-        Route("/v1/models/{model_id:path}", endpoint(retrieve_model, auth=True), methods=["GET"]),
-        Route("/health", endpoint(health), methods=["GET"]),
-        Route("/ping", endpoint(health), methods=["GET", "POST"]),
-        Route("/version", endpoint(version), methods=["GET"]),
-        Route("/tokenize", endpoint(tokenize, auth=True), methods=["POST"]),
-        Route("/detokenize", endpoint(detokenize, auth=True), methods=["POST"]),
-        Route("/metrics", endpoint(metrics), methods=["GET"]),
-        Route("/openapi.json", endpoint(openapi), methods=["GET"]),
+        route("/v1/completions", completions, ["POST"], auth=True, generation=True),
+        route("/v1/chat/completions", chat, ["POST"], auth=True, generation=True),
+        route("/v1/models", models, ["GET"], auth=True),
+        route("/v1/models/{model_id:path}", retrieve_model, ["GET"], auth=True),
+        route("/health", health, ["GET"]),
+        route("/ping", health, ["GET", "POST"]),
+        route("/version", version, ["GET"]),
+        route("/tokenize", tokenize, ["POST"], auth=True),
+        route("/detokenize", detokenize, ["POST"], auth=True),
+        route("/metrics", metrics, ["GET"]),
+        route("/openapi.json", openapi, ["GET"]),
     ]
 
     async def http_error(request: Request, exc: Exception) -> Response:

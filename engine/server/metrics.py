@@ -241,6 +241,11 @@ class EngineMetrics:
             self._families.append(family)
             return family
 
+        # Unlabelled by model and engine, as vLLM's instrumentator exports it.
+        self.http_requests = Scalar(
+            "http_requests_total", "counter", "Total number of requests by method, status and handler."
+        )
+        self._families.append(self.http_requests)
         self.running = scalar(
             names.NUM_REQUESTS_RUNNING, "gauge", "Number of requests in model execution batches."
         )
@@ -495,6 +500,17 @@ class EngineMetrics:
         """All `n` sequences of one prompt finished (vLLM's parent request); caller holds `lock`."""
         self.params_n.observe(n)
         self.max_num_generation_tokens.observe(max_generation_tokens)
+
+    def note_http(self, handler: str, method: str, status: int) -> None:
+        """One answered HTTP request, as vLLM's API server counts them (its FastAPI
+        instrumentator): `http_requests_total{handler, method, status}`, status grouped as
+        `2xx`..`5xx`. The error-rate alert and panel read it: the EPP never sees engine statuses."""
+        child = self.http_requests.child(
+            {"handler": handler, "method": method, "status": f"{status // 100}xx"}
+        )
+        with self.lock:
+            child.inc()
+            self._version += 1
 
     def touch(self) -> None:
         """Something changed outside `update` (a histogram observation); caller holds `lock`."""

@@ -38,9 +38,6 @@ pytestmark = [
     pytest.mark.timeout(120),
 ]
 EPP_JOB = "kvgate-epp"  # the chart's default monitoring.prometheusRule.eppJob
-# Needs Envoy's response phase, which kvgate's gateways leave off (a picker that dies must not
-# cut streams a healthy engine serves): the EPP never sees an engine's status.
-NEEDS_RESPONSE_PHASE = ("inference_pool_endpoint_error_total",)
 
 
 @dataclass
@@ -152,10 +149,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 timeout=30,
             )
             assert bad.status_code == 400  # answered (and counted) by the EPP
+            unknown = httpx.post(
+                f"{envoy.url}/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=30
+            )
+            assert unknown.status_code == 404  # answered (and counted) by an engine
             eventually(
                 lambda: (
                     _query(base, "sum(vllm:request_success_total) >= 12")
                     and _query(base, "inference_objective_request_error_total")
+                    and _query(base, 'http_requests_total{status="4xx"}')
                 ),
                 30,
                 "the traffic scraped",
@@ -175,23 +177,13 @@ def _alerts() -> list[tuple[str, str]]:
     return [(r["alert"], r["expr"]) for g in groups for r in g["rules"]]
 
 
-def _mark(*values: str) -> Any:
-    """A strict xfail for what only the response phase would feed (so a fix must drop it)."""
-    if any(name in values[-1] for name in NEEDS_RESPONSE_PHASE):
-        return pytest.param(
-            *values,
-            marks=pytest.mark.xfail(strict=True, reason="needs Envoy's response phase (off by design)"),
-        )
-    return values[0] if len(values) == 1 else values
-
-
-@pytest.mark.parametrize("expr", [_mark(q) for q in _queries()])
+@pytest.mark.parametrize("expr", _queries())
 def test_every_dashboard_query_returns_series(stack: Stack, expr: str) -> None:
     # Grafana's interval variables, as Grafana fills them for a short range
     concrete = expr.replace("$__rate_interval", "30s").replace("$__interval", "15s")
     assert _query(stack.prometheus, concrete), f"no series for panel query {expr!r}"
 
 
-@pytest.mark.parametrize(("alert", "expr"), [_mark(a, e) for a, e in _alerts()])
+@pytest.mark.parametrize(("alert", "expr"), _alerts())
 def test_every_alert_expression_has_its_metrics(stack: Stack, alert: str, expr: str) -> None:
     assert _query(stack.prometheus, _as_bool(expr)), f"{alert}: no series for {_as_bool(expr)!r}"
