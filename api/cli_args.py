@@ -70,6 +70,16 @@ def add_log_level(
     add_log_format(parser, default_format)
 
 
+def add_otlp_endpoint(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318); "
+        "default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT, else tracing is off",
+    )
+
+
 def add_log_format(parser: argparse.ArgumentParser | argparse._ArgumentGroup, default: str = "text") -> None:
     parser.add_argument(
         "--log-format",

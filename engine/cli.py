@@ -7,10 +7,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from kvgate.api.cli_args import SimTiming, add_log_level, add_request_template_flag, add_simulation_group
+from kvgate.api.cli_args import (
+    SimTiming,
+    add_log_level,
+    add_otlp_endpoint,
+    add_request_template_flag,
+    add_simulation_group,
+)
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
+from kvgate.api.tracing import endpoint_from_env
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.server.tools.parsers import PARSERS as TOOL_PARSERS
 
@@ -183,6 +190,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="event loop (auto: uvloop when installed)",
     )
     add_log_level(h)
+    add_otlp_endpoint(h)
 
     t = p.add_argument_group("tool calling (vLLM's flags)")
     t.add_argument(
@@ -278,6 +286,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         metrics_require_api_key=args.metrics_require_api_key,
         http_parser=args.http_parser,
         event_loop=args.event_loop,
+        otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
     )
     return config, options
 

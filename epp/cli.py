@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvgate.api.cli_args import add_log_level, add_request_template_flag
+from kvgate.api.cli_args import add_log_level, add_otlp_endpoint, add_request_template_flag
 from kvgate.api.cli_args import boolean as _bool
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
@@ -148,6 +148,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--kv-cache-usage-percentage-metric", default="", help="override: KV-cache use (0-1) series"
     )
     add_log_level(p, default_format="json")
+    add_otlp_endpoint(p)
 
 
 def _fail(message: str) -> int:
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvgate.api import logs
+    from kvgate.api.tracing import endpoint_from_env
     from kvgate.epp.discovery import EndpointListError, static_endpoints
     from kvgate.epp.scheduling.config import ConfigError, load_config
     from kvgate.epp.scraper import MAPPINGS, MetricMapping, MetricSpec
@@ -226,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes,
+        otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
     )
     try:
         asyncio.run(serve_forever(settings))

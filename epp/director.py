@@ -28,6 +28,7 @@ class Decision:
     error_type: str = ""
     scheduler_seconds: float = 0.0
     plugin_seconds: dict[str, float] = field(default_factory=dict)
+    candidates: int = 0  # endpoints the profile chose among
 
     @property
     def routed(self) -> bool:
@@ -132,6 +133,7 @@ class Director:
             reason=reason,
             scheduler_seconds=elapsed,
             plugin_seconds=ctx.plugin_seconds,
+            candidates=len(candidates),
         )
 
     def response_seen(self) -> None:

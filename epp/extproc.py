@@ -27,6 +27,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvgate.api.contracts.admissions import PICKED_BY_HEADER
+from kvgate.api.tracing import TRACEPARENT, Tracer
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import BadRequest, InferenceRequest, PromptPolicy, Tokenizer, parse_body
@@ -139,6 +140,7 @@ class _Exchange:
     headers: dict[str, str] = field(default_factory=dict)
     request_id: str = ""
     generated_id: bool = False
+    traceparent: str | None = None  # the pick's span, sent on to the engine when tracing
     subset: list[str] | None = None
     body: bytearray = field(default_factory=bytearray)
     body_done: bool = False
@@ -160,6 +162,7 @@ class EndpointPickerHandler:
         objectives: dict[str, int] | None = None,
         policy: PromptPolicy | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        tracer: Tracer | None = None,
     ) -> None:
         self.director = director
         self.metrics = metrics
@@ -167,6 +170,7 @@ class EndpointPickerHandler:
         self.objectives = objectives or {}
         self.policy = policy or PromptPolicy()
         self.max_body_bytes = max_body_bytes
+        self.tracer = tracer or Tracer(None, "kvgate-epp")
 
     # -- request phase ----------------------------------------------------------------------
     def on_request_headers(
@@ -278,14 +282,39 @@ class EndpointPickerHandler:
             label = self.metrics.model_label
             self.metrics.requests.labels(label(model), label(target)).inc()
             self.metrics.request_sizes.labels(label(model), label(target)).observe(len(x.body))
+        span = self.tracer.start(
+            "kvgate.epp.pick",
+            x.headers,
+            {
+                "kvgate.request_id": x.request_id,
+                "gen_ai.request.model": model,
+                "kvgate.profile": self.director.profile.name,
+            },
+        )
         try:
             decision = self.director.pick(req)
         except Exception:
             log.exception("request %s: scheduler failed", x.request_id)
             self._count_error(x, model, target, 500)
+            span.set_attribute("kvgate.pick.status", 500)
+            span.end()
             return [
                 immediate(500, "the endpoint picker failed to schedule this request", request_id=x.request_id)
             ]
+        span.set_attributes(
+            {
+                "kvgate.pick.status": decision.status,
+                "kvgate.pick.reason": decision.reason,
+                "kvgate.pick.candidates": decision.candidates,
+                "kvgate.pick.scheduler_ms": decision.scheduler_seconds * 1000,
+                "kvgate.pick.prompt_tokens": len(req.token_ids) if req.body else 0,
+            }
+        )
+        if decision.routed:
+            span.set_attribute("kvgate.pick.endpoint", decision.targets[0])
+            # the engine's span becomes this pick's child: client -> pick -> engine
+            x.traceparent = span.traceparent()
+        span.end()
         if not decision.routed:
             self._count_error(x, model, target, decision.status)
             log.info("request %s answered %d: %s", x.request_id, decision.status, decision.reason)
@@ -325,6 +354,8 @@ class EndpointPickerHandler:
             set_headers.append(_header("content-length", str(len(payload))))
         if x.generated_id:
             set_headers.append(_header(REQUEST_ID_HEADER, x.request_id))
+        if x.traceparent:
+            set_headers.append(_header(TRACEPARENT, x.traceparent))
         lb = struct_pb2.Struct()
         lb.fields[DESTINATION_HEADER].string_value = ",".join(decision.targets)
         dyn = struct_pb2.Struct()

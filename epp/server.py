@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2_grpc
 from prometheus_client import start_http_server
 
+from kvgate.api.tracing import Tracer
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
 from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
@@ -50,6 +51,7 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     max_model_len: int = 0  # 0: learnt from the engines' GET /v1/models
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    otlp_endpoint: str | None = None  # traces (kvgate.api.tracing); None: off
 
 
 def needs_tokenizer(config: EndpointPickerConfig) -> bool:
@@ -74,6 +76,7 @@ class EppServer:
         self.profile = profile
         self.director = Director(self.datastore, profile, saturation_detector(settings.config))
         self.metrics = EppMetrics(self.datastore, settings.pool_name or "local")
+        self.tracer = Tracer(settings.otlp_endpoint, "kvgate-epp")
         self.metrics.describe_plugins(
             {f.name: ("Filter", f.type_name) for f in profile.filters}
             | {sc.name: ("Scorer", sc.type_name) for sc, _ in profile.scorers}
@@ -87,6 +90,7 @@ class EppServer:
             objectives,
             policy=PromptPolicy(settings.trust_request_chat_template, settings.max_model_len),
             max_body_bytes=settings.max_request_body_bytes,
+            tracer=self.tracer,
         )
         self.health = EppHealth(self.datastore)
         self.grpc_port = settings.grpc_port
@@ -185,3 +189,4 @@ async def serve_forever(settings: ServerSettings) -> None:
     await stop.wait()
     log.info("EPP stopping")
     await server.stop()
+    server.tracer.shutdown()

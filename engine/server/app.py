@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kvgate.api.contracts.admissions import PICKED_BY_HEADER, valid_replica_id
+from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
@@ -60,6 +61,7 @@ class ServerState:
     body_read_timeout: float | None = 30.0  # seconds between body chunks; None: no limit
     body_total_timeout: float | None = 120.0  # seconds for a whole body (a trickle); None: no limit
     metrics_auth: bool = False  # /metrics requires the API key too
+    tracer: Tracer = field(default_factory=lambda: Tracer(None, "kvgate-engine"))
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -67,6 +69,26 @@ def _picked_by(request: Request) -> str | None:
     """The kvgate EPP replica that routed this request, when it asked for an admission
     announcement (kvgate.api.contracts.admissions); a malformed value asks for nothing."""
     return valid_replica_id(request.headers.get(PICKED_BY_HEADER))
+
+
+def _trace_result(request: Request, result: dict[str, Any]) -> None:
+    """What a finished (non-streamed) generation says about itself, on its span."""
+    span = getattr(request.state, "span", None)
+    if span is None:
+        return
+    usage = result.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    span.set_attributes(
+        {
+            "gen_ai.response.id": str(result.get("id", "")),
+            "gen_ai.usage.input_tokens": int(usage.get("prompt_tokens") or 0),
+            "gen_ai.usage.output_tokens": int(usage.get("completion_tokens") or 0),
+            "kvgate.prompt_tokens_cached": int(details.get("cached_tokens") or 0),
+            "gen_ai.response.finish_reasons": [
+                str(c.get("finish_reason")) for c in result.get("choices", [])
+            ],
+        }
+    )
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -84,6 +106,7 @@ class SSEResponse:
         self.body = body
         self.on_close = on_close
         self.extra_headers: list[tuple[bytes, bytes]] = []
+        self.span: Span = NO_SPAN
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -99,7 +122,11 @@ class SSEResponse:
                     ],
                 }
             )
+            first = True
             async for chunk in self.body:
+                if first:
+                    self.span.add_event("first_chunk")  # the first token, for a stream
+                    first = False
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # uvicorn raises ClientDisconnected (an OSError) on a send to a closed socket
@@ -114,6 +141,7 @@ class SSEResponse:
         finally:
             await self.body.aclose()
             self.on_close()
+            self.span.end()
 
 
 class BrokenResponse:
@@ -181,6 +209,13 @@ def build_app(state: ServerState) -> Starlette:
         handler: str = "",
     ) -> Callable[[Request], Awaitable[Any]]:
         async def handle(request: Request) -> Any:
+            span: Span = NO_SPAN
+            if generation and state.tracer.enabled:
+                # a child of the caller's traceparent (the EPP's pick, through the gateway)
+                span = state.tracer.start(
+                    "kvgate.engine.request", request.headers, {"http.route": handler, "kvgate.model": model}
+                )
+                request.state.span = span
             try:
                 if auth and state.api_key is not None:
                     check_api_key(request)
@@ -203,6 +238,12 @@ def build_app(state: ServerState) -> Starlette:
                 response = error_response(500, "Internal server error.", code="internal_error")
             if handler:
                 state.metrics.note_http(handler, request.method, getattr(response, "status_code", 200))
+            if span is not NO_SPAN:
+                span.set_attribute("http.response.status_code", getattr(response, "status_code", 200))
+                if isinstance(response, SSEResponse):
+                    response.span = span  # ends with the stream
+                else:
+                    span.end()
             # Echo the gateway's request id so Envoy/EPP logs and ours line up.
             request_id = request.headers.get("x-request-id")
             if request_id and _REQUEST_ID.fullmatch(request_id):
@@ -259,6 +300,7 @@ def build_app(state: ServerState) -> Starlette:
         req = parse_body(CompletionRequest, await read_body(request))
         result = await serving.completions(req, request.receive, _picked_by(request))
         if isinstance(result, dict):
+            _trace_result(request, result)
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)
 
@@ -266,6 +308,7 @@ def build_app(state: ServerState) -> Starlette:
         req = parse_body(ChatCompletionRequest, await read_body(request))
         result = await serving.chat(req, request.receive, _picked_by(request))
         if isinstance(result, dict):
+            _trace_result(request, result)
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from kvgate.api.tracing import Tracer
 from kvgate.engine.config import EngineConfig
 
 if TYPE_CHECKING:  # for annotations only; build_engine imports it when it runs
@@ -61,6 +62,7 @@ class ServerOptions:
     metrics_require_api_key: bool = False
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
+    otlp_endpoint: str | None = None  # OpenTelemetry traces (kvgate.api.tracing); None: off
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -224,6 +226,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         body_read_timeout=options.body_read_timeout or None,
         body_total_timeout=options.body_total_timeout or None,
         metrics_auth=options.metrics_require_api_key,
+        tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
     )
     app = build_app(state)
     uv_config = uvicorn.Config(
@@ -297,6 +300,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         await server.serve(sockets=[sock])
     finally:
         await asyncio.to_thread(async_engine.stop)
+        await asyncio.to_thread(state.tracer.shutdown)
     return 0
 
 

@@ -99,6 +99,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
     )
     p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318) for the engines' and EPPs' traces",
+    )
+    p.add_argument(
         "--log-format",
         choices=["text", "json"],
         default=None,
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
         log_format=args.log_format,
+        otlp_endpoint=args.otlp_endpoint,
         expose_upstream_header=args.expose_upstream_header,
         failure_mode=args.failure_mode,
         envoy_bin=args.envoy_bin,

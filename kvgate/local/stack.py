@@ -60,6 +60,7 @@ class StackConfig:
     expose_upstream_header: bool = False  # x-kvgate-upstream on responses (the bench reads it)
     failure_mode: str = "FailClose"  # Envoy when no EPP replica answers (kvgate up: FailOpen)
     log_format: str | None = None  # --log-format for engines and EPPs; None: each one's default
+    otlp_endpoint: str | None = None  # OpenTelemetry collector for engines and EPPs; None: off
 
 
 def find_envoy(explicit: str | None = None) -> str:
@@ -114,6 +115,8 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv += cfg.sim.argv()
     if cfg.log_format:
         argv += ["--log-format", cfg.log_format]
+    if cfg.otlp_endpoint:
+        argv += ["--otlp-endpoint", cfg.otlp_endpoint]
     argv += list(cfg.engine_args)
     return ProcessSpec(name=f"engine-{i}", argv=argv)
 
@@ -150,6 +153,8 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--profile", cfg.profile]
     if cfg.log_format:
         argv += ["--log-format", cfg.log_format]
+    if cfg.otlp_endpoint:
+        argv += ["--otlp-endpoint", cfg.otlp_endpoint]
     argv += list(cfg.epp_args)
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
 
