@@ -2,7 +2,8 @@
 
 Off unless an endpoint is given (`--otlp-endpoint URL`, or the standard
 `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`); then every process exports
-its spans to it in batches, named by `OTEL_SERVICE_NAME` (default: the component's name) and
+its spans to it in batches, over OTLP/HTTP or OTLP/gRPC (`OTEL_EXPORTER_OTLP_PROTOCOL`, else
+gRPC for port 4317), named by `OTEL_SERVICE_NAME` (default: the component's name) and
 sampled as `OTEL_TRACES_SAMPLER` / `_ARG` say (default: parent-based, always on). When off,
 nothing of OpenTelemetry is imported and a traced call costs one `None` check: `Tracer.span`
 returns a shared no-op span.
@@ -14,6 +15,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
@@ -77,13 +79,37 @@ def endpoint_from_env(explicit: str | None = None) -> str | None:
         return traces
     base = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if base:
-        return base.rstrip("/") + "/v1/traces"
+        return base if protocol(base) == "grpc" else base.rstrip("/") + "/v1/traces"
     return None
 
 
 def _traces_url(endpoint: str) -> str:
     # `--otlp-endpoint http://collector:4318` means the collector; its OTLP/HTTP path is /v1/traces
     return endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+
+
+def protocol(endpoint: str) -> str:
+    """`grpc` or `http/protobuf`: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else by the port (4317 is
+    OTLP/gRPC's, 4318 OTLP/HTTP's), else HTTP."""
+    chosen = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL"
+    )
+    if chosen:
+        return "grpc" if chosen.strip().lower() == "grpc" else "http/protobuf"
+    port = urlsplit(endpoint).port
+    return "grpc" if port == 4317 else "http/protobuf"
+
+
+def _exporter(endpoint: str) -> Any:
+    if protocol(endpoint) == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        parts = urlsplit(endpoint)
+        # gRPC takes host:port; http:// means no TLS
+        return GrpcExporter(endpoint=parts.netloc or endpoint, insecure=parts.scheme != "https")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=_traces_url(endpoint))
 
 
 class Tracer:
@@ -96,7 +122,6 @@ class Tracer:
         self._propagator: Any = None
         if endpoint is None:
             return
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -106,9 +131,7 @@ class Tracer:
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": name})  # sampler: OTEL_TRACES_SAMPLER(_ARG)
         )
-        self._provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=_traces_url(endpoint)), schedule_delay_millis=500)
-        )
+        self._provider.add_span_processor(BatchSpanProcessor(_exporter(endpoint), schedule_delay_millis=500))
         self._tracer = self._provider.get_tracer("kvgate")
         self._propagator = TraceContextTextMapPropagator()
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvgate.testing import eventually
 from kvgate.testing.local_up import UpProcess, start_up, stop_up
-from kvgate.testing.otlp import Collector, otlp_collector
+from kvgate.testing.otlp import Collector, ReceivedSpan, otlp_collector
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -31,6 +31,18 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpProcess
         )
         try:
             up.wait_for_line(r"^curl ")
+
+            def picked() -> bool:
+                # until both EPP replicas are healthy in Envoy, FailOpen may serve a request
+                # without a pick (no pick span): wait for picks to flow first
+                httpx.post(
+                    up.stack["gateway_url"] + "/v1/completions",
+                    json={"model": "default", "prompt": "warm up", "max_tokens": 1},
+                    timeout=30,
+                )
+                return any(s.name == "kvgate.epp.pick" for s in collector.spans)
+
+            eventually(picked, 30, "a pick span", interval=0.5)
             yield up, collector
         finally:
             stop_up(up)
@@ -55,7 +67,11 @@ def test_a_clients_trace_holds_the_pick_and_the_engine_request(
         names = {s.name for s in collector.trace(trace_id)}
         return {"kvgate.epp.pick", "kvgate.engine.request"} <= names
 
-    eventually(both, 20, "the EPP's and the engine's spans in the client's trace")
+    try:
+        eventually(both, 20, "the EPP's and the engine's spans in the client's trace")
+    except Exception:
+        seen = [(s.service, s.name, s.trace_id[:8]) for s in collector.spans]
+        raise AssertionError(f"trace {trace_id[:8]}; every span received: {seen}") from None
     spans = collector.trace(trace_id)
     (pick,) = [s for s in spans if s.name == "kvgate.epp.pick"]
     (request,) = [s for s in spans if s.name == "kvgate.engine.request"]
@@ -75,17 +91,19 @@ def test_a_clients_trace_holds_the_pick_and_the_engine_request(
 
 def test_without_a_traceparent_each_request_gets_its_own_trace(traced: tuple[UpProcess, Collector]) -> None:
     up, collector = traced
-    before = len(collector.spans)
     r = httpx.post(
         up.stack["gateway_url"] + "/v1/completions",
         json={"model": "default", "prompt": "untraced client", "max_tokens": 2},
         timeout=30,
     )
     assert r.status_code == 200
-    eventually(
-        lambda: any(s.name == "kvgate.engine.request" for s in collector.spans[before:]), 20, "new spans"
-    )
-    new = collector.spans[before:]
-    (request,) = [s for s in new if s.name == "kvgate.engine.request"]
-    (pick,) = [s for s in new if s.name == "kvgate.epp.pick" and s.trace_id == request.trace_id]
+    response_id = r.json()["id"]
+
+    def mine() -> list[ReceivedSpan]:
+        return [s for s in collector.spans if s.attributes.get("gen_ai.response.id") == response_id]
+
+    eventually(mine, 20, "the engine's span of this request")
+    (request,) = mine()
+    eventually(lambda: collector.trace(request.trace_id) != [request], 20, "the pick in the same trace")
+    (pick,) = [s for s in collector.trace(request.trace_id) if s.name == "kvgate.epp.pick"]
     assert pick.parent_span_id == "" and request.parent_span_id == pick.span_id

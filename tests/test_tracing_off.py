@@ -37,3 +37,32 @@ def test_endpoint_from_the_standard_variables(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4318/v1/traces")
     assert endpoint_from_env(None) == "http://traces:4318/v1/traces"
     assert endpoint_from_env("http://flag:4318") == "http://flag:4318"  # the flag wins
+
+
+def test_spans_reach_an_otlp_grpc_collector(monkeypatch) -> None:
+    """OTEL_EXPORTER_OTLP_PROTOCOL=grpc exports over OTLP/gRPC (a real gRPC collector)."""
+    from kvgate.api.tracing import Tracer, protocol
+    from kvgate.testing.otlp import otlp_grpc_collector
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    with otlp_grpc_collector() as collector:
+        assert protocol(collector.url) == "grpc"
+        tracer = Tracer(collector.url, "kvgate-test")
+        parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        with tracer.span("kvgate.test", {"traceparent": parent}, {"k": 1}) as span:
+            span.add_event("e")
+        tracer.shutdown()  # flushes
+        (got,) = collector.trace("ab" * 16)
+        assert got.service == "kvgate-test" and got.parent_span_id == "cd" * 8
+        assert got.attributes == {"k": 1} and got.events == ("e",)
+
+
+def test_protocol_by_variable_then_port(monkeypatch) -> None:
+    from kvgate.api.tracing import protocol
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    assert protocol("http://c:4317") == "grpc"
+    assert protocol("http://c:4318") == "http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert protocol("http://c:4317") == "http/protobuf"

@@ -97,3 +97,29 @@ def otlp_collector() -> Iterator[Collector]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def otlp_grpc_collector() -> Iterator[Collector]:
+    """The same collector speaking OTLP/gRPC (`collector.url` is http://127.0.0.1:PORT)."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    collector = Collector()
+
+    class Service(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> Any:
+            collector.receive(request.SerializeToString())
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    collector.url = f"http://127.0.0.1:{port}"
+    try:
+        yield collector
+    finally:
+        server.stop(0)
