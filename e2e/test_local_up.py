@@ -35,7 +35,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
         "4",
         "--max-queued-requests",
         "2",
-        "--quiet",
     )
     try:
         up.wait_for_line(r"^curl ")
@@ -196,6 +195,34 @@ def _run_up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def test_quiet_prints_the_url_and_curl_line_only(tmp_path: Path) -> None:
+    # --quiet: kvgate's progress is gone and the children run with --quiet (their warnings and
+    # errors would still be echoed); a healthy start and stop print two lines.
+    up = start_up(tmp_path, "--simulate", "--engines", "1", "--epp-replicas", "1", "--quiet")
+    try:
+        up.wait_for_line(r"^curl ")
+        time.sleep(1.0)  # the children's post-ready lines (scraper, KV events) would show by now
+    finally:
+        stop_up(up)
+    lines = [line for line in up.lines if line.strip()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("[kvgate] ready: gateway http://127.0.0.1:")
+    assert lines[1].startswith("curl ")
+
+
+def test_log_format_reaches_engines_and_epps(tmp_path: Path) -> None:
+    up = start_up(tmp_path, "--simulate", "--engines", "1", "--epp-replicas", "1", "--log-format", "json")
+    try:
+        up.wait_for_line(r"^curl ")
+    finally:
+        stop_up(up)
+    children = [line for line in up.lines if line.startswith(("[engine-0]", "[epp]"))]
+    assert {line.split()[0] for line in children} == {"[engine-0]", "[epp]"}, up.lines
+    for line in children:
+        record = json.loads(line.split(None, 1)[1])
+        assert record["logger"].startswith("kvgate"), line
 
 
 def test_busy_port_is_one_clear_line(tmp_path: Path) -> None:

@@ -96,7 +96,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="extra argument for the EPP (repeatable)",
     )
     p.add_argument(
-        "--quiet", action="store_true", help="do not stream the components' logs (they still go to --log-dir)"
+        "--quiet",
+        action="store_true",
+        help="print only the gateway URL, a curl line and the components' warnings and errors "
+        "(engines and EPPs run with --quiet)",
     )
     p.add_argument(
         "--otlp-endpoint",
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
         log_format=args.log_format,
+        quiet=args.quiet,
         otlp_endpoint=args.otlp_endpoint,
         expose_upstream_header=args.expose_upstream_header,
         failure_mode=args.failure_mode,
@@ -169,10 +173,15 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signals = _StopOnSignals(stop)
 
-    def say(msg: str) -> None:
+    def shout(msg: str) -> None:
         print(f"[kvgate] {msg}", flush=True)
 
-    stack = LocalStack(cfg, echo=None if args.quiet else sys.stdout, progress=say)
+    def say(msg: str) -> None:  # progress: not with --quiet
+        if not args.quiet:
+            shout(msg)
+
+    # The children's lines are always echoed: with --quiet they only write warnings and errors.
+    stack = LocalStack(cfg, echo=sys.stdout, progress=say)
     kind = "simulated" if args.simulate else f"model {args.model}"
     say(
         f"starting {args.engines} engine(s) ({kind}), {args.epp_replicas} EPP replica(s) "
@@ -194,12 +203,12 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
             raise
 
-        say(f"ready: gateway {info.gateway_url} (model {info.model!r}, {args.engines} engine(s))")
+        shout(f"ready: gateway {info.gateway_url} (model {info.model!r}, {args.engines} engine(s))")
         say("try it:")
         print(info.curl_line(), flush=True)
         say(f"stack details in {log_dir / 'stack.json'}; Ctrl-C stops everything")
         try:
-            rc = _watch(stack, stop, say)
+            rc = _watch(stack, stop, shout)  # restarts and crash loops show even with --quiet
         finally:
             say("stopping...")
             stack.stop()

@@ -60,6 +60,7 @@ class StackConfig:
     expose_upstream_header: bool = False  # x-kvgate-upstream on responses (the bench reads it)
     failure_mode: str = "FailClose"  # Envoy when no EPP replica answers (kvgate up: FailOpen)
     log_format: str | None = None  # --log-format for engines and EPPs; None: each one's default
+    quiet: bool = False  # engines and EPPs log only warnings and errors (--quiet)
     otlp_endpoint: str | None = None  # OpenTelemetry collector for engines and EPPs; None: off
 
 
@@ -115,6 +116,8 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv += cfg.sim.argv()
     if cfg.log_format:
         argv += ["--log-format", cfg.log_format]
+    if cfg.quiet:
+        argv.append("--quiet")
     if cfg.otlp_endpoint:
         argv += ["--otlp-endpoint", cfg.otlp_endpoint]
     argv += list(cfg.engine_args)
@@ -153,6 +156,8 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--profile", cfg.profile]
     if cfg.log_format:
         argv += ["--log-format", cfg.log_format]
+    if cfg.quiet:
+        argv.append("--quiet")
     if cfg.otlp_endpoint:
         argv += ["--otlp-endpoint", cfg.otlp_endpoint]
     argv += list(cfg.epp_args)
