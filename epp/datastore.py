@@ -72,6 +72,7 @@ class EndpointState:
     kv_events_live: bool = False  # the subscriber is connected and in sequence
     kv_synced: bool = False  # the KV-event subscription finished (or gave up) its initial replay
     served_models: frozenset[str] = frozenset()  # names its GET /v1/models lists
+    served_adapters: frozenset[str] = frozenset()  # those of them that are LoRA adapters (a parent)
     max_model_len: int = 0  # its context in tokens, from GET /v1/models; 0: not known
     address: str = ""  # = endpoint.address; a plain field because scorers read it per endpoint
 
@@ -146,6 +147,12 @@ class Datastore:
         out: frozenset[str] = frozenset()
         for state in self._states.values():
             out |= state.served_models
+        return out
+
+    def known_adapters(self) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for state in self._states.values():
+            out |= state.served_adapters
         return out
 
     def context_limit(self) -> int:

@@ -73,12 +73,12 @@ class Director:
         for scorer, _ in self.profile.scorers:
             observe = getattr(scorer, "observe_admission", None)
             if observe is not None:
-                found = observe(address, tokens, now, index)
+                found = observe(address, tokens, now, index, admission.lora_id)
                 if uncached is None and isinstance(found, int):
                     uncached = found
         if uncached is None:  # no prefix-aware scorer: what the index says is cached there
             size = index.block_size(address) or DEFAULT_BLOCK_SIZE
-            keys = block_keys(tokens, size)
+            keys = block_keys(tokens, size, admission.lora_id)
             cached = index.prefix_blocks(keys, [address]).get(address, 0) * size if keys else 0
             uncached = max(0, len(tokens) - cached)
         state.note_pick(now, uncached)

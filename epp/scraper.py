@@ -275,12 +275,17 @@ class MetricsScraper:
                 return
             data = json.loads(body)["data"]
             names = frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
+            # vLLM lists a LoRA adapter with its base model as "parent"; the base has none.
+            adapters = frozenset(
+                str(m["id"]) for m in data if isinstance(m, dict) and "id" in m and m.get("parent")
+            )
             lengths = [int(m["max_model_len"]) for m in data if isinstance(m, dict) and "max_model_len" in m]
         except (ScrapeError, ValueError, KeyError, TypeError):
             return
         state = self.datastore.get(endpoint.address)
         if state is not None:
             state.served_models = names
+            state.served_adapters = adapters
             state.max_model_len = max(lengths, default=0)
 
     async def _poll(self, endpoint: Endpoint) -> None:

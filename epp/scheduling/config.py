@@ -105,13 +105,14 @@ def parse_duration(text: str) -> float:
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[m.group(2)]
 
 
-# GIE's default profile (queue 2, kv-cache 2, approximate prefix 3) and kvgate's own.
+# GIE's default profile (queue 2, kv-cache 2, approximate prefix 3, LoRA affinity 2) and kvgate's own.
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "plugins": [
             {"type": "queue-scorer"},
             {"type": "kv-cache-utilization-scorer"},
             {"type": "prefix-cache-scorer"},
+            {"type": "lora-affinity-scorer"},
             {"type": "max-score-picker"},
         ],
         "schedulingProfiles": [
@@ -121,6 +122,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
                     {"pluginRef": "queue-scorer", "weight": 2},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
                     {"pluginRef": "prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "lora-affinity-scorer", "weight": 2},
                     {"pluginRef": "max-score-picker"},
                 ],
             }
@@ -132,6 +134,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "precise-prefix": {
         "plugins": [
             {"type": "predicted-latency-scorer"},
+            {"type": "lora-affinity-scorer"},
             {"type": "max-score-picker"},
         ],
         "schedulingProfiles": [
@@ -139,6 +142,9 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
                 "name": "precise-prefix",
                 "plugins": [
                     {"pluginRef": "predicted-latency-scorer", "weight": 1},
+                    # Neutral for base-model requests; for an adapter, a pick that needs no
+                    # adapter load (or no eviction) wins unless it is predicted ~1.5-2x slower.
+                    {"pluginRef": "lora-affinity-scorer", "weight": 0.5},
                     {"pluginRef": "max-score-picker"},
                 ],
             }

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvgate.epp.datastore import EndpointState
+from kvgate.epp.scheduling.adapters import request_adapter
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 
@@ -62,15 +63,18 @@ class LeastKVCacheFilter:
 
 @dataclass
 class LoraAffinityFilter:
-    """Prefers endpoints that already run the request's adapter, else ones with a free slot."""
+    """For a request naming an adapter: the endpoints that run (or queue) it, else those with a
+    free adapter slot, else all. Base-model requests pass through."""
 
     type_name: ClassVar[str] = "lora-affinity-filter"
     name: str = type_name
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
-        model = ctx.request.target_model
+        adapter = request_adapter(ctx)
+        if adapter is None:
+            return endpoints
         loaded = [
-            e for e in endpoints if model in e.metrics.running_loras or model in e.metrics.waiting_loras
+            e for e in endpoints if adapter in e.metrics.running_loras or adapter in e.metrics.waiting_loras
         ]
         if loaded:
             return loaded

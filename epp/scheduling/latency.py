@@ -309,10 +309,12 @@ class PredictedLatencyScorer:
         if tokens is not None:
             self.model.speed(target.address).recent_uncached.append(tokens)
 
-    def observe_admission(self, address: str, token_ids: list[int], now: float, index: PreciseIndex) -> int:
+    def observe_admission(
+        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
+    ) -> int:
         """Another EPP replica's pick, announced by the engine: it fills that engine's cache
         as our own picks do. Returns the tokens the engine must compute for it."""
-        keys, uncached = self.prefix.observe_admission(address, token_ids, now, index)
+        keys, uncached = self.prefix.observe_admission(address, token_ids, now, index, lora_id)
         self.working_sets.touch(address, self.working_sets.sampled(keys), now)
         return uncached
 

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from kvgate.epp.datastore import EndpointState
 from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, RecentPicks, block_keys, root_key
+from kvgate.epp.scheduling.adapters import request_adapter, request_lora_id
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 
@@ -63,22 +64,25 @@ class LoadAwareScorer:
 
 @dataclass
 class LoraAffinityScorer:
-    """1 if the adapter is already loaded (running or waiting), 0.5 if a slot is free, else 0."""
+    """GIE's LoRA affinity: for a request naming an adapter, 1 where the adapter is running or
+    waiting (no load), 0.5 where a slot is free (a load, nothing evicted), 0 where the engine is
+    at max_lora without it (a load that waits for a slot) or serves no LoRA at all. Base-model
+    requests score 1 everywhere: they need no adapter slot."""
 
     type_name: ClassVar[str] = "lora-affinity-scorer"
     name: str = type_name
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        model = ctx.request.target_model
+        adapter = request_adapter(ctx)
+        if adapter is None:
+            return [1.0] * len(endpoints)
         out: list[float] = []
         for e in endpoints:
             m = e.metrics
-            if model in m.running_loras or model in m.waiting_loras:
+            if adapter in m.running_loras or adapter in m.waiting_loras:
                 out.append(1.0)
             elif len(m.running_loras) < m.max_lora:
                 out.append(0.5)
-            elif m.max_lora == 0:
-                out.append(1.0)  # no LoRA on this engine: the base model is always "loaded"
             else:
                 out.append(0.0)
         return out
@@ -160,7 +164,7 @@ class PrecisePrefixCacheScorer:
         keys = ctx.cache.get(cache_key)
         if keys is None:
             req = ctx.request
-            keys = block_keys(req.token_ids, size) if req.body else []
+            keys = block_keys(req.token_ids, size, request_lora_id(ctx)) if req.body else []
             ctx.cache[cache_key] = keys
         return keys
 
@@ -214,14 +218,14 @@ class PrecisePrefixCacheScorer:
             self.recent.record(keys, target.address, ctx.now)
 
     def observe_admission(
-        self, address: str, token_ids: list[int], now: float, index: PreciseIndex
+        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
     ) -> tuple[list[int], int]:
         """Another EPP replica's pick, announced by the engine: bridge the gap before its
         BlockStored as for our own picks. Returns the prompt's block keys (default size) and
         the tokens the engine must compute for it (what it had cached or was about to)."""
-        keys = block_keys(token_ids, self.block_size)
+        keys = block_keys(token_ids, self.block_size, lora_id)
         size = index.block_size(address) or self.block_size
-        sized = keys if size == self.block_size else block_keys(token_ids, size)
+        sized = keys if size == self.block_size else block_keys(token_ids, size, lora_id)
         cached = index.prefix_blocks(sized, [address]).get(address, 0) * size if sized else 0
         if self.recent_window_seconds > 0 and keys:
             recent = self.recent.prefix_blocks(keys, [address], now).get(address, 0) * self.block_size

@@ -261,6 +261,7 @@ def test_gie_default_profile_weights() -> None:
         "queue-scorer": 2,
         "kv-cache-utilization-scorer": 2,
         "prefix-cache-scorer": 3,
+        "lora-affinity-scorer": 2,
     }
     assert profile.picker.type_name == "max-score-picker"
 
