@@ -385,6 +385,7 @@ class LocalStack:
                     )
                 time.sleep(0.2)
             self._wait_gateway(client, deadline, cancel)
+            self._wait_epp_healthy(client, deadline)
         self._progress(f"gateway ready ({time.monotonic() - t0:.1f}s)")
 
     def _wait_gateway(self, client: httpx.Client, deadline: float, cancel: threading.Event | None) -> None:
@@ -403,6 +404,25 @@ class LocalStack:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
         raise StackError(f"every part is up but the gateway does not route yet ({url}: {last})")
+
+    def _wait_epp_healthy(self, client: httpx.Client, deadline: float) -> None:
+        """Until Envoy's own health checks pass every EPP replica. Before that a request may be
+        served without a pick (FailOpen: round robin, no prefix routing), which `/v1/models`
+        answering does not rule out."""
+        url = f"http://{LOOPBACK}:{self.cfg.ports.envoy_admin}/clusters"
+        while time.monotonic() < deadline:
+            try:
+                lines = [
+                    line
+                    for line in client.get(url).text.splitlines()
+                    if line.startswith("epp::") and "::health_flags::" in line
+                ]
+                if len(lines) >= self.cfg.epp_replicas and all(line.endswith("::healthy") for line in lines):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise StackError("every part is up but Envoy does not see the endpoint pickers healthy yet")
 
     def _served_model(self) -> str:
         url = f"http://{LOOPBACK}:{self.cfg.ports.engines[0]}/v1/models"
