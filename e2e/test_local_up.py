@@ -225,6 +225,31 @@ def test_log_format_reaches_engines_and_epps(tmp_path: Path) -> None:
         assert record["logger"].startswith("kvgate"), line
 
 
+def test_startup_picks_nothing_before_the_epp_sees_an_engine(tmp_path: Path) -> None:
+    # A slow EPP scrape (2 s, also its retry period while the engine is down) makes the race
+    # certain: if the gateway probe (a real pick) ran once the engine answered /health, the EPP
+    # would still know no ready endpoint and answer and log "503 no ready endpoints".
+    up = start_up(
+        tmp_path,
+        "--simulate",
+        "--engines",
+        "1",
+        "--epp-replicas",
+        "1",
+        "--epp-arg=--refresh-metrics-interval=2s",
+        "--log-format",
+        "text",
+    )
+    try:
+        up.wait_for_line(r"^curl ")
+    finally:
+        stop_up(up)
+    text = "\n".join(up.lines)
+    assert "no ready endpoints" not in text and "answered 503" not in text, text
+    order = [line.split()[1] for line in up.lines if re.match(r"^\[kvgate\] \S+ ready \(", line)]
+    assert order.index("epp") > order.index("engine-0"), order
+
+
 def test_busy_port_is_one_clear_line(tmp_path: Path) -> None:
     with _busy_listener() as busy:
         port = busy.getsockname()[1]

@@ -350,7 +350,17 @@ class LocalStack:
             checks.append((proc, _http_ok(f"http://{LOOPBACK}:{port}/health")))
         assert self.envoy is not None
         for proc, ports in zip(self.epps, p.epps, strict=True):
-            checks.append((proc, _grpc_ok(f"{LOOPBACK}:{ports.health}")))
+            # Ready = serving and scraping every engine: the gateway probe that follows is a real
+            # pick, and an EPP that has not seen an engine yet would answer (and log) a 503.
+            checks.append(
+                (
+                    proc,
+                    _both(
+                        _grpc_ok(f"{LOOPBACK}:{ports.health}"),
+                        _epp_sees_engines(f"http://{LOOPBACK}:{ports.metrics}/metrics", len(p.engines)),
+                    ),
+                )
+            )
         checks.append((self.envoy, _http_ok(f"http://{LOOPBACK}:{p.envoy_admin}/ready")))
         return checks
 
@@ -439,6 +449,27 @@ def _http_ok(url: str) -> Callable[[httpx.Client], bool]:
             return client.get(url).status_code == 200
         except httpx.HTTPError:
             return False
+
+    return check
+
+
+def _both(
+    first: Callable[[httpx.Client], bool], second: Callable[[httpx.Client], bool]
+) -> Callable[[httpx.Client], bool]:
+    return lambda client: first(client) and second(client)
+
+
+def _epp_sees_engines(url: str, engines: int) -> Callable[[httpx.Client], bool]:
+    """The EPP's inference_pool_ready_pods (engines it has scraped) has reached `engines`."""
+    from kvgate.api.contracts.metrics import POOL_READY_PODS
+    from kvgate.bench.engine_metrics import parse_samples
+
+    def check(client: httpx.Client) -> bool:
+        try:
+            resp = client.get(url)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200 and parse_samples(resp.text).get(POOL_READY_PODS, 0.0) >= engines
 
     return check
 
