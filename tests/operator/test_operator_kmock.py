@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import signal
 import socket
@@ -591,7 +592,7 @@ async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: A
         port = s.getsockname()[1]
     cmd = [
         str(Path(sys.executable).parent / "kvgate"), "operator", "run", "--namespace", NS, "--no-scanning",
-        "--resync-seconds", "0.5", "--liveness-port", str(port),
+        "--resync-seconds", "0.5", "--liveness-port", str(port), "--log-format", "json",
     ]  # fmt: skip
     log = tmp_path / "operator.log"
     with log.open("wb") as out:
@@ -621,6 +622,9 @@ async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: A
         proc.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(proc.wait(), 20)
     assert code == 0, log.read_text()[-2000:]
+    # --log-format json: every line the operator wrote is one JSON record, kvgate's own among them
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    assert any(r["logger"].startswith("kvgate.operator") for r in records), records
 
 
 def test_cli_without_credentials_is_a_clear_error(tmp_path: Any) -> None:
