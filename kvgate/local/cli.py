@@ -121,11 +121,31 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "(default), FailClose answers 503",
     )
     p.add_argument(
+        "--lora-modules",
+        type=lora_modules,
+        action="extend",
+        default=[],
+        metavar="NAME=PATH[,NAME=PATH...]",
+        help="LoRA adapters every engine serves (PEFT folders; repeatable): the engines run with "
+        "--enable-lora and one --lora-modules NAME=PATH each, and requests name an adapter as their model",
+    )
+    p.add_argument(
         "--expose-upstream-header",
         action="store_true",
         help="add x-kvgate-upstream (the engine that answered) to gateway responses; for debugging "
         "and benchmarks, off by default so clients never learn internal addresses",
     )
+
+
+def lora_modules(value: str) -> list[tuple[str, str]]:
+    """argparse type of --lora-modules: NAME=PATH[,NAME=PATH...]."""
+    out: list[tuple[str, str]] = []
+    for item in value.split(","):
+        name, sep, path = item.strip().partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH[,NAME=PATH...], got {item.strip()!r}")
+        out.append((name.strip(), path.strip()))
+    return out
 
 
 def _fail(message: str, details: list[str] | None = None) -> int:
@@ -142,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")
+    names = [name for name, _ in args.lora_modules]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        return _fail(f"--lora-modules names an adapter more than once: {', '.join(dupes)}")
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
     try:
         ports = plan_ports(args.port, args.base_port, args.engines, args.epp_replicas)
@@ -158,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         epp_config_file=args.epp_config,
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
+        lora_modules=tuple(args.lora_modules),
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
         log_format=args.log_format,

@@ -52,6 +52,7 @@ class StackConfig:
     epp_config_file: str | None = None
     max_num_seqs: int | None = None
     max_queued_requests: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, path) every engine serves
     engine_args: tuple[str, ...] = ()  # passed through to every engine
     epp_args: tuple[str, ...] = ()  # passed through to the EPP
     envoy_bin: str | None = None
@@ -120,6 +121,10 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv.append("--quiet")
     if cfg.otlp_endpoint:
         argv += ["--otlp-endpoint", cfg.otlp_endpoint]
+    if cfg.lora_modules:
+        argv.append("--enable-lora")
+        for name, path in cfg.lora_modules:
+            argv += ["--lora-modules", f"{name}={path}"]
     argv += list(cfg.engine_args)
     return ProcessSpec(name=f"engine-{i}", argv=argv)
 
