@@ -59,6 +59,9 @@ def test_up_prints_progress_url_and_a_curl_line_that_works(stack: UpProcess) -> 
     ):
         assert part in text
     assert f"ready: gateway {stack.stack['gateway_url']}" in text
+    # one readable console: the EPPs log text too by default (alone they would log JSON)
+    epp_lines = [line for line in stack.lines if line.startswith("[epp-")]
+    assert epp_lines and not any(line.split(None, 1)[1].startswith("{") for line in epp_lines), epp_lines
     curl = stack.wait_for_line(r"^curl ")
     argv = shlex.split(curl)
     assert argv[0] == "curl"

@@ -110,8 +110,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-format",
         choices=["text", "json"],
-        default=None,
-        help="the engines' and EPPs' log lines: text or json (default: each one's own, engines text, EPPs json)",
+        default="text",
+        help="the engines' and EPPs' log lines: text (one readable console; the EPP alone would log json) or json",
     )
     p.add_argument(
         "--failure-mode",
