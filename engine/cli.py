@@ -111,6 +111,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="exact KV pool size in blocks (overrides the memory budget)",
     )
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters as models")
+    lo.add_argument(
+        "--lora-modules",
+        action="append",
+        default=[],
+        type=_lora_module,
+        metavar="NAME=PATH",
+        help='an adapter served as model NAME (repeatable; also JSON {"name":..,"path":..})',
+    )
+    lo.add_argument("--max-loras", type=_positive_int, default=1, help="adapters in one running batch")
+    lo.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank accepted")
+    lo.add_argument("--max-cpu-loras", type=_positive_int, default=None, help="adapters cached on CPU")
 
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
@@ -239,6 +252,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    from kvgate.engine.server.lora import parse_lora_module
+
+    return parse_lora_module(text)
+
+
 def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
     from kvgate.engine.server.launcher import ServerOptions
 
@@ -287,6 +306,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         http_parser=args.http_parser,
         event_loop=args.event_loop,
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
+        enable_lora=args.enable_lora,
+        lora_modules=list(args.lora_modules),
+        max_loras=args.max_loras,
     )
     return config, options
 

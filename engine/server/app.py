@@ -313,25 +313,28 @@ def build_app(state: ServerState) -> Starlette:
         return SSEResponse(result.body, on_close=result.close)
 
     def model_card(name: str) -> dict[str, Any]:
+        adapter = name in model.adapters  # vLLM: an adapter's root is its path, parent the base model
         return {
             "id": name,
             "object": "model",
             "created": model.created,
             "owned_by": "kvgate",
-            "root": model.root,
-            "parent": None,
+            "root": model.adapters[name] if adapter else model.root,
+            "parent": model.name if adapter else None,
             "max_model_len": model.max_model_len,
             "permission": [],
         }
 
     async def models(request: Request) -> Response:
-        return _json({"object": "list", "data": [model_card(name) for name in model.served_names]})
+        return _json(
+            {"object": "list", "data": [model_card(name) for name in [*model.served_names, *model.adapters]]}
+        )
 
     async def retrieve_model(request: Request) -> Response:
         """OpenAI's GET /v1/models/{model}: one Model object, or 404 for a name not served here.
         Ids may hold slashes (`org/name`); clients send them raw or percent-encoded."""
         name = request.path_params["model_id"]
-        if name not in model.served_names:
+        if name not in model.served_names and name not in model.adapters:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return _json(model_card(name))
 

@@ -51,6 +51,9 @@ class ServerOptions:
     kv_events_buffer: int = 10_000
     kv_events_connect: bool = False
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
+    enable_lora: bool = False
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (adapter name, path)
+    max_loras: int = 1
     enable_failure_injection: bool = False
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False  # vLLM's flag: serve tool_choice "auto"
@@ -142,6 +145,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 def serve(config: EngineConfig, options: ServerOptions) -> int:
+    if options.enable_lora and not config.simulate:
+        # the model runner does not apply adapter weights yet: refuse rather than serve the base
+        # model's outputs under an adapter's name
+        raise ServeError(
+            "--enable-lora needs --simulate for now (the model runner applies no LoRA weights yet)"
+        )
     sock = bind_socket(options.host, options.port)
     try:
         engine = build_engine(config)
@@ -176,6 +185,17 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
+    if options.lora_modules and not options.enable_lora:
+        raise ServeError("--lora-modules needs --enable-lora")
+    if options.enable_lora:
+        metrics.set_lora_state(max_lora=options.max_loras, running=(), waiting=())
+    adapters: dict[str, str] = {}
+    for name, path in options.lora_modules:
+        if name in adapters or name in served:
+            raise ServeError(
+                f"LoRA module name {name!r} is used twice (adapters and served model names must differ)"
+            )
+        adapters[name] = path
     publisher = None
     if options.kv_events_endpoint:
         topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
@@ -206,6 +226,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         max_model_len=int(engine.max_model_len),
         vocab_size=int(engine.vocab_size),
         created=int(time.time()),
+        adapters=adapters,
     )
     version = _version()
 

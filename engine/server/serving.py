@@ -13,9 +13,10 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
+from kvgate.api.lora import lora_int_id
 from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
@@ -60,6 +61,7 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     created: int
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path
 
     @property
     def name(self) -> str:
@@ -105,10 +107,16 @@ class OpenAIServing:
     def _next_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids):08x}"
 
+    def _lora_id(self, model: str) -> int | None:
+        # the adapter's stable id keys its prefix-cache blocks and KV events (the EPP hashes alike)
+        return lora_int_id(model) if model in self.model.adapters else None
+
     # ---- validation shared by both endpoints ----------------------------------------------
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model.served_names:
             return self.model.name
+        if name in self.model.adapters:
+            return name
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def _reject_unsupported(self, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -377,7 +385,7 @@ class OpenAIServing:
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
         rid = f"cmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items, picked_by=picked_by)
+        handle = await self.engine.submit(rid, items, lora_id=self._lora_id(model), picked_by=picked_by)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -483,7 +491,7 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs, structured)]
         rid = f"chatcmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items, picked_by=picked_by)
+        handle = await self.engine.submit(rid, items, lora_id=self._lora_id(model), picked_by=picked_by)
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
