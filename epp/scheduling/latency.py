@@ -314,7 +314,7 @@ class PredictedLatencyScorer:
     ) -> int:
         """Another EPP replica's pick, announced by the engine: it fills that engine's cache
         as our own picks do. Returns the tokens the engine must compute for it."""
-        keys, uncached = self.prefix.observe_admission(address, token_ids, now, index, lora_id)
+        keys, uncached = self.prefix.record_admission(address, token_ids, now, index, lora_id)
         self.working_sets.touch(address, self.working_sets.sampled(keys), now)
         return uncached
 

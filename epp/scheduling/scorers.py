@@ -219,6 +219,13 @@ class PrecisePrefixCacheScorer:
 
     def observe_admission(
         self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
+    ) -> int:
+        """Another EPP replica's pick, announced by the engine; returns the tokens the engine
+        must compute for it."""
+        return self.record_admission(address, token_ids, now, index, lora_id)[1]
+
+    def record_admission(
+        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
     ) -> tuple[list[int], int]:
         """Another EPP replica's pick, announced by the engine: bridge the gap before its
         BlockStored as for our own picks. Returns the prompt's block keys (default size) and
