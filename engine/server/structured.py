@@ -14,6 +14,8 @@ whitespace), so vLLM's whitespace options are refused rather than silently ignor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -121,24 +123,26 @@ class StructuredFields(BaseModel):
                     "whitespace_pattern is not supported: JSON output is compact.",
                     "structured_outputs.whitespace_pattern",
                 )
-            j, regex, choice, grammar = so.json_, so.regex, so.choice, so.grammar
-            if j is not None:
-                found.append(("structured_outputs.json", lambda: StructuredOutputSpec.json_schema(j)))
-            if regex is not None:
-                found.append(("structured_outputs.regex", lambda: StructuredOutputSpec.regex(regex)))
-            if choice is not None:
-                found.append(("structured_outputs.choice", lambda: StructuredOutputSpec.choice(choice)))
-            if grammar is not None:
-                found.append(("structured_outputs.grammar", lambda: StructuredOutputSpec.grammar(grammar)))
+            found += _kinds("structured_outputs.", so.json_, so.regex, so.choice, so.grammar)
             if so.json_object:
                 found.append(("structured_outputs.json_object", StructuredOutputSpec.json_object))
-        gj, gr, gc, gg = self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
-        if gj is not None:
-            found.append(("guided_json", lambda: StructuredOutputSpec.json_schema(gj)))
-        if gr is not None:
-            found.append(("guided_regex", lambda: StructuredOutputSpec.regex(gr)))
-        if gc is not None:
-            found.append(("guided_choice", lambda: StructuredOutputSpec.choice(gc)))
-        if gg is not None:
-            found.append(("guided_grammar", lambda: StructuredOutputSpec.grammar(gg)))
+        found += _kinds(
+            "guided_", self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )
         return found
+
+
+def _kinds(
+    prefix: str, json_: Any, regex: Any, choice: Any, grammar: Any
+) -> list[tuple[str, Callable[[], StructuredOutputSpec]]]:
+    """The json/regex/choice/grammar constraints a request names, under vLLM's field names
+    (`structured_outputs.json`, `guided_json`, ...), each with the builder of its spec."""
+    builders: tuple[tuple[str, Any, Callable[[Any], StructuredOutputSpec]], ...] = (
+        ("json", json_, StructuredOutputSpec.json_schema),
+        ("regex", regex, StructuredOutputSpec.regex),
+        ("choice", choice, StructuredOutputSpec.choice),
+        ("grammar", grammar, StructuredOutputSpec.grammar),
+    )
+    return [
+        (f"{prefix}{name}", partial(build, value)) for name, value, build in builders if value is not None
+    ]

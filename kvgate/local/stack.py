@@ -89,6 +89,18 @@ def kvgate_argv(*args: str) -> list[str]:
     return [sys.executable, "-P", "-m", "kvgate", *args]
 
 
+def _observability_args(cfg: StackConfig) -> list[str]:
+    """Logging and tracing flags, the same for every engine and EPP."""
+    argv: list[str] = []
+    if cfg.log_format:
+        argv += ["--log-format", cfg.log_format]
+    if cfg.quiet:
+        argv.append("--quiet")
+    if cfg.otlp_endpoint:
+        argv += ["--otlp-endpoint", cfg.otlp_endpoint]
+    return argv
+
+
 def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     p = cfg.ports
     argv = kvgate_argv(
@@ -115,12 +127,7 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     if cfg.simulate:
         argv.append("--simulate")
         argv += cfg.sim.argv()
-    if cfg.log_format:
-        argv += ["--log-format", cfg.log_format]
-    if cfg.quiet:
-        argv.append("--quiet")
-    if cfg.otlp_endpoint:
-        argv += ["--otlp-endpoint", cfg.otlp_endpoint]
+    argv += _observability_args(cfg)
     if cfg.lora_modules:
         argv.append("--enable-lora")
         for name, path in cfg.lora_modules:
@@ -159,12 +166,7 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--config-file", cfg.epp_config_file]
     elif cfg.profile:
         argv += ["--profile", cfg.profile]
-    if cfg.log_format:
-        argv += ["--log-format", cfg.log_format]
-    if cfg.quiet:
-        argv.append("--quiet")
-    if cfg.otlp_endpoint:
-        argv += ["--otlp-endpoint", cfg.otlp_endpoint]
+    argv += _observability_args(cfg)
     argv += list(cfg.epp_args)
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
 

@@ -305,6 +305,37 @@ def gateway_stack(
         stop_all(*procs)
 
 
+@dataclass
+class Prometheus:
+    proc: Process
+    url: str  # http://127.0.0.1:PORT
+
+    def wait_ready(self, timeout: float = 30) -> Prometheus:
+        eventually(
+            lambda: http_get(f"{self.url}/-/ready", timeout=1)[0] == 200,
+            timeout,
+            "Prometheus ready",
+            watch=[self.proc],
+        )
+        return self
+
+
+def start_prometheus(log_dir: Path, binary: str, config: dict[str, Any]) -> Prometheus:
+    """A real Prometheus (Debian's `prometheus`) on a free loopback port with ``config`` (written
+    as JSON, which Prometheus reads as YAML) and its data under ``log_dir``."""
+    port = free_port()
+    config_path = log_dir / "prometheus.yml"
+    config_path.write_text(json.dumps(config))
+    argv = [
+        binary,
+        f"--config.file={config_path}",
+        f"--storage.tsdb.path={log_dir / 'data'}",
+        f"--web.listen-address={LOOPBACK}:{port}",
+    ]
+    proc = Process("prometheus", argv, log_dir / "prometheus.log").start()
+    return Prometheus(proc, f"http://{LOOPBACK}:{port}")
+
+
 def rss_kib(pid: int) -> tuple[int, int]:
     """(current RSS, peak RSS) of a process, in KiB (VmRSS, VmHWM)."""
     fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())

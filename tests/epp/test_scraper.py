@@ -107,9 +107,9 @@ async def test_getter_times_out_on_a_silent_server() -> None:
     server.close()
 
 
-async def test_scraper_updates_datastore_and_drops_dead_endpoints() -> None:
-    body = VLLM.encode()
-    writers = []
+def _keep_alive_metrics(body: bytes, writers: list[asyncio.StreamWriter]):
+    """A /metrics server handler answering `body` on a kept-alive connection (each connection's
+    writer lands in `writers`, so a test can cut them)."""
 
     async def handler(reader, writer):
         writers.append(writer)
@@ -120,6 +120,13 @@ async def test_scraper_updates_datastore_and_drops_dead_endpoints() -> None:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
+
+    return handler
+
+
+async def test_scraper_updates_datastore_and_drops_dead_endpoints() -> None:
+    writers: list[asyncio.StreamWriter] = []
+    handler = _keep_alive_metrics(VLLM.encode(), writers)
 
     server, port = await _serve(handler)
     ds = Datastore()
@@ -152,18 +159,8 @@ async def test_an_engine_still_starting_is_not_logged_as_unreachable(
     """`kvgate up` starts the EPP beside engines that load their model for seconds: those first
     refused scrapes are not news. Once answered, the endpoint is 'reachable'; losing it later
     is 'unreachable'."""
-    body = VLLM.encode()
-    writers = []
-
-    async def handler(reader, writer):
-        writers.append(writer)
-        try:
-            while True:
-                await reader.readuntil(b"\r\n\r\n")
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+    writers: list[asyncio.StreamWriter] = []
+    handler = _keep_alive_metrics(VLLM.encode(), writers)
 
     caplog.set_level(logging.INFO, logger="kvgate.epp.scraper")
     probe = socket.socket()

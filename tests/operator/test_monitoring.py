@@ -104,7 +104,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     check = subprocess.run([str(PROMTOOL), "check", "rules", str(rules)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr  # every rule parses
     with harness.gateway_stack(tmp) as (engines, epp, envoy):
-        prom_port = harness.free_port()
         config = {
             "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
             "rule_files": [str(rules)],
@@ -113,20 +112,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 {"job_name": EPP_JOB, "static_configs": [{"targets": [f"127.0.0.1:{epp.metrics_port}"]}]},
             ],
         }
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        prometheus = harness.Process(
-            "prometheus",
-            [
-                str(PROMETHEUS), f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-            ],
-            tmp / "prometheus.log",
-        ).start()  # fmt: skip
+        assert PROMETHEUS is not None
+        prometheus = harness.start_prometheus(tmp, PROMETHEUS, config)
         try:
-            base = f"http://127.0.0.1:{prom_port}"
-            eventually(
-                lambda: harness.http_get(f"{base}/-/ready", timeout=1)[0] == 200, 30, "Prometheus ready"
-            )
+            base = prometheus.wait_ready().url
             model = httpx.get(f"{envoy.url}/v1/models", timeout=10).json()["data"][0]["id"]
             # the counters start before the traffic: rate() then sees it
             eventually(
@@ -166,7 +155,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             )
             yield Stack(base)
         finally:
-            harness.stop_all(prometheus)
+            harness.stop_all(prometheus.proc)
 
 
 def _queries() -> list[str]:

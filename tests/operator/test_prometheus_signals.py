@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import yaml
 
 from kvgate.operator import children as ch
 from kvgate.operator.config import OperatorConfig
@@ -66,7 +65,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         procs += [e.proc for e in engines]
         epp = harness.start_epp(tmp, engines, kv_events=False)
         procs.append(epp.proc)
-        prom_port = harness.free_port()
         config = {
             "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
             "scrape_configs": [
@@ -86,26 +84,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 },
             ],
         }
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        prometheus = harness.Process(
-            "prometheus",
-            [
-                str(PROMETHEUS), f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}",
-            ],
-            tmp / "prometheus.log",
-        ).start()  # fmt: skip
-        procs.append(prometheus)
-        st = Stack(f"http://127.0.0.1:{prom_port}", [e.address for e in engines])
+        assert PROMETHEUS is not None
+        prometheus = harness.start_prometheus(tmp, PROMETHEUS, config)
+        procs.append(prometheus.proc)
+        st = Stack(prometheus.url, [e.address for e in engines])
         for engine in engines:
             engine.wait_ready()
         metrics = f"http://127.0.0.1:{epp.metrics_port}/metrics"
         eventually(
             lambda: _serves(metrics, "inference_pool_average_queue_size"), 60, "EPP metrics", watch=[epp.proc]
         )
-        eventually(
-            lambda: _serves(f"{st.prometheus_url}/-/ready"), 30, "Prometheus ready", watch=[prometheus]
-        )
+        prometheus.wait_ready()
         # Both sources scraped at least once.
         for query in (f'inference_pool_average_queue_size{{name="{POOL}"}}', "vllm:num_requests_waiting"):
             url = f"{st.prometheus_url}/api/v1/query?query={urllib.request.quote(query)}"
