@@ -70,9 +70,24 @@ def add_log_level(
     add_log_format(parser, default_format)
 
 
+def otlp_url(text: str) -> str:
+    """An OpenTelemetry collector URL: http(s)://host[:port][/path]."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 (raises on a port that is not a number or out of range)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected http(s)://host[:port], got {text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected http(s)://host[:port], got {text!r}")
+    return text
+
+
 def add_otlp_endpoint(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--otlp-endpoint",
+        type=otlp_url,
         default=None,
         metavar="URL",
         help="send OpenTelemetry traces over OTLP/HTTP to this collector (e.g. http://127.0.0.1:4318); "

@@ -96,7 +96,10 @@ def protocol(endpoint: str) -> str:
     )
     if chosen:
         return "grpc" if chosen.strip().lower() == "grpc" else "http/protobuf"
-    port = urlsplit(endpoint).port
+    try:
+        port = urlsplit(endpoint).port
+    except ValueError:  # a malformed variable: the exporter reports it when it sends
+        port = None
     return "grpc" if port == 4317 else "http/protobuf"
 
 

@@ -66,3 +66,31 @@ def test_protocol_by_variable_then_port(monkeypatch) -> None:
     assert protocol("http://c:4318") == "http/protobuf"
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     assert protocol("http://c:4317") == "http/protobuf"
+
+
+def test_a_malformed_collector_url_is_a_usage_error_not_a_traceback() -> None:
+    import argparse
+
+    import pytest
+
+    from kvgate.api.cli_args import otlp_url
+    from kvgate.api.tracing import protocol
+
+    assert otlp_url("http://127.0.0.1:4318") == "http://127.0.0.1:4318"
+    for bad in ("http://x:abc", "http://x:99999", "127.0.0.1:4318", "ftp://x", "http://"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            otlp_url(bad)
+    assert protocol("http://x:abc") == "http/protobuf"  # a malformed variable never crashes start-up
+    for command in (
+        ["engine", "serve", "--simulate"],
+        ["epp", "serve", "--endpoints", "127.0.0.1:1"],
+        ["up"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-P", "-m", "kvgate", *command, "--otlp-endpoint", "http://x:abc"],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2, out.stderr
+        assert "--otlp-endpoint: expected http(s)://host[:port]" in out.stderr
+        assert "Traceback" not in out.stderr

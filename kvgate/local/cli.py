@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvgate.api.cli_args import add_simulation_group, port, positive_int
+from kvgate.api.cli_args import add_simulation_group, otlp_url, port, positive_int
 
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
@@ -103,6 +103,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--otlp-endpoint",
+        type=otlp_url,
         default=None,
         metavar="URL",
         help="OpenTelemetry collector (OTLP/HTTP, e.g. http://127.0.0.1:4318) for the engines' and EPPs' traces",
