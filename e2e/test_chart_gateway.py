@@ -181,9 +181,7 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
             harness.Process("chart-envoy", argv, tmp_path / "chart-envoy.log").start(), port, admin
         )
         procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+        harness.wait_gateway(epp, envoy)
         # a listener the client would like to reach instead: it must never see a connection
         trap = socket.create_server(("127.0.0.1", 0))
         trap.settimeout(0)

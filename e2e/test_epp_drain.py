@@ -19,21 +19,9 @@ GRACE = 2.0
 
 
 def test_sigterm_under_load_loses_no_request(tmp_path) -> None:
-    engines = [
-        harness.start_engine(tmp_path, "--drain-grace-period", str(GRACE), "--shutdown-timeout", "10")
-        for _ in range(2)
-    ]
-    procs = [e.proc for e in engines]
-    try:
-        for e in engines:
-            e.wait_ready()
-        epp = harness.start_epp(tmp_path, engines)
-        procs.append(epp.proc)
-        envoy = harness.start_envoy(tmp_path, epp.grpc_port)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+    with harness.gateway_stack(
+        tmp_path, engines=2, engine_args=("--drain-grace-period", str(GRACE), "--shutdown-timeout", "10")
+    ) as (engines, _epp, envoy):
         victim = engines[0]
 
         results: list[tuple[float, int, str, str]] = []  # (sent, status, upstream, body)
@@ -75,5 +63,3 @@ def test_sigterm_under_load_loses_no_request(tmp_path) -> None:
         print(f"last request routed to the draining engine was sent {last * 1000:.0f} ms after SIGTERM")
         assert last < 0.5  # one 50 ms scrape plus a loaded machine's scheduling
         assert after and all(up == engines[1].address for _, _, up, _ in after)
-    finally:
-        harness.stop_all(*procs)

@@ -22,22 +22,16 @@ UPSTREAM = "x-kvgate-upstream"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    logs = tmp_path_factory.mktemp("epp-routing")
-    engines = [harness.start_engine(logs, "--max-num-seqs", "4") for _ in range(3)]
-    procs = [e.proc for e in engines]
-    try:
-        for e in engines:
-            e.wait_ready()
-        epp = harness.start_epp(logs, engines, "--objective", "batch=-1", "--log-level", "debug", secure=True)
-        procs.append(epp.proc)
-        envoy = harness.start_envoy(logs, epp.grpc_port, failure_mode="FailClose", epp_tls=True)
-        procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
-        yield engines, epp, envoy
-    finally:
-        harness.stop_all(*procs)
+    with harness.gateway_stack(
+        tmp_path_factory.mktemp("epp-routing"),
+        engines=3,
+        engine_args=("--max-num-seqs", "4"),
+        epp_args=("--objective", "batch=-1", "--log-level", "debug"),
+        epp_secure=True,
+        failure_mode="FailClose",
+        epp_tls=True,
+    ) as running:
+        yield running
 
 
 def completion(client: httpx.Client, prompt: str, max_tokens: int = 4, **extra) -> httpx.Response:

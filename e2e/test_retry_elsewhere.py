@@ -76,9 +76,7 @@ def stack(request, tmp_path_factory):
         procs.append(epp.proc)
         envoy = harness.start_envoy(logs, grpc_port, pool_endpoints=[engine.address, stub])
         procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+        harness.wait_gateway(epp, envoy)
         yield engine, stub, envoy
     finally:
         harness.stop_all(*procs)

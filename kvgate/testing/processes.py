@@ -282,24 +282,36 @@ def start_envoy(log_dir: Path, epp_port: int, **kwargs: Any) -> Envoy:
     return Envoy(proc, port, admin, config)
 
 
+def wait_gateway(epp: Epp, envoy: Envoy) -> None:
+    """Until the EPP serves, Envoy listens and its health checks have passed the EPP (before
+    that, FailOpen would serve a first request without a pick)."""
+    epp.wait_ready()
+    envoy.wait_ready()
+    envoy.wait_epp_healthy()
+
+
 @contextmanager
 def gateway_stack(
-    log_dir: Path, engines: int = 2, engine_args: Sequence[str] = (), **envoy_kwargs: Any
+    log_dir: Path,
+    engines: int = 2,
+    engine_args: Sequence[str] = (),
+    epp_args: Sequence[str] = (),
+    epp_secure: bool = False,
+    **envoy_kwargs: Any,
 ) -> Iterator[tuple[list[Engine], Epp, Envoy]]:
     """Simulated engines (each given ``engine_args``), the EPP (its default precise-prefix
-    profile: it tokenizes every prompt) and Envoy in front, all ready; stopped on exit."""
+    profile: it tokenizes every prompt; ``epp_args`` come last) and Envoy in front, all ready;
+    stopped on exit."""
     started = [start_engine(log_dir, *engine_args) for _ in range(engines)]
     procs = [e.proc for e in started]
     try:
         for e in started:
             e.wait_ready()
-        epp = start_epp(log_dir, started)
+        epp = start_epp(log_dir, started, *epp_args, secure=epp_secure)
         procs.append(epp.proc)
         envoy = start_envoy(log_dir, epp.grpc_port, **envoy_kwargs)
         procs.append(envoy.proc)
-        epp.wait_ready()
-        envoy.wait_ready()
-        envoy.wait_epp_healthy()
+        wait_gateway(epp, envoy)
         yield started, epp, envoy
     finally:
         stop_all(*procs)
