@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvgate.local.ports import plan_ports
 from kvgate.local.stack import LocalStack, StackConfig
+from kvgate.testing.processes import run_kvgate
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = (
@@ -41,13 +41,7 @@ SMALL = [
 
 
 def bench(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-P", "-m", "kvgate", "bench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return run_kvgate("bench", *args, timeout=timeout, cwd=ROOT)
 
 
 def test_compare_writes_table_json_and_charts(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from kvgate.testing import eventually
 from kvgate.testing.local_up import ROOT, UpProcess, engine_gauges, start_up, stop_up
-from kvgate.testing.processes import pid_alive
+from kvgate.testing.processes import pid_alive, run_kvgate
 
 
 @pytest.fixture(scope="module")
@@ -191,13 +191,7 @@ def _busy_listener() -> socket.socket:
 
 
 def _run_up(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-P", "-m", "kvgate", "up", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return run_kvgate("up", *args, timeout=timeout, cwd=ROOT)
 
 
 def test_quiet_prints_the_url_and_curl_line_only(tmp_path: Path) -> None:

@@ -75,6 +75,7 @@ def test_a_malformed_collector_url_is_a_usage_error_not_a_traceback() -> None:
 
     from kvgate.api.cli_args import otlp_url
     from kvgate.api.tracing import protocol
+    from kvgate.testing.processes import run_kvgate
 
     assert otlp_url("http://127.0.0.1:4318") == "http://127.0.0.1:4318"
     for bad in ("http://x:abc", "http://x:99999", "127.0.0.1:4318", "ftp://x", "http://"):
@@ -86,11 +87,7 @@ def test_a_malformed_collector_url_is_a_usage_error_not_a_traceback() -> None:
         ["epp", "serve", "--endpoints", "127.0.0.1:1"],
         ["up"],
     ):
-        out = subprocess.run(
-            [sys.executable, "-P", "-m", "kvgate", *command, "--otlp-endpoint", "http://x:abc"],
-            capture_output=True,
-            text=True,
-        )
+        out = run_kvgate(*command, "--otlp-endpoint", "http://x:abc")
         assert out.returncode == 2, out.stderr
         assert "--otlp-endpoint: expected http(s)://host[:port]" in out.stderr
         assert "Traceback" not in out.stderr

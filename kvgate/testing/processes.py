@@ -37,6 +37,11 @@ from kvgate.testing.polling import eventually
 KVGATE = kvgate_argv()  # `python -P -m kvgate`: never imports from the repo root by accident
 
 
+def run_kvgate(*args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`kvgate ARGS...` run to its end, its output captured as text (CLI usage and error tests)."""
+    return subprocess.run([*KVGATE, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def envoy_bin() -> str:
     return find_envoy()
 

@@ -14,6 +14,7 @@ from openai import OpenAI
 
 from kvgate.testing import eventually
 from kvgate.testing.engine_server import EngineProcess
+from kvgate.testing.processes import run_kvgate
 
 from .conftest import API_KEY
 
@@ -186,21 +187,8 @@ def test_failure_injection_delay_and_disconnect(sim_engine: EngineProcess) -> No
 
 
 def test_cli_errors_are_one_line(engine_factory) -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--model", "/nonexistent/model.gguf"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_kvgate("engine", "serve", "--model", "/nonexistent/model.gguf")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "nonexistent" in out.stderr
-    out = subprocess.run(
-        [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--port", "99999"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = run_kvgate("engine", "serve", "--port", "99999")
     assert out.returncode == 2 and "port must be in 0..65535" in out.stderr

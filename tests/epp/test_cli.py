@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
 from kvgate.cli import build_parser
+from kvgate.testing.processes import run_kvgate
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-P", "-m", "kvgate", "epp", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_kvgate("epp", "serve", *args)
 
 
 def test_gie_flag_names_and_defaults() -> None:
