@@ -23,6 +23,7 @@ class SimulationConfig:
     vocab_size: int = 49152
     num_kv_blocks: int = 2048
     time_scale: float = 1.0  # multiply every sleep (tests use < 1 to run faster)
+    lora_load_time: float = 0.0  # seconds a step takes longer per adapter it puts into a slot
 
     def timing(self) -> SimTiming:
         """These values as the --sim-* flags give them."""
@@ -63,6 +64,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)
     enforce_eager: bool = False  # no CUDA graphs
     cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores)
+    # LoRA adapters (vLLM's flags): slots on the device, parsed adapters cached on the CPU
+    enable_lora: bool = False
+    max_loras: int = 1  # distinct adapters in one step (and device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
     simulate: bool = False
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
 

@@ -30,6 +30,8 @@ from kvgate.engine.runner_api import PromptLogprobsChunk, SampledToken, Schedule
 if TYPE_CHECKING:
     from kvgate.api.tokenizer import Tokenizer
     from kvgate.engine.cuda_graphs import DecodeGraphs
+    from kvgate.engine.loader.peft import LoRAAdapter
+    from kvgate.engine.lora_manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,18 @@ class TorchModelRunner:
         self.model: LlamaForCausalLM = load_model(
             checkpoint, backend, self.max_model_len, self.dtype, self.device, progress=progress
         )
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            from kvgate.engine.lora_manager import LoRAManager
+
+            self.lora = LoRAManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras,
+                self.device,
+                self.dtype,
+            )
         self.num_kv_blocks = self._size_kv_pool()
         cfg = self.model_config
         self.kv_cache = torch.zeros(
@@ -242,6 +256,26 @@ class TorchModelRunner:
                 "no tokenizer for %s; min_tokens masks only the request's stop_token_ids", self.model_path
             )
 
+    # -- LoRA adapters --------------------------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        return self.lora
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Read and check an adapter folder; any thread (the step goes on meanwhile)."""
+        return self._lora_manager().load(name, path)
+
+    def add_lora(self, lora_id: int, adapter: object) -> None:
+        from kvgate.engine.loader.peft import LoRAAdapter
+
+        assert isinstance(adapter, LoRAAdapter)
+        self._lora_manager().add(lora_id, adapter)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._lora_manager().remove(lora_id)
+
     # -- a step ---------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
@@ -257,6 +291,8 @@ class TorchModelRunner:
         order = sorted(range(len(batch.seqs)), key=key)
         seqs = [batch.seqs[i] for i in order]
         self._validate(seqs)
+        if self.lora is not None:
+            self.lora.prepare(seqs, batch.running_lora_ids)
         with torch.inference_mode():
             hidden, last_token_rows = self._forward(seqs)
             if any(s.prompt_logprob_targets for s in seqs):
@@ -328,7 +364,13 @@ class TorchModelRunner:
         ctx_lens = [s.start_pos for s in seqs]
         last_rows = _cumsum_minus1(query_lens)
         flat = [t for s in seqs for t in s.token_ids]
-        if self.graphs is not None and all(q == 1 for q in query_lens) and self.graphs.fits(len(seqs)):
+        base_only = self.lora is None or self.lora.batch.slots is None
+        if (
+            self.graphs is not None
+            and base_only
+            and all(q == 1 for q in query_lens)
+            and self.graphs.fits(len(seqs))
+        ):
             hidden = self.graphs.run(flat, ctx_lens, [s.block_table for s in seqs])
             return hidden, last_rows
         meta, positions = build_attention_metadata(

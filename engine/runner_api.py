@@ -35,6 +35,7 @@ class ScheduledSeq:
     # chunk predict `prompt_logprob_targets` (the next prompt tokens). None: not asked for.
     prompt_logprob_row: int = 0
     prompt_logprob_targets: list[int] | None = None
+    lora_id: int | None = None  # the request's LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ScheduledBatch:
     # allowed), and each constrained seq's row. Unconstrained seqs have no row.
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: dict[str, int] = field(default_factory=dict)
+    # The adapters of every running request (scheduled this step or not): a runner keeps
+    # them in their slots rather than evict one a request still needs.
+    running_lora_ids: frozenset[int] = frozenset()
 
     @property
     def num_tokens(self) -> int:

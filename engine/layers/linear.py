@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgate.engine.layers.lora import LoRAWeights
+
 
 class Linear(nn.Module):
     def __init__(
@@ -29,9 +31,16 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        # Set by the LoRA manager when adapters are served; a step without adapters adds nothing.
+        self.lora: LoRAWeights | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            delta = self.lora.delta(x)
+            if delta is not None:
+                out += delta
+        return out
 
 
 class MergedLinear(Linear):

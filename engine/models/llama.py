@@ -88,6 +88,10 @@ class LlamaMLP(nn.Module):
         size = proj.output_sizes[0]
         gate = F.linear(x, proj.weight[:size], None if proj.bias is None else proj.bias[:size])
         up = F.linear(x, proj.weight[size:], None if proj.bias is None else proj.bias[size:])
+        delta = proj.lora.delta(x) if proj.lora is not None else None
+        if delta is not None:  # a step with LoRA adapters: the fused delta, split like the weight
+            gate += delta[:, :size]
+            up += delta[:, size:]
         return self.down_proj(F.silu(gate) * up)
 
 
