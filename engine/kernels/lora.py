@@ -28,6 +28,10 @@ never imports triton:
 
 `out=` may be a column slice of a fused projection's output (e.g. the q part of qkv): only its
 last dimension must be contiguous.
+
+No host syncs (slots are not range-checked on the host, grids depend only on shapes), so the
+calls can be captured in the decode CUDA graphs, provided slots/scaling/weights live in
+persistent buffers updated in place between replays.
 """
 
 from __future__ import annotations
@@ -36,10 +40,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile sizes: the reduction chunk over `in` and the output tile. Both are clipped to the problem
-# (next power of two) so small test shapes stay small under the interpreter.
+# Tile sizes: the reduction chunk over `in` and the output tile, clipped to the problem (next
+# power of two) so small test shapes stay small under the interpreter, and shrunk as the rank
+# grows so a [BLOCK_R, BLOCK_K] / [BLOCK_N, BLOCK_R] weight tile stays at most _TILE elements
+# (a fused q|k|v stacks three ranks side by side: r_max 192 for rank 64).
 _BLOCK_K = 128
 _BLOCK_N = 128
+_TILE = 8192
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -155,7 +162,7 @@ def lora_shrink(
     if tokens == 0 or rank == 0:
         return h.zero_()
     block_r = triton.next_power_of_2(rank)
-    block_k = min(_BLOCK_K, triton.next_power_of_2(in_features))
+    block_k = min(_BLOCK_K, max(16, _TILE // block_r), triton.next_power_of_2(in_features))
     _lora_shrink_kernel[(tokens,)](
         x,
         slots,
@@ -209,7 +216,8 @@ def lora_expand(
         return out
     if rank == 0:
         return out if add else out.zero_()
-    block_n = min(_BLOCK_N, triton.next_power_of_2(out_features))
+    block_r = triton.next_power_of_2(rank)
+    block_n = min(_BLOCK_N, max(16, _TILE // block_r), triton.next_power_of_2(out_features))
     _lora_expand_kernel[(tokens, triton.cdiv(out_features, block_n))](
         h,
         slots,
@@ -222,7 +230,7 @@ def lora_expand(
         lora_b.stride(1),
         out.stride(0),
         ADD=add,
-        BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_R=block_r,
         BLOCK_N=block_n,
     )
     return out

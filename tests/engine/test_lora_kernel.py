@@ -68,7 +68,8 @@ def test_kernels_run_interpreted() -> None:
     assert type(lora._lora_shrink_kernel).__name__ == "InterpretedFunction"
 
 
-@pytest.mark.parametrize("r_max", [4, 8, 12, 16, 32, 64])  # 12: not a power of two
+# 12: not a power of two; 192: a fused q|k|v of rank-64 shards (smaller tiles).
+@pytest.mark.parametrize("r_max", [4, 8, 12, 16, 32, 64, 192])
 def test_mixed_slots_match_reference(r_max: int) -> None:
     # in/out not multiples of any block; slot -1 (base model) interleaved with three adapters.
     lora_a, lora_b, scaling = _adapters(3, r_max, 40, 37)
