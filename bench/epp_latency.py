@@ -166,8 +166,11 @@ def bench_grpc(
     concurrency: int = 8,
     profile_dir: Path | None = None,
     extra_epp_args: tuple[str, ...] = (),
+    replicas: int = 1,
 ) -> dict:
-    """Load from separate client processes; the EPP's own CPU time gives picks per core."""
+    """Load from separate client processes; the EPPs' own CPU time gives picks per core.
+    ``replicas``: that many EPP processes over the same 16 endpoints, the client processes split
+    evenly between them (as Envoy spreads streams over the EPP cluster's hosts)."""
     import multiprocessing as mp
     import subprocess
 
@@ -176,36 +179,40 @@ def bench_grpc(
 
     logs = Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-bench-epp"
     logs.mkdir(parents=True, exist_ok=True)
-    ports = harness.free_ports(N_ENDPOINTS + 3)
-    grpc_port, health, metrics = ports[N_ENDPOINTS:]
+    clients = max(clients, replicas)
+    ports = harness.free_ports(N_ENDPOINTS + 3 * replicas)
+    epp_ports = [tuple(ports[N_ENDPOINTS + 3 * r : N_ENDPOINTS + 3 * r + 3]) for r in range(replicas)]
     ports = ports[:N_ENDPOINTS]
     stub = harness.Process(
         "metrics-stub", [sys.executable, __file__, "_metrics_stub", *map(str, ports)], logs / "stub.log"
     ).start()
     fake = [f"127.0.0.1:{p}" for p in ports]
-    argv = [
-        *harness.KVGATE,
-        "epp",
-        "serve",
-        "--endpoints",
-        ",".join(fake),
-        "--grpc-port",
-        str(grpc_port),
-        "--grpc-health-port",
-        str(health),
-        "--metrics-port",
-        str(metrics),
-        "--secure-serving=false",
-        *extra_epp_args,
-    ]
-    proc = harness.Process("epp", argv, logs / "epp-grpc.log").start()
+    procs = []
+    for r, (grpc_port, health, metrics) in enumerate(epp_ports):
+        argv = [
+            *harness.KVGATE,
+            "epp",
+            "serve",
+            "--endpoints",
+            ",".join(fake),
+            "--grpc-port",
+            str(grpc_port),
+            "--grpc-health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            "--secure-serving=false",
+            *extra_epp_args,
+        ]
+        procs.append(harness.Process(f"epp-{r}", argv, logs / f"epp-grpc-{r}.log").start())
     try:
-        epp = harness.Epp(proc, grpc_port, health, metrics, False).wait_ready()
-        eventually(
-            lambda: 'inference_pool_ready_pods{name="local"} 16.0' in epp.metrics_text(),
-            20,
-            "16 endpoints scraped",
-        )
+        for proc, (grpc_port, health, metrics) in zip(procs, epp_ports, strict=True):
+            epp = harness.Epp(proc, grpc_port, health, metrics, False).wait_ready()
+            eventually(
+                lambda epp=epp: 'inference_pool_ready_pods{name="local"} 16.0' in epp.metrics_text(),
+                20,
+                "16 endpoints scraped",
+            )
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         spy = None
@@ -215,7 +222,7 @@ def bench_grpc(
                     str(Path(sys.executable).parent / "py-spy"),
                     "record",
                     "-p",
-                    str(proc.pid),
+                    str(procs[0].pid),
                     "-o",
                     str(profile_dir / "epp-grpc.folded"),
                     "--format",
@@ -230,31 +237,33 @@ def bench_grpc(
                 stderr=subprocess.STDOUT,
             )
         ps = [
-            ctx.Process(target=_client_proc, args=(grpc_port, seconds, concurrency, q))
-            for _ in range(clients)
+            ctx.Process(target=_client_proc, args=(epp_ports[i % replicas][0], seconds, concurrency, q))
+            for i in range(clients)
         ]
-        cpu0 = _cpu_seconds(proc.pid)
+        cpu0 = sum(_cpu_seconds(proc.pid) for proc in procs)
         for p in ps:
             p.start()
         results = [q.get() for _ in ps]
-        cpu = _cpu_seconds(proc.pid) - cpu0
+        cpu = sum(_cpu_seconds(proc.pid) for proc in procs) - cpu0
         for p in ps:
             p.join()
         if spy is not None:
             spy.wait(30)
     finally:
-        proc.stop()
+        harness.stop_all(*procs)
         stub.stop()
     total = sum(n for n, _ in results)
     lat = [x for _, sample in results for x in sample]
     rate = total / seconds
     per_core = total / cpu if cpu > 0 else float("nan")
     print(
-        f"through the gRPC server ({clients}x{concurrency} streams): {rate:7.0f} picks/s wall, "
-        f"{per_core:7.0f} picks per EPP CPU-second (one core; scraping 16 endpoints every 50 ms included), "
-        f"request-phase p50 {pct(lat, 0.5) * 1e3:.2f} ms p99 {pct(lat, 0.99) * 1e3:.2f} ms"
+        f"through the gRPC server, {replicas} EPP replica(s) ({clients}x{concurrency} streams): "
+        f"{rate:7.0f} picks/s wall, "
+        f"{per_core:7.0f} picks per EPP CPU-second (all replicas; scraping 16 endpoints every 50 ms "
+        f"included), request-phase p50 {pct(lat, 0.5) * 1e3:.2f} ms p99 {pct(lat, 0.99) * 1e3:.2f} ms"
     )
     return {
+        "replicas": replicas,
         "picks_per_s": round(rate),
         "picks_per_cpu_s": round(per_core),
         "p50_ms": pct(lat, 0.5) * 1e3,
@@ -515,6 +524,12 @@ def main() -> int:
     )
     p.add_argument("--profile", type=Path, default=None, help="write py-spy flame graphs of the EPP here")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    p.add_argument(
+        "--epp-replicas",
+        default="1",
+        help="grpc part: EPP replica counts to measure, comma-separated (e.g. 1,2: picks/s and picks "
+        "per EPP CPU-second for each, in one run)",
+    )
     args = p.parse_args()
     args.what = args.what or ["picks", "grpc", "latency"]
     unknown = set(args.what) - {"picks", "grpc", "latency"}
@@ -526,7 +541,9 @@ def main() -> int:
     if "picks" in args.what:
         out["picks"] = bench_picks()
     if "grpc" in args.what:
-        out["grpc"] = bench_grpc(profile_dir=args.profile)
+        counts = [int(n) for n in args.epp_replicas.split(",")]
+        runs = [bench_grpc(profile_dir=args.profile, replicas=n) for n in counts]
+        out["grpc"] = runs[0] if len(runs) == 1 else runs
     if "latency" in args.what:
         out["latency"] = bench_latency(seconds=args.seconds, profile_dir=args.profile, upstream=args.upstream)
     if args.json:
