@@ -40,6 +40,9 @@ class EngineStats:
     generation_tokens_total: int
     max_model_len: int = 0
     prefill_tokens_pending: int = 0
+    # LoRA adapter names with a running / a waiting request (vllm:lora_requests_info)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -91,6 +94,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv,
         )
@@ -107,6 +111,8 @@ class LLMEngine:
         self._token_text: dict[int, str] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.loras: dict[int, str] = {}  # registered LoRA adapters: id -> name
+        self._unloading: set[int] = set()  # removed while requests still run them
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         cfg = self.config
@@ -158,6 +164,8 @@ class LLMEngine:
                 raise ValueError(f"token id {t!r} is out of vocabulary (0..{self.vocab_size - 1})")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_id is not None and (lora_id not in self.loras or lora_id in self._unloading):
+            raise ValueError(f"LoRA adapter id {lora_id} is not loaded")
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -185,10 +193,53 @@ class LLMEngine:
             self._byte_table_built = True
         return self._byte_table
 
+    # -- LoRA adapters -------------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> Any:
+        """Read and check an adapter folder. Touches no engine state, so a server runs it in a
+        worker thread while steps go on; `add_lora` then registers the result."""
+        load = getattr(self.runner, "load_lora", None)
+        if load is None or not self.config.enable_lora:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        return load(name, path)
+
+    def add_lora(self, name: str, loaded: Any) -> int:
+        """Register what `load_lora` returned (between steps). A name already registered
+        gets the new weights. Returns the adapter's id (lora_int_id of its name)."""
+        from kvgate.api.lora import lora_int_id
+
+        lora_id = lora_int_id(name)
+        if lora_id in self._unloading:
+            raise ValueError(f"LoRA adapter {name!r} is still being unloaded; retry when its requests end")
+        self.runner.add_lora(lora_id, loaded)  # type: ignore[attr-defined]
+        self.loras[lora_id] = name
+        return lora_id
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregister an adapter: new requests for it are refused at once; ones already in the
+        engine finish under it, and its weights go when the last of them ends. False: unknown."""
+        from kvgate.api.lora import lora_int_id
+
+        lora_id = lora_int_id(name)
+        if lora_id not in self.loras or lora_id in self._unloading:
+            return False
+        self._unloading.add(lora_id)
+        self._finish_unloads()
+        return True
+
+    def _finish_unloads(self) -> None:
+        if not self._unloading:
+            return
+        in_use = self.scheduler.running_lora_ids() | self.scheduler.waiting_lora_ids()
+        for lora_id in list(self._unloading - in_use):
+            self._unloading.discard(lora_id)
+            del self.loras[lora_id]
+            self.runner.remove_lora(lora_id)  # type: ignore[attr-defined]
+
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False when it is not known."""
         request = self.scheduler.abort_request(request_id)
         self._detok.pop(request_id, None)
+        self._finish_unloads()
         return request is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -210,7 +261,9 @@ class LLMEngine:
             self._gather_prompt_logprobs(batch.prompt_logprobs)
         by_id = {s.request_id: s for s in sampled}
         touched = self.scheduler.update(batch, sampled)
-        return [self._output(req, by_id[req.request_id]) for req in touched]
+        outputs = [self._output(req, by_id[req.request_id]) for req in touched]
+        self._finish_unloads()
+        return outputs
 
     def _output(self, request: Request, sampled: SampledToken) -> RequestOutput:
         rid = request.request_id
@@ -320,7 +373,12 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             max_model_len=self.max_model_len,
             prefill_tokens_pending=self.scheduler.pending_prefill_tokens(),
+            running_loras=self._lora_names(self.scheduler.running_lora_ids()),
+            waiting_loras=self._lora_names(self.scheduler.waiting_lora_ids()),
         )
+
+    def _lora_names(self, ids: set[int]) -> tuple[str, ...]:
+        return tuple(sorted(self.loras.get(i, str(i)) for i in ids))
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.kv.drain_events()

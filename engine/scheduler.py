@@ -29,6 +29,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    max_loras: int = 0  # distinct LoRA adapters among running requests; 0: no limit
 
 
 class Scheduler:
@@ -125,6 +126,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             sampling_params=request.sampling_params,
             num_generated=request.num_output_tokens,
+            lora_id=request.lora_id,
         )
         _ask_prompt_logprobs(seq, request)
         return seq
@@ -168,9 +170,17 @@ class Scheduler:
 
         # 2. Waiting requests, in order, while there is room. Not after a preemption: the
         #    pool is short and admitting more would only thrash.
+        #    A request whose adapter would be one more than max_loras waits (in place) while
+        #    the ones behind it, base-model requests included, go ahead.
         now = time.time()
+        adapters = self.running_lora_ids()
+        passed_over: list[Request] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
+            lora = request.lora_id
+            if cfg.max_loras and lora is not None and lora not in adapters and len(adapters) >= cfg.max_loras:
+                passed_over.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             if request.prompt_logprobs is not None:
                 hit_blocks, num_hit = _limit_cache_hit(request, hit_blocks, num_hit, block_size)
@@ -194,12 +204,21 @@ class Scheduler:
             # Findable at once: a request admitted next in this very step may reuse them.
             self.kv.cache_full_blocks(request, request.num_computed_tokens)
             budget -= num_new
+            if lora is not None:
+                adapters.add(lora)
+        self.waiting.extendleft(reversed(passed_over))
 
         # An empty batch never reaches the runner, so finished ids wait for the next real one.
         finished: list[str] = []
         if seqs:
             finished, self._finished_ids = self._finished_ids, []
-        return ScheduledBatch(seqs=seqs, finished_request_ids=finished)
+        return ScheduledBatch(seqs=seqs, finished_request_ids=finished, running_lora_ids=frozenset(adapters))
+
+    def running_lora_ids(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora_id is not None}
+
+    def waiting_lora_ids(self) -> set[int]:
+        return {r.lora_id for r in self.waiting if r.lora_id is not None}
 
     # -- after the step ------------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[SampledToken]) -> list[Request]:

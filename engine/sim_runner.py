@@ -18,6 +18,7 @@ import hashlib
 import math
 import re
 import time
+from collections import OrderedDict
 from typing import Any
 
 from kvgate.engine.config import EngineConfig
@@ -96,6 +97,37 @@ class SimulatedRunner:
         self._keys: dict[str, int] = {}  # request id -> token-stream key, until it finishes
         self.steps = 0
         self.simulated_seconds = 0.0
+        # LoRA: no weights, only the slots (LRU) and what putting an adapter in one costs.
+        self.max_loras = config.max_loras
+        self.lora_slots: OrderedDict[int, None] = OrderedDict()
+        self.lora_loads_total = 0
+
+    def load_lora(self, name: str, path: str) -> str:
+        """A simulated engine reads no adapter weights: any path is accepted."""
+        return path
+
+    def add_lora(self, lora_id: int, loaded: object) -> None:
+        self.lora_slots.pop(lora_id, None)  # new weights: the slot's copy is stale
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.lora_slots.pop(lora_id, None)
+
+    def _slot_loras(self, batch: ScheduledBatch) -> int:
+        """Put the step's adapters into slots, LRU; returns how many had to be loaded."""
+        wanted = {s.lora_id for s in batch.seqs if s.lora_id is not None}
+        loads = 0
+        for lora_id in sorted(wanted):
+            if lora_id in self.lora_slots:
+                self.lora_slots.move_to_end(lora_id)
+                continue
+            if len(self.lora_slots) >= max(self.max_loras, 1):
+                idle = [i for i in self.lora_slots if i not in wanted and i not in batch.running_lora_ids]
+                victim = idle[0] if idle else next(i for i in self.lora_slots if i not in wanted)
+                del self.lora_slots[victim]
+            self.lora_slots[lora_id] = None
+            loads += 1
+        self.lora_loads_total += loads
+        return loads
 
     def _request_key(self, request_id: str, seed: int | None) -> int:
         if seed is not None:
@@ -125,6 +157,9 @@ class SimulatedRunner:
         for rid in batch.finished_request_ids:
             self._keys.pop(rid, None)
         delay = self.step_duration(batch)
+        loads = self._slot_loras(batch)
+        if loads:
+            delay += loads * self.sim.lora_load_time * self.sim.time_scale
         if delay > 0:
             self._sleep(delay)
             self.simulated_seconds += delay

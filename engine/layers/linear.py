@@ -37,9 +37,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
         if self.lora is not None:
-            delta = self.lora.delta(x)
-            if delta is not None:
-                out += delta
+            self.lora.add_to(out, x)
         return out
 
 

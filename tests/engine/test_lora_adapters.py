@@ -1,0 +1,220 @@
+"""LoRA without the real model: the torch batched delta against a per-token reference, PEFT
+folder checks (one clear sentence per bad adapter), and the scheduler's max_loras limit on
+the simulated engine (an adapter past the limit waits; base-model requests pass it)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvgate.api.lora import lora_int_id
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.layers.lora import lora_delta
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.loader.peft import LoRAAdapterError, load_peft_adapter
+from kvgate.engine.models.config import ModelConfig
+from kvgate.engine.sampling_params import SamplingParams
+
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=100,
+    hidden_size=16,
+    intermediate_size=40,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)
+
+
+def test_lora_delta_matches_per_token_reference() -> None:
+    torch.manual_seed(0)
+    tokens, d_in, d_out, slots_n, r_max = 23, 12, 9, 3, 8
+    x = torch.randn(tokens, d_in, dtype=torch.float64)
+    a = torch.zeros(slots_n, r_max, d_in, dtype=torch.float64)
+    b = torch.zeros(slots_n, d_out, r_max, dtype=torch.float64)
+    for s, rank in enumerate((2, 8, 5)):  # ranks below r_max are zero-padded
+        a[s, :rank] = torch.randn(rank, d_in, dtype=torch.float64)
+        b[s, :, :rank] = torch.randn(d_out, rank, dtype=torch.float64)
+    scaling = torch.tensor([0.5, 2.0, 1.25], dtype=torch.float64)
+    slots = torch.randint(-1, slots_n, (tokens,))
+    slots[:3] = torch.tensor([-1, 0, 2])
+    got = lora_delta(x, slots, a, b, scaling)
+    for t in range(tokens):
+        s = int(slots[t])
+        want = torch.zeros(d_out, dtype=torch.float64) if s < 0 else scaling[s] * (b[s] @ (a[s] @ x[t]))
+        assert torch.allclose(got[t], want), t
+    assert got[slots == -1].abs().max() == 0
+    assert lora_delta(x[:0], slots[:0], a, b, scaling).shape == (0, d_out)
+
+
+def _adapter(
+    folder: Path,
+    *,
+    r: int = 4,
+    targets: Any = ("q_proj", "down_proj"),
+    hidden: int = 16,
+    layers: int = 2,
+    extra: dict[str, Any] | None = None,
+    tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": list(targets), **(extra or {})}
+    (folder / "adapter_config.json").write_text(json.dumps(conf))
+    if tensors is None:
+        tensors = {}
+        shapes = {"q_proj": (hidden, 16), "down_proj": (40, hidden), "k_proj": (hidden, 8)}
+        for layer in range(layers):
+            for proj in targets:
+                block = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+                d_in, d_out = shapes[proj]
+                key = f"base_model.model.model.layers.{layer}.{block}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in)
+                tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_peft_folder_is_read_with_its_scaling(tmp_path: Path) -> None:
+    adapter = load_peft_adapter("a", str(_adapter(tmp_path / "a")), CFG, max_rank=8)
+    assert adapter.rank == 4 and adapter.scaling == 2.0
+    assert sorted(adapter.weights) == [(0, "down_proj"), (0, "q_proj"), (1, "down_proj"), (1, "q_proj")]
+    rs = load_peft_adapter("b", str(_adapter(tmp_path / "b", extra={"use_rslora": True})), CFG, 8)
+    assert rs.scaling == pytest.approx(8 / math.sqrt(4))
+
+
+def _bad(tmp_path: Path, case: str) -> Path:
+    folder = tmp_path / case
+    if case == "no folder":
+        return folder
+    if case == "no config":
+        folder.mkdir()
+        return folder
+    if case == "bin only":
+        _adapter(folder)
+        (folder / "adapter_model.safetensors").rename(folder / "adapter_model.bin")
+        return folder
+    if case == "no weights":
+        _adapter(folder)
+        (folder / "adapter_model.safetensors").unlink()
+        return folder
+    if case == "rank":
+        return _adapter(folder, r=16)
+    if case == "unknown target":
+        return _adapter(folder, extra={"target_modules": ["q_proj", "lm_head"]})
+    if case == "other model":
+        return _adapter(folder, hidden=32)
+    if case == "layers":
+        return _adapter(folder, layers=3)
+    if case == "unpaired":
+        t = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 16)}
+        return _adapter(folder, tensors=t)
+    if case == "bad json":
+        _adapter(folder)
+        (folder / "adapter_config.json").write_text("{nope")
+        return folder
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no folder", "not a folder"),
+        ("no config", "adapter_config.json is missing"),
+        ("bin only", "adapter_model.bin (a pickle) is not loaded"),
+        ("no weights", "adapter_model.safetensors is missing"),
+        ("rank", "rank 16 exceeds --max-lora-rank 8"),
+        ("unknown target", "unknown target modules ['lm_head']"),
+        ("other model", "trained for another base model"),
+        ("layers", "the base model has 2 layers"),
+        ("unpaired", "has lora_A but not its pair"),
+        ("bad json", "not valid JSON"),
+    ],
+)
+def test_bad_adapters_are_one_clear_error(tmp_path: Path, case: str, message: str) -> None:
+    with pytest.raises(LoRAAdapterError) as err:
+        load_peft_adapter("x", str(_bad(tmp_path, case)), CFG, max_rank=8)
+    assert message in str(err.value) and "'x'" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from kvgate.api.tokenizer import load_tokenizer
+
+    return load_tokenizer("default")
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_and_base_requests_pass(tok: Any) -> None:
+    cfg = EngineConfig(
+        simulate=True,
+        enable_lora=True,
+        max_loras=2,
+        num_kv_blocks=256,
+        simulation=SimulationConfig(time_scale=0),
+    )
+    engine = LLMEngine(cfg, tokenizer=tok)
+    names = ["a", "b", "c"]
+    for name in names:
+        engine.add_lora(name, engine.load_lora(name, f"/adapters/{name}"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # a, b, c, c then a base request: c must wait for a slot, the base request must not.
+    for i, name in enumerate([*names, "c"]):
+        engine.add_request(f"{name}{i}", [5, 6, 7, i], params, lora_id=lora_int_id(name))
+    engine.add_request("base", [5, 6, 7], params)
+    seen: list[set[int]] = []
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        stats = engine.get_stats()
+        assert len(stats.running_loras) <= 2
+        if step == 0:
+            assert stats.waiting_loras == ("a", "b", "c")
+        batch_ids: set[int] = set()
+        schedule = engine.scheduler.schedule
+
+        def spy(schedule: Any = schedule, batch_ids: set[int] = batch_ids, step: int = step) -> Any:
+            b = schedule()
+            batch_ids.update(s.lora_id for s in b.seqs if s.lora_id is not None)
+            for s in b.seqs:
+                first.setdefault(s.request_id, step)
+            return b
+
+        engine.scheduler.schedule = spy  # type: ignore[method-assign]
+        engine.step()
+        engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+        seen.append(batch_ids)
+        if step == 0:
+            assert engine.get_stats().running_loras == ("a", "b")
+            assert engine.get_stats().waiting_loras == ("c",)
+        step += 1
+    assert max(len(s) for s in seen) == 2
+    assert first["base"] == 0  # not starved behind the waiting adapter
+    assert first["c2"] > 0 and first["c2"] == first["c3"]
+    assert engine.runner.lora_loads_total == 3  # type: ignore[attr-defined]
+
+
+def test_unloading_waits_for_running_requests(tok: Any) -> None:
+    cfg = EngineConfig(simulate=True, enable_lora=True, simulation=SimulationConfig(time_scale=0))
+    engine = LLMEngine(cfg, tokenizer=tok)
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a"))
+    engine.add_request(
+        "r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), lora_id=lora_int_id("a")
+    )
+    engine.step()
+    assert engine.remove_lora("a")
+    assert not engine.remove_lora("a")  # already going
+    with pytest.raises(ValueError, match="not loaded"):
+        engine.add_request("s", [5], SamplingParams(max_tokens=1), lora_id=lora_int_id("a"))
+    while engine.has_unfinished_requests():
+        engine.step()  # the running request ends under its adapter
+    assert engine.loras == {}
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a"))  # and the name can come back
