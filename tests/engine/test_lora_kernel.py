@@ -96,6 +96,29 @@ def test_multi_block_reduction_and_output_tiles() -> None:
     )
 
 
+@pytest.mark.parametrize(("in_f", "splits"), [(1100, 5), (9000, 24)])
+def test_split_k_partials_sum_to_the_shrink(in_f: int, splits: int) -> None:
+    # Long rows are cut into ~256-column chunks (at most 32 per token), one program each; the
+    # expand sums their partials. 9000 columns: 24 chunks of 384 (the 32-chunk cap applies).
+    lora_a, lora_b, scaling = _adapters(2, 4, in_f, 20)
+    x = torch.randn(3, in_f)
+    slots = torch.tensor([1, -1, 0])
+    parts = lora.lora_shrink_partials(x, slots, lora_a, scaling)
+    assert parts.shape == (3, splits, 4)
+    expected_h = torch.stack(
+        [scaling[1] * x[0] @ lora_a[1].T, torch.zeros(4), scaling[0] * x[2] @ lora_a[0].T]
+    )
+    torch.testing.assert_close(parts.sum(1), expected_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lora.lora_shrink(x, slots, lora_a, scaling), expected_h, rtol=1e-5, atol=1e-5)
+    expected = lora_delta_reference(x, slots, lora_a, lora_b, scaling)
+    torch.testing.assert_close(
+        lora.lora_expand(parts, slots, lora_b).double(), expected, rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(
+        lora.lora_delta_triton(x, slots, lora_a, lora_b, scaling).double(), expected, rtol=1e-5, atol=1e-5
+    )
+
+
 def test_rank_padding_matches_the_unpadded_adapter() -> None:
     # Adapters of rank 2, 5 and 8 in r_max = 8 slots give what each gives at its own rank.
     ranks = [2, 5, 8]
