@@ -249,3 +249,28 @@ def test_bad_shapes_are_value_errors() -> None:
         lora.lora_delta_triton(torch.randn(3, 17), torch.tensor([0, 1, 0]), lora_a, lora_b, scaling)
     with pytest.raises(ValueError, match="out must be"):
         lora.lora_delta_triton(x, torch.tensor([0, 1, 0]), lora_a, lora_b, scaling, out=torch.empty(3, 11))
+
+
+def test_fused_projection_layout_matches_the_torch_path_and_each_shard() -> None:
+    # A fused q|k|v as engine/layers/lora.py stacks it: the shards' A rows side by side, each
+    # shard's B in its own block of output rows and rank columns. The kernel agrees with the
+    # CPU torch path (the same contract) and with each shard applied on its own.
+    from kvgate.engine.layers.lora import lora_delta_torch
+
+    in_f, sizes, r = 24, [16, 8, 8], 4
+    shards = [_adapters(2, r, in_f, n) for n in sizes]
+    lora_a = torch.cat([a for a, _, _ in shards], dim=1)  # [S, 3r, in]
+    lora_b = torch.zeros(2, sum(sizes), 3 * r)
+    row = 0
+    for i, (_, b, _) in enumerate(shards):
+        lora_b[:, row : row + sizes[i], i * r : (i + 1) * r] = b
+        row += sizes[i]
+    scaling = shards[0][2]
+    x = torch.randn(5, in_f)
+    slots = torch.tensor([0, 1, -1, 1, 0])
+    delta = lora.lora_delta_triton(x, slots, lora_a, lora_b, scaling)
+    torch.testing.assert_close(
+        delta, lora_delta_torch(x, slots, lora_a, lora_b, scaling), rtol=1e-5, atol=1e-5
+    )
+    per_shard = torch.cat([lora_delta_reference(x, slots, a, b, scaling) for a, b, _ in shards], dim=1)
+    torch.testing.assert_close(delta.double(), per_shard, rtol=1e-5, atol=1e-5)
