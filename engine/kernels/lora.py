@@ -17,9 +17,9 @@ not through atomics. The split depends on `in` only, never on T or the batch's c
 token's delta is bit for bit the same whatever else shares the batch (and run to run).
 Performance on a GPU is unmeasured (bench/lora_kernel.py measures it).
 
-Dispatch (for `kvgate.engine.layers.lora`): call `lora_delta_triton` only for CUDA tensors and
-keep the torch path on CPU, as the other layers do, importing this module lazily so the CPU path
-never imports triton:
+Dispatch (`kvgate.engine.layers.lora.add_lora_delta` does this): call `lora_delta_triton` only
+for CUDA tensors and keep the torch path on CPU, as the other layers do, importing this module
+lazily so the CPU path never imports triton:
 
     if x.is_cuda:
         from kvgate.engine.kernels.lora import lora_delta_triton
