@@ -131,6 +131,7 @@ class SimTiming:
     itl_per_seq: float | None = None
     kv_blocks: int | None = None
     time_scale: float | None = None
+    lora_load_time: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimTiming:
@@ -168,6 +169,8 @@ SIM_FLAGS = (
     SimFlag("kv_blocks", "--sim-kv-blocks", positive_int, "KV blocks per simulated engine"),
     SimFlag("time_scale", "--sim-time-scale", non_negative_float,
             "multiply every simulated duration (0.1: ten times faster)"),
+    SimFlag("lora_load_time", "--sim-lora-load-time", non_negative_float,
+            "extra seconds a step takes per LoRA adapter it puts into a slot"),
 )  # fmt: skip
 
 

@@ -278,6 +278,10 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
         enforce_eager=args.enforce_eager,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         simulate=args.simulate,
         simulation=SimulationConfig().with_timing(SimTiming.from_args(args)),
     )
@@ -308,7 +312,6 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
         enable_lora=args.enable_lora,
         lora_modules=list(args.lora_modules),
-        max_loras=args.max_loras,
     )
     return config, options
 

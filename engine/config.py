@@ -42,6 +42,7 @@ _TIMING_FIELDS = {
     "itl_per_seq": "itl_per_seq",
     "kv_blocks": "num_kv_blocks",
     "time_scale": "time_scale",
+    "lora_load_time": "lora_load_time",
 }
 
 

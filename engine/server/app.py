@@ -28,6 +28,7 @@ from kvgate.api.contracts.admissions import PICKED_BY_HEADER, valid_replica_id
 from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
+from kvgate.engine.server.lora_admin import LoadLoRAAdapterRequest, LoRAAdmin, UnloadLoRAAdapterRequest
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from kvgate.engine.server.protocol import (
     ChatCompletionRequest,
@@ -62,6 +63,7 @@ class ServerState:
     body_total_timeout: float | None = 120.0  # seconds for a whole body (a trickle); None: no limit
     metrics_auth: bool = False  # /metrics requires the API key too
     tracer: Tracer = field(default_factory=lambda: Tracer(None, "kvgate-engine"))
+    lora_admin: LoRAAdmin | None = None  # --enable-lora: the runtime load/unload endpoints
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -394,6 +396,16 @@ def build_app(state: ServerState) -> Starlette:
             state.extra["openapi"] = json.dumps(openapi_document(state.version))
         return Response(state.extra["openapi"], media_type="application/json")
 
+    async def load_lora_adapter(request: Request) -> Response:
+        assert state.lora_admin is not None
+        req = parse_body(LoadLoRAAdapterRequest, await read_body(request))
+        return Response(await state.lora_admin.load(req), media_type="text/plain")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        assert state.lora_admin is not None
+        req = parse_body(UnloadLoRAAdapterRequest, await read_body(request))
+        return Response(await state.lora_admin.unload(req), media_type="text/plain")
+
     def route(path: str, fn: Callable[[Request], Awaitable[Any]], methods: list[str], **kw: bool) -> Route:
         return Route(path, endpoint(fn, handler=path, **kw), methods=methods)
 
@@ -410,6 +422,11 @@ def build_app(state: ServerState) -> Starlette:
         route("/metrics", metrics, ["GET"]),
         route("/openapi.json", openapi, ["GET"]),
     ]
+    if state.lora_admin is not None:
+        routes += [
+            route("/v1/load_lora_adapter", load_lora_adapter, ["POST"], auth=True),
+            route("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], auth=True),
+        ]
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

@@ -123,6 +123,7 @@ class AsyncEngine:
         self._cv = threading.Condition()
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[Any], Any], asyncio.Future[Any]]] = []
         self._stopping = False
         self._routes: dict[str, tuple[RequestHandle, int]] = {}
         self._handles: set[RequestHandle] = set()
@@ -242,6 +243,18 @@ class AsyncEngine:
             raise
         return handle
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps (e.g. register a LoRA adapter
+        that a worker thread has read); its result or exception comes back here."""
+        if not self.alive:
+            raise APIError(503, "The engine is not running.", code="engine_dead")
+        assert self._loop is not None
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return await fut
+
     def _release(self, handle: RequestHandle) -> None:
         if handle not in self._handles:
             return
@@ -296,12 +309,18 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._adds or self._aborts or busy or self._stopping):
+                    while not (self._adds or self._aborts or self._calls or busy or self._stopping):
                         self._cv.wait()
                     if self._stopping:
                         return
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    calls, self._calls = self._calls, []
+                    for fn, fut in calls:
+                        try:
+                            self._post(_settle, fut, fn(engine), None)
+                        except Exception as exc:  # the caller turns it into its HTTP error
+                            self._post(_settle, fut, None, exc)
                     result = _StepResult()
                     for add in adds:
                         refused = self._apply_add(add)
@@ -400,6 +419,15 @@ class AsyncEngine:
                     m.parent_done(parent.n, parent.max_generation_tokens)
         if outputs:
             m.iteration_tokens.observe(iteration_tokens)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 def _parents(items: list[tuple[list[int], SamplingParams]]) -> list[_Parent]:

@@ -51,9 +51,8 @@ class ServerOptions:
     kv_events_buffer: int = 10_000
     kv_events_connect: bool = False
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
-    enable_lora: bool = False
     lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (adapter name, path)
-    max_loras: int = 1
+    enable_lora: bool = False  # mirrors EngineConfig.enable_lora (the flags' checks read it here)
     enable_failure_injection: bool = False
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False  # vLLM's flag: serve tool_choice "auto"
@@ -144,16 +143,29 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ServeError(f"cannot start the engine: {exc}") from None
 
 
+def register_adapters(engine: LLMEngine, modules: list[tuple[str, str]]) -> None:
+    """Read and register the --lora-modules adapters; a bad one stops start-up with its reason."""
+    for name, path in modules:
+        try:
+            engine.add_lora(name, engine.load_lora(name, path))
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
+
+
 def serve(config: EngineConfig, options: ServerOptions) -> int:
-    if options.enable_lora and not config.simulate:
-        # the model runner does not apply adapter weights yet: refuse rather than serve the base
-        # model's outputs under an adapter's name
-        raise ServeError(
-            "--enable-lora needs --simulate for now (the model runner applies no LoRA weights yet)"
-        )
+    if options.lora_modules and not options.enable_lora:
+        raise ServeError("--lora-modules needs --enable-lora")
+    names: set[str] = set()
+    for name, _ in options.lora_modules:
+        if name in names or name == config.model_name() or name in options.model_aliases:
+            raise ServeError(
+                f"LoRA module name {name!r} is used twice (adapters and served model names must differ)"
+            )
+        names.add(name)
     sock = bind_socket(options.host, options.port)
     try:
         engine = build_engine(config)
+        register_adapters(engine, options.lora_modules)
         with asyncio.Runner(loop_factory=_loop_factory(options.event_loop)) as runner:
             return runner.run(_serve(config, options, engine, sock))
     finally:
@@ -164,6 +176,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     from kvgate.engine.server.app import ServerState, build_app
     from kvgate.engine.server.async_engine import AsyncEngine
     from kvgate.engine.server.kv_publisher import KVEventPublisher
+    from kvgate.engine.server.lora_admin import LoRAAdmin
     from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics
     from kvgate.engine.server.serving import ModelInfo, OpenAIServing
     from kvgate.engine.server.slow_clients import protocol_class
@@ -185,17 +198,9 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
     metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
-    if options.lora_modules and not options.enable_lora:
-        raise ServeError("--lora-modules needs --enable-lora")
-    if options.enable_lora:
-        metrics.set_lora_state(max_lora=options.max_loras, running=(), waiting=())
-    adapters: dict[str, str] = {}
-    for name, path in options.lora_modules:
-        if name in adapters or name in served:
-            raise ServeError(
-                f"LoRA module name {name!r} is used twice (adapters and served model names must differ)"
-            )
-        adapters[name] = path
+    if config.enable_lora:
+        metrics.set_lora_state(max_lora=config.max_loras, running=(), waiting=())
+    adapters = dict(options.lora_modules)
     publisher = None
     if options.kv_events_endpoint:
         topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
@@ -248,6 +253,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         body_total_timeout=options.body_total_timeout or None,
         metrics_auth=options.metrics_require_api_key,
         tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
+        lora_admin=LoRAAdmin(async_engine, info) if config.enable_lora else None,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(

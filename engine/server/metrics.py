@@ -184,6 +184,8 @@ class StatsSnapshot:
     prefix_cache_hits_total: int = 0
     num_preemptions_total: int = 0
     prefill_tokens_pending: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -197,6 +199,8 @@ class StatsSnapshot:
             prefix_cache_hits_total=int(getattr(stats, "prefix_cache_hits_total", 0)),
             num_preemptions_total=int(getattr(stats, "num_preemptions_total", 0)),
             prefill_tokens_pending=int(getattr(stats, "prefill_tokens_pending", 0)),
+            running_loras=tuple(getattr(stats, "running_loras", ())),
+            waiting_loras=tuple(getattr(stats, "waiting_loras", ())),
         )
 
 
@@ -411,6 +415,7 @@ class EngineMetrics:
         self._lora = Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.")
         self._families.append(self._lora)
         self._lora_labels: dict[str, str] | None = None
+        self._max_lora = 0  # --max-loras with --enable-lora; 0: LoRA off
         self._last = StatsSnapshot()
         self._version = 0
         self._rendered: tuple[int, bytes] | None = None
@@ -426,11 +431,17 @@ class EngineMetrics:
         if labels == self._lora_labels:
             return
         with self.lock:
-            if self._lora_labels is not None:
-                self._lora.remove(self._lora_labels)
-            self._lora.child(labels).set(time.time())
-            self._lora_labels = labels
-            self._version += 1
+            self._max_lora = max_lora
+            self._set_lora_labels(labels)
+
+    def _set_lora_labels(self, labels: dict[str, str]) -> None:
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None:
+            self._lora.remove(self._lora_labels)
+        self._lora.child(labels).set(time.time())
+        self._lora_labels = labels
+        self._version += 1
 
     def update(self, snap: StatsSnapshot) -> None:
         """Engine thread, once per step (caller holds `lock`)."""
@@ -439,6 +450,14 @@ class EngineMetrics:
         self.kv_usage.set(snap.kv_cache_usage)
         self.gpu_usage.set(snap.kv_cache_usage)
         self.prefill_pending.set(snap.prefill_tokens_pending)
+        if self._max_lora:  # the engine's adapters with running / waiting requests, as vLLM
+            self._set_lora_labels(
+                {
+                    "max_lora": str(self._max_lora),
+                    "waiting_lora_adapters": ",".join(sorted(snap.waiting_loras)),
+                    "running_lora_adapters": ",".join(sorted(snap.running_loras)),
+                }
+            )
         last = self._last
         for counter, new, old in (
             (self.prompt_tokens, snap.prompt_tokens_total, last.prompt_tokens_total),

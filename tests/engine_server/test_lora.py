@@ -4,13 +4,20 @@ an adapter, vllm:lora_requests_info, and adapter-keyed prefix caching."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from kvgate.testing import processes as harness
+from kvgate.testing.engine_server import launch
+from kvgate.testing.polling import eventually
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -66,13 +73,185 @@ def test_adapters_are_models_with_the_base_as_parent(tmp_path) -> None:
         (["--enable-lora", "--lora-modules", '{"name": "a"}'], '"name" and "path"'),
         (["--enable-lora", "--lora-modules", "{bad"], "invalid JSON"),
         (["--enable-lora", "--lora-modules", "a=/p", "--lora-modules", "a=/q"], "used twice"),
-        (["--enable-lora"], "--enable-lora needs --simulate"),
     ],
 )
 def test_bad_lora_flags_are_clear_errors(args: list[str], message: str) -> None:
     port = harness.free_port()
-    simulate = [] if message.startswith("--enable-lora needs") else ["--simulate"]
-    cmd = [sys.executable, "-P", "-m", "kvgate", "engine", "serve", *simulate, "--port", str(port), *args]
+    cmd = [sys.executable, "-P", "-m", "kvgate", "engine", "serve", "--simulate", "--port", str(port), *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and message in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _metric_line(c: httpx.Client) -> str:
+    (line,) = [x for x in c.get("/metrics").text.splitlines() if x.startswith("vllm:lora_requests_info{")]
+    return line
+
+
+def test_runtime_load_and_unload(tmp_path) -> None:
+    eng = harness.start_engine(tmp_path, "--enable-lora", "--api-key", "k").wait_ready()
+    auth = {"Authorization": "Bearer k"}
+    try:
+        with httpx.Client(base_url=f"http://{eng.address}", timeout=20, headers=auth) as c:
+            base = c.get("/v1/models").json()["data"][0]["id"]
+            load = {"lora_name": "new", "lora_path": str(tmp_path)}
+            assert httpx.post(f"http://{eng.address}/v1/load_lora_adapter", json=load).status_code == 401
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "new"})
+            assert r.status_code == 400 and "'lora_path'" in r.json()["error"]["message"], r.text
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/adapter"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": base, "lora_path": str(tmp_path)})
+            assert r.status_code == 400, r.text
+
+            r = c.post("/v1/load_lora_adapter", json=load)
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'new' added successfully."
+            card = c.get("/v1/models/new").json()
+            assert card["parent"] == base and card["root"] == str(tmp_path)
+            r = c.post("/v1/load_lora_adapter", json=load)
+            assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"model": "new", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["model"] == "new"
+
+            r = c.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'new' removed successfully."
+            assert "new" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+            r = c.post("/v1/completions", json={"model": "new", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 404
+            r = c.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found"
+            # and back again
+            assert c.post("/v1/load_lora_adapter", json=load).status_code == 200
+    finally:
+        harness.stop_all(eng.proc)
+
+
+def test_endpoints_exist_only_with_enable_lora(tmp_path) -> None:
+    eng = harness.start_engine(tmp_path).wait_ready()
+    try:
+        r = httpx.post(
+            f"http://{eng.address}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/"}
+        )
+        assert r.status_code == 404
+    finally:
+        harness.stop_all(eng.proc)
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(tmp_path) -> None:
+    """One slot (--max-loras 1), two adapters busy at once: one runs, the other waits; the
+    metric says so, as vLLM's does, and settles back to empty lists."""
+    eng = harness.start_engine(
+        tmp_path,
+        "--enable-lora",
+        "--lora-modules", "a=/adapters/a",
+        "--lora-modules", "b=/adapters/b",
+        "--sim-itl", "0.05",
+        "--sim-time-scale", "1",
+    ).wait_ready()  # fmt: skip
+    try:
+        with httpx.Client(base_url=f"http://{eng.address}", timeout=30) as c:
+            assert _metric_line(c).startswith(
+                'vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",running_lora_adapters=""}'
+            )
+
+            def slow(model: str) -> None:
+                body = {"model": model, "prompt": "x", "max_tokens": 30, "ignore_eos": True}
+                assert (
+                    httpx.post(f"http://{eng.address}/v1/completions", json=body, timeout=30).status_code
+                    == 200
+                )
+
+            threads = [threading.Thread(target=slow, args=(m,)) for m in ("a", "b")]
+            for t in threads:
+                t.start()
+                time.sleep(0.2)
+            eventually(
+                lambda: 'waiting_lora_adapters="b",running_lora_adapters="a"' in _metric_line(c),
+                10,
+                "a running, b waiting",
+            )
+            eventually(lambda: 'running_lora_adapters="b"' in _metric_line(c), 10, "b running after a")
+            for t in threads:
+                t.join()
+            eventually(
+                lambda: 'waiting_lora_adapters="",running_lora_adapters=""' in _metric_line(c), 10, "idle"
+            )
+    finally:
+        harness.stop_all(eng.proc)
+
+
+def _peft_folder(folder: Path, hidden: int = 576, r: int = 8, seed: int = 0) -> Path:
+    """A PEFT-layout adapter for the default model (SmolLM2-135M: hidden 576, 3 KV heads of
+    64, MLP 1536, 30 layers) on q/v/down, random nonzero A and B."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    folder.mkdir(parents=True)
+    conf = {
+        "peft_type": "LORA",
+        "r": r,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(conf))
+    shapes = {
+        "self_attn.q_proj": (hidden, 576),
+        "self_attn.v_proj": (hidden, 192),
+        "mlp.down_proj": (1536, hidden),
+    }
+    tensors = {}
+    for layer in range(30):
+        for proj, (d_in, d_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, d_in, generator=gen) * 0.15
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, r, generator=gen) * 0.15
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.slow
+def test_real_model_serves_adapters_and_refuses_bad_ones(tmp_path: Path) -> None:
+    good = _peft_folder(tmp_path / "good")
+    other = _peft_folder(tmp_path / "other", hidden=2048)
+    big = _peft_folder(tmp_path / "big", r=32)
+    # start-up: a bad adapter is a clear message, exit 2, no traceback
+    done = harness.run_kvgate(
+        "engine", "serve", "--port", "0", "--enable-lora", "--lora-modules", f"bad={other}", timeout=120
+    )
+    assert done.returncode == 2 and "trained for another base model" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+    srv = launch(
+        tmp_path / "logs", "--enable-lora", "--max-loras", "2", "--lora-modules", f"good={good}",
+        "--cpu-threads", "1", "--max-model-len", "256", timeout=180,
+    )  # fmt: skip
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            base = c.get("/v1/models").json()["data"][0]["id"]
+
+            def complete(model: str) -> str:
+                body = {
+                    "model": model,
+                    "prompt": "The capital of France is",
+                    "max_tokens": 8,
+                    "temperature": 0,
+                }
+                r = c.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return str(r.json()["choices"][0]["text"])
+
+            assert complete("good") != complete(base)
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(other)})
+            assert r.status_code == 400 and "trained for another base model" in r.json()["error"]["message"]
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
+            assert r.status_code == 400 and "exceeds --max-lora-rank 16" in r.json()["error"]["message"]
+            again = _peft_folder(tmp_path / "again", seed=1)
+            assert (
+                c.post(
+                    "/v1/load_lora_adapter", json={"lora_name": "again", "lora_path": str(again)}
+                ).status_code
+                == 200
+            )
+            assert complete("again") not in (complete(base), complete("good"))
+            assert 'max_lora="2"' in _metric_line(c)
+    finally:
+        srv.stop(signal.SIGKILL)
