@@ -112,18 +112,29 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
-    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters as models")
+    lo.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve PEFT LoRA adapters as models (and POST /v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
     lo.add_argument(
         "--lora-modules",
         action="append",
         default=[],
         type=_lora_module,
         metavar="NAME=PATH",
-        help='an adapter served as model NAME (repeatable; also JSON {"name":..,"path":..})',
+        help='a PEFT adapter folder served as model NAME (repeatable; also JSON {"name":..,"path":..})',
     )
-    lo.add_argument("--max-loras", type=_positive_int, default=1, help="adapters in one running batch")
+    lo.add_argument(
+        "--max-loras", type=_positive_int, default=1, help="distinct adapters in one step (device slots)"
+    )
     lo.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank accepted")
-    lo.add_argument("--max-cpu-loras", type=_positive_int, default=None, help="adapters cached on CPU")
+    lo.add_argument(
+        "--max-cpu-loras",
+        type=_positive_int,
+        default=None,
+        help="parsed adapters kept in CPU memory, LRU (None: --max-loras)",
+    )
 
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
