@@ -218,3 +218,63 @@ def test_unloading_waits_for_running_requests(tok: Any) -> None:
         engine.step()  # the running request ends under its adapter
     assert engine.loras == {}
     engine.add_lora("a", engine.load_lora("a", "/adapters/a"))  # and the name can come back
+
+
+def _tiny_manager(max_loras: int, max_cpu_loras: int | None = None) -> Any:
+    from kvgate.engine.layers.attention import TorchAttentionBackend
+    from kvgate.engine.lora_manager import LoRAManager
+    from kvgate.engine.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CFG, TorchAttentionBackend(), 64, torch.float32, torch.device("cpu"))
+    for p in model.parameters():
+        p.data.normal_(0, 0.1)
+    return LoRAManager(model, max_loras, 8, max_cpu_loras, torch.device("cpu"), torch.float32)
+
+
+def _seq(rid: str, n: int, lora_id: int | None) -> Any:
+    from kvgate.engine.runner_api import ScheduledSeq
+
+    return ScheduledSeq(rid, [1] * n, 0, [0], True, SamplingParams(), lora_id=lora_id)
+
+
+def test_fused_projections_get_each_shard_delta_in_its_slice(tmp_path: Path) -> None:
+    manager = _tiny_manager(max_loras=2)
+    path = _adapter(tmp_path / "a", targets=("q_proj", "k_proj", "down_proj"))
+    adapter = manager.load("a", str(path))
+    manager.add(7, adapter)
+    manager.prepare([_seq("base", 2, None), _seq("a", 3, 7)], frozenset())
+    assert manager.batch.slots is not None and manager.batch.slots.tolist() == [-1, -1, 0, 0, 0]
+    layer = manager.model.layers[1]
+    x = torch.randn(5, 16)
+    qkv = layer.self_attn.qkv_proj
+    with torch.inference_mode():
+        got = qkv(x)
+        base = torch.nn.functional.linear(x, qkv.weight)
+    a_q, b_q = adapter.weights[(1, "q_proj")]
+    a_k, b_k = adapter.weights[(1, "k_proj")]
+    want = base.clone()
+    want[2:, :16] += 2.0 * x[2:] @ a_q.t() @ b_q.t()
+    want[2:, 16:24] += 2.0 * x[2:] @ a_k.t() @ b_k.t()  # v (24:32) untouched: not a target
+    assert torch.allclose(got, want, atol=1e-5)
+    manager.prepare([_seq("base", 2, None)], frozenset())  # a base-only step: no LoRA at all
+    assert manager.batch.slots is None
+    with torch.inference_mode():
+        assert torch.equal(qkv(x), base)
+
+
+def test_slot_lru_spares_running_adapters_and_cpu_cache_reloads(tmp_path: Path) -> None:
+    manager = _tiny_manager(max_loras=2, max_cpu_loras=2)
+    for i in (1, 2, 3):
+        manager.add(i, manager.load(f"a{i}", str(_adapter(tmp_path / f"a{i}"))))
+    assert list(manager.cpu) == [2, 3]  # CPU cache: the 2 most recent
+    manager.prepare([_seq("r1", 1, 1)], frozenset({1}))  # a1 read again from disk
+    manager.prepare([_seq("r2", 1, 2)], frozenset({1, 2}))
+    assert manager.slot_ids == [1, 2]
+    # a3 needs a slot: a1 is least recent but still running, so a2's slot goes
+    manager.prepare([_seq("r3", 1, 3)], frozenset({1, 3}))
+    assert manager.slot_ids == [1, 3] and manager.slot_loads_total == 3
+    manager.prepare([_seq("r1", 1, 1), _seq("r3", 1, 3)], frozenset({1, 3}))
+    assert manager.slot_loads_total == 3  # both already in slots: no copy
+    manager.remove(3)
+    assert manager.slot_ids == [1, None] and 3 not in manager.registered
