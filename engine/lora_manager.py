@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kvgate.engine.layers.linear import Linear, MergedLinear
-from kvgate.engine.layers.lora import LoRABatch, LoRAWeights
+from kvgate.engine.layers.lora import LoRABatch, LoRAWeights, slot_groups
 from kvgate.engine.loader.peft import LoRAAdapter, load_peft_adapter
 from kvgate.engine.models.llama import LlamaForCausalLM
 from kvgate.engine.runner_api import ScheduledSeq
@@ -113,7 +113,7 @@ class LoRAManager:
         """Slot the step's adapters and set the per-token slot index (None: a base-only step)."""
         wanted = {s.lora_id for s in seqs if s.lora_id is not None}
         if not wanted:
-            self.batch.slots = self.batch.scaling = None
+            self.batch.slots = self.batch.scaling = self.batch.groups = None
             return
         if len(wanted) > self.max_loras:
             raise RuntimeError(f"a step needs {len(wanted)} adapters, over max_loras {self.max_loras}")
@@ -133,6 +133,9 @@ class LoRAManager:
         slots = torch.tensor(per_seq, dtype=torch.long).repeat_interleave(torch.tensor(lengths))
         self.batch.slots = slots.to(self.device)
         self.batch.scaling = self.scaling
+        # CPU: group the tokens by slot once for all projections of the step (the GPU kernel
+        # gathers per token and needs no grouping).
+        self.batch.groups = slot_groups(slots) if self.device.type == "cpu" else None
 
     def _free_slot(self, wanted: set[int], keep: frozenset[int]) -> int:
         """An empty slot, else the least recently used one that no running request needs."""

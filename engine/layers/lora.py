@@ -22,11 +22,25 @@ def lora_delta_torch(
 ) -> torch.Tensor:
     """x [T, in], slots [T] int64, lora_a [S, r_max, in], lora_b [S, out, r_max], scaling [S]
     -> [T, out]. Grouped by slot: two small GEMMs per distinct adapter in the batch."""
+    return grouped_lora_delta(x, slot_groups(slots), lora_a, lora_b, scaling)
+
+
+def slot_groups(slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(slot, its token rows) for each adapter slot present; base-model tokens (-1) left out."""
+    return [
+        (slot, (slots == slot).nonzero().squeeze(1)) for slot in torch.unique(slots).tolist() if slot >= 0
+    ]
+
+
+def grouped_lora_delta(
+    x: torch.Tensor,
+    groups: list[tuple[int, torch.Tensor]],
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scaling: torch.Tensor,
+) -> torch.Tensor:
     out = x.new_zeros(x.shape[0], lora_b.shape[1])
-    for slot in torch.unique(slots).tolist():
-        if slot < 0:
-            continue
-        rows = (slots == slot).nonzero().squeeze(1)
+    for slot, rows in groups:
         shrunk = x.index_select(0, rows) @ lora_a[slot].t()  # [n, r_max]
         out.index_copy_(0, rows, (shrunk @ lora_b[slot].t()) * scaling[slot])
     return out
@@ -68,6 +82,8 @@ class LoRABatch:
 
     slots: torch.Tensor | None = None
     scaling: torch.Tensor | None = None  # [S], one per slot
+    # The torch path's grouping of `slots`, computed once per step rather than per projection.
+    groups: list[tuple[int, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -85,10 +101,16 @@ class LoRAWeights:
         batch = self.batch
         if batch.slots is None or batch.scaling is None:
             return None
+        if batch.groups is not None and not x.is_cuda:
+            return grouped_lora_delta(x, batch.groups, self.lora_a, self.lora_b, batch.scaling)
         return lora_delta(x, batch.slots, self.lora_a, self.lora_b, batch.scaling)
 
     def add_to(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out += this step's delta (nothing in a step without adapters)."""
         batch = self.batch
-        if batch.slots is not None and batch.scaling is not None:
+        if batch.slots is None or batch.scaling is None:
+            return
+        if batch.groups is not None and not x.is_cuda:
+            out += grouped_lora_delta(x, batch.groups, self.lora_a, self.lora_b, batch.scaling)
+        else:
             add_lora_delta(out, x, batch.slots, self.lora_a, self.lora_b, batch.scaling)
