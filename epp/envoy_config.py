@@ -60,6 +60,9 @@ DIRECT_ROUTE_HEADER = "x-kvgate-route"
 UPSTREAM_HEADER = "x-kvgate-upstream"  # which engine answered (for tests and debugging)
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EPP_CLUSTER = "epp"
+MODEL_ROUTER_FILTER = "kvgate.model_router"  # a second ext_proc filter, ahead of the EPP's
+MODEL_ROUTER_CLUSTER = "model_router"
+POOL_HEADER = "x-kvgate-pool"  # set by the model router (kvgate.epp.model_router); internal-only
 ROUTED_CLUSTER = "original_destination"
 FALLBACK_CLUSTER = "pool_fallback"
 POOL_CLUSTER = "pool"
@@ -166,16 +169,20 @@ def _epp_stream_retry() -> base_pb2.RetryPolicy:
     )
 
 
+def _epp_service(cluster: str) -> grpc_service_pb2.GrpcService:
+    return grpc_service_pb2.GrpcService(
+        envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=cluster),
+        timeout=_seconds(10),
+        retry_policy=_epp_stream_retry(),
+    )
+
+
 def _ext_proc_filter(
-    failure_mode: str, message_timeout: float, response_phase: bool
+    failure_mode: str, message_timeout: float, response_phase: bool, cluster: str = EPP_CLUSTER
 ) -> ext_proc_pb2.ExternalProcessor:
     mode = processing_mode_pb2.ProcessingMode
     return ext_proc_pb2.ExternalProcessor(
-        grpc_service=grpc_service_pb2.GrpcService(
-            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=EPP_CLUSTER),
-            timeout=_seconds(10),
-            retry_policy=_epp_stream_retry(),
-        ),
+        grpc_service=_epp_service(cluster),
         failure_mode_allow=failure_mode == "FailOpen",
         # FailClose with no EPP answering: the pool is unavailable, not broken (Envoy says 500)
         status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
@@ -221,19 +228,26 @@ _JSON_CONTENT = [
 ]
 
 
-def _no_ext_proc() -> dict[str, any_pb2.Any]:
-    return {EXT_PROC_FILTER: _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))}
+def _no_ext_proc(model_router: bool = False) -> dict[str, any_pb2.Any]:
+    """Per-route config turning the EPP off (and the model router, when there is one)."""
+    off = _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))
+    return {EXT_PROC_FILTER: off, MODEL_ROUTER_FILTER: off} if model_router else {EXT_PROC_FILTER: off}
 
 
 def _json_reply(
-    name: str, match: route_components_pb2.RouteMatch, status: int, message: str, code: str
+    name: str,
+    match: route_components_pb2.RouteMatch,
+    status: int,
+    message: str,
+    code: str,
+    model_router: bool = False,
 ) -> route_components_pb2.Route:
     """A route Envoy answers itself with an OpenAI-shaped error, never asking the EPP."""
     return route_components_pb2.Route(
         name=name,
         match=match,
         direct_response=_direct_json(status, message, code),
-        typed_per_filter_config=_no_ext_proc(),
+        typed_per_filter_config=_no_ext_proc(model_router),
         response_headers_to_add=_JSON_CONTENT,
     )
 
@@ -326,6 +340,51 @@ def _local_replies() -> hcm_pb2.LocalReplyConfig:
     )
 
 
+@dataclass(frozen=True)
+class PoolGateway:
+    """One pool behind a shared gateway: the model router names it per request
+    (``x-kvgate-pool``), its own EPP replicas pick the engine."""
+
+    name: str
+    epp_addresses: list[str]
+    pool_endpoints: list[str] | None = None
+    fallback_endpoints: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """A pool's clusters and routes as the bootstrap names them."""
+
+    label: str | None  # None: the single pool of a one-pool gateway (historic names)
+    epps: list[tuple[str, int]]
+    engines: list[tuple[str, int]]
+    fallback: list[tuple[str, int]]
+
+    def _name(self, base: str) -> str:
+        return base if self.label is None else f"{base}-{self.label}"
+
+    @property
+    def epp_cluster(self) -> str:
+        return self._name(EPP_CLUSTER)
+
+    @property
+    def pool_cluster(self) -> str:
+        return self._name(POOL_CLUSTER)
+
+    @property
+    def fallback_cluster(self) -> str:
+        return self._name(FALLBACK_CLUSTER)
+
+    def route(self, base: str) -> str:
+        return base if self.label is None else f"{base} {self.label}"
+
+    @property
+    def by_dns(self) -> bool:
+        # A host name (a headless Service of the engine pods, in a cluster) stands for every
+        # engine it resolves to; how many is unknown here.
+        return any(not _is_ip(h) for h, _ in self.engines)
+
+
 def build_bootstrap(
     listen_port: int,
     epp_host: str,
@@ -346,6 +405,8 @@ def build_bootstrap(
     limits: GatewayLimits | None = None,
     expose_internal_routes: bool = False,
     admin_host: str = "127.0.0.1",
+    pools: list[PoolGateway] | None = None,
+    model_router_addresses: list[str] | None = None,
 ) -> dict[str, Any]:
     """The bootstrap as a dict (the protos' JSON mapping); dump it as YAML or JSON for Envoy.
 
@@ -365,18 +426,43 @@ def build_bootstrap(
     responses; for tests and benchmarks, off for real traffic.
     ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
     ``admin_host``: where Envoy's admin interface listens; never a public address.
+    ``pools`` with ``model_router_addresses``: one gateway for several pools. The model router
+    (``kvgate router serve``, an ext_proc filter ahead of the EPP's) reads each body's model and
+    names the pool in ``x-kvgate-pool``; each pool's routes match that header and send the
+    EPP's ext_proc stream to the pool's own EPP replicas (a per-route override). The single-pool
+    arguments (epp_host/epp_port/epp_addresses/pool_endpoints/fallback_endpoints) are unused then.
     """
     if failure_mode not in ("FailOpen", "FailClose"):
         raise ValueError(f"failure_mode must be FailOpen or FailClose, got {failure_mode!r}")
     limits = limits or GatewayLimits()
     if message_timeout is not None:
         limits = GatewayLimits(**{**limits.__dict__, "epp_message_timeout_s": message_timeout})
-    fallback = [_split(e) for e in fallback_endpoints or []]
-    epps = [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)]
-    pool = [_split(e) for e in pool_endpoints or []]
-    # A host name (a headless Service of the engine pods, in a cluster) stands for every engine
-    # it resolves to; how many is unknown here.
-    pool_by_dns = any(not _is_ip(h) for h, _ in pool)
+    multi = bool(pools)
+    if multi:
+        assert pools is not None
+        if not model_router_addresses:
+            raise ValueError("several pools need the model router's address (model_router_addresses)")
+        names = [p.name for p in pools]
+        if len(set(names)) != len(names) or not all(n and n.replace("-", "").isalnum() for n in names):
+            raise ValueError(f"pool names must be unique DNS-style labels, got {names}")
+        gateways = [
+            _Pool(
+                p.name,
+                [_split(a) for a in p.epp_addresses],
+                [_split(e) for e in p.pool_endpoints or []],
+                [_split(e) for e in p.fallback_endpoints or []],
+            )
+            for p in pools
+        ]
+    else:
+        gateways = [
+            _Pool(
+                None,
+                [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)],
+                [_split(e) for e in pool_endpoints or []],
+                [_split(e) for e in fallback_endpoints or []],
+            )
+        ]
 
     upstream_headers = (
         [
@@ -406,7 +492,7 @@ def build_bootstrap(
                 route=route_components_pb2.RouteAction(
                     cluster=DIRECT_CLUSTER, timeout=route_timeout, idle_timeout=idle
                 ),
-                typed_per_filter_config=_no_ext_proc(),
+                typed_per_filter_config=_no_ext_proc(multi),
             )
         )
     # A declared body over the limit never reaches the EPP (ext_proc is off on this route).
@@ -426,67 +512,29 @@ def build_bootstrap(
             413,
             f"request body larger than {limits.max_request_body_bytes} bytes",
             "body_too_large",
+            multi,
         )
     )
     if not expose_internal_routes:
         for path in INTERNAL_V1_PATHS:
             match = route_components_pb2.RouteMatch(path=path)
-            routes.append(_json_reply(f"internal {path}", match, 404, f"no route {path}", "not_found"))
+            routes.append(_json_reply(f"internal {path}", match, 404, f"no route {path}", "not_found", multi))
     served_prefix = "/" if expose_internal_routes else "/v1/"
-    # Only failures before any response byte ("reset" is a disconnect before the response
-    # started): the client has seen nothing, and a generation has no side effects, so running
-    # it elsewhere loses nothing. An engine's 503 is sent before it starts a request (draining,
-    # dead loop), never mid-stream. Twice: with one engine draining and another just killed,
-    # the first retry may meet the second casualty.
-    picked_action = route_components_pb2.RouteAction(
-        cluster=POOL_CLUSTER if pool else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
-    )
-    if pool:
-        picked_action.retry_policy.CopyFrom(
-            _retry_elsewhere(
-                "connect-failure,refused-stream,reset",
-                2 if pool_by_dns else max(1, min(2, len(pool) - 1)),
-                max_attempts=3,
+    for gw in gateways:
+        routes += _pool_routes(gw, multi, served_prefix, route_timeout, idle, upstream_headers, limits)
+    if multi:
+        # Before the model router has named a pool (and for what it lets through unnamed: a
+        # request without a body) no pool route matches. The model router must still run here,
+        # so only the EPP is off on this route.
+        routes.append(
+            route_components_pb2.Route(
+                name="no_pool",
+                match=route_components_pb2.RouteMatch(prefix=served_prefix),
+                direct_response=_direct_json(404, "no model named: send a body with a 'model'", "not_found"),
+                typed_per_filter_config={EXT_PROC_FILTER: _any(ext_proc_pb2.ExtProcPerRoute(disabled=True))},
+                response_headers_to_add=_JSON_CONTENT,
             )
         )
-    routes.append(
-        route_components_pb2.Route(
-            name="picked",
-            match=route_components_pb2.RouteMatch(
-                prefix=served_prefix, headers=[_header_present(DESTINATION_HEADER)]
-            ),
-            route=picked_action,
-            response_headers_to_add=upstream_headers,
-            # a retry re-sends the body: keep up to the largest allowed body for it
-            request_body_buffer_limit=wrappers_pb2.UInt64Value(value=limits.max_request_body_bytes)
-            if pool
-            else None,
-        )
-    )
-    # Before the EPP answers (and whenever it cannot), the request has no destination header.
-    # With the engines known as a pool (and no fallback list), FailOpen's unpicked requests go
-    # round robin over them: the override-host policy's fallback when no destination is named.
-    unpicked = route_components_pb2.RouteAction(
-        cluster=FALLBACK_CLUSTER if fallback else POOL_CLUSTER if pool else ROUTED_CLUSTER,
-        timeout=route_timeout,
-        idle_timeout=idle,
-    )
-    if fallback:
-        # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
-        # (safe: the request never reached an engine), on top of the cluster's health checks.
-        unpicked.retry_policy.CopyFrom(
-            _retry_elsewhere(
-                "connect-failure,refused-stream,reset-before-request", len(fallback), max_attempts=5
-            )
-        )
-    routes.append(
-        route_components_pb2.Route(
-            name="unpicked",
-            match=route_components_pb2.RouteMatch(prefix=served_prefix),
-            route=unpicked,
-            response_headers_to_add=upstream_headers,
-        )
-    )
     if not expose_internal_routes:
         # Only the OpenAI API is public: engine internals (/metrics, /tokenize, /openapi.json,
         # admin routes) answer 404 here without reaching the EPP or an engine.
@@ -497,9 +545,29 @@ def build_bootstrap(
                 404,
                 "no such route on this gateway",
                 "not_found",
+                multi,
             )
         )
 
+    filters = [
+        hcm_pb2.HttpFilter(
+            name=EXT_PROC_FILTER,
+            typed_config=_any(
+                _ext_proc_filter(
+                    failure_mode, limits.epp_message_timeout_s, response_phase, gateways[0].epp_cluster
+                )
+            ),
+        ),
+        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
+    ]
+    if multi:
+        filters.insert(
+            0,
+            hcm_pb2.HttpFilter(
+                name=MODEL_ROUTER_FILTER,
+                typed_config=_any(_model_router_filter(limits.epp_message_timeout_s)),
+            ),
+        )
     hcm = hcm_pb2.HttpConnectionManager(
         stat_prefix="kvgate",
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -514,19 +582,12 @@ def build_bootstrap(
         path_with_escaped_slashes_action=hcm_pb2.HttpConnectionManager.UNESCAPE_AND_REDIRECT,
         route_config=route_pb2.RouteConfiguration(
             name="kvgate",
-            internal_only_headers=[DESTINATION_HEADER],
+            # nor its own pool: that is the model router's
+            internal_only_headers=[DESTINATION_HEADER, POOL_HEADER] if multi else [DESTINATION_HEADER],
             request_headers_to_remove=INTERNAL_REQUEST_HEADERS,
             virtual_hosts=[route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=routes)],
         ),
-        http_filters=[
-            hcm_pb2.HttpFilter(
-                name=EXT_PROC_FILTER,
-                typed_config=_any(
-                    _ext_proc_filter(failure_mode, limits.epp_message_timeout_s, response_phase)
-                ),
-            ),
-            hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router())),
-        ],
+        http_filters=filters,
         # slow clients (slowloris): headers, then the whole request, within bounds
         request_headers_timeout=_seconds(limits.request_headers_timeout_s),
         request_timeout=_seconds(limits.request_timeout_s),
@@ -547,60 +608,9 @@ def build_bootstrap(
         ],
     )
 
-    h2 = http_protocol_options_pb2.HttpProtocolOptions(
-        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
-            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
-        )
-    )
-    all_ips = all(_is_ip(h) for h, _ in epps)
-    epp_cluster = cluster_pb2.Cluster(
-        name=EPP_CLUSTER,
-        type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
-        connect_timeout=_seconds(1),
-        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-        load_assignment=_load_assignment(EPP_CLUSTER, epps),
-        typed_extension_protocol_options={
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(h2),
-        },
-        # No panic routing to an EPP known to be down: with zero healthy hosts the ext_proc
-        # stream fails at once, before any body is streamed, so FailOpen can still let the
-        # request through (a body already handed to a dying stream cannot be recovered).
-        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent(0)),
-        # A host name (a headless Service in a cluster) names every ready replica: one host per
-        # address, re-resolved each second so a new or rescheduled replica joins quickly.
-        dns_refresh_rate=None if all_ips else _seconds(1),
-        # every stream a killed replica held is retried at once (see _epp_stream_retry)
-        circuit_breakers=_retry_room(),
-    )
-    if epp_health_check:
-        epp_cluster.health_checks.append(
-            health_check_pb2.HealthCheck(
-                timeout=_seconds(1),
-                interval=_seconds(0.5),
-                no_traffic_interval=_seconds(0.5),
-                # two misses in a row: one slow answer on a busy node is not an outage
-                unhealthy_threshold=wrap(2),
-                healthy_threshold=wrap(1),
-                grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
-                    service_name="envoy.service.ext_proc.v3.ExternalProcessor"
-                ),
-            )
-        )
-        # a replica that refuses connections leaves rotation at once, between health checks
-        epp_cluster.outlier_detection.CopyFrom(_eject_on_refused_connection())
-    if epp_tls:
-        # GIE's EPP serves a self-signed certificate; the gateway encrypts without verifying it.
-        epp_cluster.transport_socket.CopyFrom(
-            base_pb2.TransportSocket(
-                name="envoy.transport_sockets.tls",
-                typed_config=_any(
-                    tls_pb2.UpstreamTlsContext(
-                        common_tls_context=tls_pb2.CommonTlsContext(alpn_protocols=["h2"]), sni=epps[0][0]
-                    )
-                ),
-            )
-        )
-
+    clusters: list[cluster_pb2.Cluster] = []
+    for gw in gateways:
+        clusters.append(_grpc_cluster(gw.epp_cluster, gw.epps, epp_health_check, epp_tls))
     routed = cluster_pb2.Cluster(
         name=ROUTED_CLUSTER,
         type=cluster_pb2.Cluster.ORIGINAL_DST,
@@ -610,32 +620,17 @@ def build_bootstrap(
             use_http_header=True, http_header_name=DESTINATION_HEADER
         ),
     )
-    clusters = [epp_cluster, routed]
-    if pool:
-        clusters.append(_override_host_cluster(pool, by_dns=pool_by_dns))
-    if fallback:
-        clusters.append(
-            cluster_pb2.Cluster(
-                name=FALLBACK_CLUSTER,
-                type=cluster_pb2.Cluster.STATIC,
-                connect_timeout=_seconds(5),
-                lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-                load_assignment=_load_assignment(FALLBACK_CLUSTER, fallback),
-                circuit_breakers=_retry_room(),
-                # a killed engine leaves the round robin at its first refusal, not at the next
-                # 2 s health check
-                outlier_detection=_eject_on_refused_connection(),
-                health_checks=[
-                    health_check_pb2.HealthCheck(
-                        timeout=_seconds(1),
-                        interval=_seconds(2),
-                        unhealthy_threshold=wrap(1),
-                        healthy_threshold=wrap(1),
-                        http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health"),
-                    )
-                ],
-            )
-        )
+    clusters.append(routed)
+    for gw in gateways:
+        if gw.engines:
+            clusters.append(_override_host_cluster(gw.engines, by_dns=gw.by_dns, name=gw.pool_cluster))
+        if gw.fallback:
+            clusters.append(_fallback_cluster(gw.fallback_cluster, gw.fallback))
+    if multi:
+        assert model_router_addresses is not None
+        routers = [_split(a) for a in model_router_addresses]
+        # one replica: a health check could only fail over to nothing (see the EPP's)
+        clusters.append(_grpc_cluster(MODEL_ROUTER_CLUSTER, routers, len(routers) > 1, False))
     if direct_upstream:
         clusters.append(
             cluster_pb2.Cluster(
@@ -656,7 +651,200 @@ def build_bootstrap(
     return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True, sort_keys=True))
 
 
-def _override_host_cluster(pool: list[tuple[str, int]], by_dns: bool = False) -> cluster_pb2.Cluster:
+def _pool_routes(
+    gw: _Pool,
+    multi: bool,
+    served_prefix: str,
+    route_timeout: duration_pb2.Duration,
+    idle: duration_pb2.Duration,
+    upstream_headers: list[base_pb2.HeaderValueOption],
+    limits: GatewayLimits,
+) -> list[route_components_pb2.Route]:
+    """A pool's two routes: requests its EPP picked an engine for, and those it did not (yet)."""
+    pool, fallback = gw.engines, gw.fallback
+    # with several pools: this pool's requests only, and the EPP stream goes to its own EPP
+    only_this_pool = (
+        [
+            route_components_pb2.HeaderMatcher(
+                name=POOL_HEADER, string_match=string_pb2.StringMatcher(exact=gw.label)
+            )
+        ]
+        if multi and gw.label
+        else []
+    )
+    its_epp = (
+        {
+            EXT_PROC_FILTER: _any(
+                ext_proc_pb2.ExtProcPerRoute(
+                    overrides=ext_proc_pb2.ExtProcOverrides(grpc_service=_epp_service(gw.epp_cluster))
+                )
+            )
+        }
+        if multi
+        else None
+    )
+    # Only failures before any response byte ("reset" is a disconnect before the response
+    # started): the client has seen nothing, and a generation has no side effects, so running
+    # it elsewhere loses nothing. An engine's 503 is sent before it starts a request (draining,
+    # dead loop), never mid-stream. Twice: with one engine draining and another just killed,
+    # the first retry may meet the second casualty.
+    picked_action = route_components_pb2.RouteAction(
+        cluster=gw.pool_cluster if pool else ROUTED_CLUSTER, timeout=route_timeout, idle_timeout=idle
+    )
+    if pool:
+        picked_action.retry_policy.CopyFrom(
+            _retry_elsewhere(
+                "connect-failure,refused-stream,reset",
+                2 if gw.by_dns else max(1, min(2, len(pool) - 1)),
+                max_attempts=3,
+            )
+        )
+    picked = route_components_pb2.Route(
+        name=gw.route("picked"),
+        match=route_components_pb2.RouteMatch(
+            prefix=served_prefix, headers=[*only_this_pool, _header_present(DESTINATION_HEADER)]
+        ),
+        route=picked_action,
+        response_headers_to_add=upstream_headers,
+        # a retry re-sends the body: keep up to the largest allowed body for it
+        request_body_buffer_limit=wrappers_pb2.UInt64Value(value=limits.max_request_body_bytes)
+        if pool
+        else None,
+        typed_per_filter_config=its_epp,
+    )
+    # Before the EPP answers (and whenever it cannot), the request has no destination header.
+    # With the engines known as a pool (and no fallback list), FailOpen's unpicked requests go
+    # round robin over them: the override-host policy's fallback when no destination is named.
+    unpicked_action = route_components_pb2.RouteAction(
+        cluster=gw.fallback_cluster if fallback else gw.pool_cluster if pool else ROUTED_CLUSTER,
+        timeout=route_timeout,
+        idle_timeout=idle,
+    )
+    if fallback:
+        # Without the EPP nobody knows which engine is alive: retry connection failures elsewhere
+        # (safe: the request never reached an engine), on top of the cluster's health checks.
+        unpicked_action.retry_policy.CopyFrom(
+            _retry_elsewhere(
+                "connect-failure,refused-stream,reset-before-request", len(fallback), max_attempts=5
+            )
+        )
+    unpicked = route_components_pb2.Route(
+        name=gw.route("unpicked"),
+        match=route_components_pb2.RouteMatch(prefix=served_prefix, headers=only_this_pool),
+        route=unpicked_action,
+        response_headers_to_add=upstream_headers,
+        typed_per_filter_config=its_epp,
+    )
+    return [picked, unpicked]
+
+
+def _model_router_filter(message_timeout: float) -> ext_proc_pb2.ExternalProcessor:
+    """The model router's ext_proc: request headers and body only (it holds the body, names the
+    pool, hands it back). FailClose: without it no request can be given a pool."""
+    mode = processing_mode_pb2.ProcessingMode
+    return ext_proc_pb2.ExternalProcessor(
+        grpc_service=_epp_service(MODEL_ROUTER_CLUSTER),
+        failure_mode_allow=False,
+        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+        processing_mode=processing_mode_pb2.ProcessingMode(
+            request_header_mode=mode.SEND,
+            response_header_mode=mode.SKIP,
+            request_body_mode=mode.FULL_DUPLEX_STREAMED,
+            response_body_mode=mode.NONE,
+            request_trailer_mode=mode.SEND,
+            response_trailer_mode=mode.SKIP,
+        ),
+        message_timeout=_seconds(message_timeout),
+        max_message_timeout=_seconds(message_timeout),
+    )
+
+
+def _grpc_cluster(
+    name: str, hosts: list[tuple[str, int]], health_check: bool, tls: bool
+) -> cluster_pb2.Cluster:
+    """An ext_proc server's replicas (an EPP's, the model router's): HTTP/2, all serving."""
+    h2 = http_protocol_options_pb2.HttpProtocolOptions(
+        explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
+            http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
+        )
+    )
+    all_ips = all(_is_ip(h) for h, _ in hosts)
+    cluster = cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
+        connect_timeout=_seconds(1),
+        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+        load_assignment=_load_assignment(name, hosts),
+        typed_extension_protocol_options={
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(h2),
+        },
+        # No panic routing to an EPP known to be down: with zero healthy hosts the ext_proc
+        # stream fails at once, before any body is streamed, so FailOpen can still let the
+        # request through (a body already handed to a dying stream cannot be recovered).
+        common_lb_config=cluster_pb2.Cluster.CommonLbConfig(healthy_panic_threshold=percent(0)),
+        # A host name (a headless Service in a cluster) names every ready replica: one host per
+        # address, re-resolved each second so a new or rescheduled replica joins quickly.
+        dns_refresh_rate=None if all_ips else _seconds(1),
+        # every stream a killed replica held is retried at once (see _epp_stream_retry)
+        circuit_breakers=_retry_room(),
+    )
+    if health_check:
+        cluster.health_checks.append(
+            health_check_pb2.HealthCheck(
+                timeout=_seconds(1),
+                interval=_seconds(0.5),
+                no_traffic_interval=_seconds(0.5),
+                # two misses in a row: one slow answer on a busy node is not an outage
+                unhealthy_threshold=wrap(2),
+                healthy_threshold=wrap(1),
+                grpc_health_check=health_check_pb2.HealthCheck.GrpcHealthCheck(
+                    service_name="envoy.service.ext_proc.v3.ExternalProcessor"
+                ),
+            )
+        )
+        # a replica that refuses connections leaves rotation at once, between health checks
+        cluster.outlier_detection.CopyFrom(_eject_on_refused_connection())
+    if tls:
+        # GIE's EPP serves a self-signed certificate; the gateway encrypts without verifying it.
+        cluster.transport_socket.CopyFrom(
+            base_pb2.TransportSocket(
+                name="envoy.transport_sockets.tls",
+                typed_config=_any(
+                    tls_pb2.UpstreamTlsContext(
+                        common_tls_context=tls_pb2.CommonTlsContext(alpn_protocols=["h2"]), sni=hosts[0][0]
+                    )
+                ),
+            )
+        )
+    return cluster
+
+
+def _fallback_cluster(name: str, fallback: list[tuple[str, int]]) -> cluster_pb2.Cluster:
+    return cluster_pb2.Cluster(
+        name=name,
+        type=cluster_pb2.Cluster.STATIC,
+        connect_timeout=_seconds(5),
+        lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+        load_assignment=_load_assignment(name, fallback),
+        circuit_breakers=_retry_room(),
+        # a killed engine leaves the round robin at its first refusal, not at the next
+        # 2 s health check
+        outlier_detection=_eject_on_refused_connection(),
+        health_checks=[
+            health_check_pb2.HealthCheck(
+                timeout=_seconds(1),
+                interval=_seconds(2),
+                unhealthy_threshold=wrap(1),
+                healthy_threshold=wrap(1),
+                http_health_check=health_check_pb2.HealthCheck.HttpHealthCheck(path="/health"),
+            )
+        ],
+    )
+
+
+def _override_host_cluster(
+    pool: list[tuple[str, int]], by_dns: bool = False, name: str = POOL_CLUSTER
+) -> cluster_pb2.Cluster:
     """The engines as hosts, chosen by the EPP: Envoy's override-host policy (made for GIE)
     reads the destination list (chosen first, then fallbacks) from the EPP's envoy.lb metadata
     or header, and a retry takes the next entry. Unknown destinations fall back to round robin.
@@ -684,12 +872,12 @@ def _override_host_cluster(pool: list[tuple[str, int]], by_dns: bool = False) ->
         ),
     )
     return cluster_pb2.Cluster(
-        name=POOL_CLUSTER,
+        name=name,
         type=cluster_pb2.Cluster.STRICT_DNS if by_dns else cluster_pb2.Cluster.STATIC,
         dns_refresh_rate=_seconds(1) if by_dns else None,
         dns_lookup_family=cluster_pb2.Cluster.V4_PREFERRED if by_dns else cluster_pb2.Cluster.AUTO,
         connect_timeout=_seconds(2),
-        load_assignment=_load_assignment(POOL_CLUSTER, pool),
+        load_assignment=_load_assignment(name, pool),
         # an engine that refuses a connection is skipped by the retries' fallback for a while
         outlier_detection=_eject_on_refused_connection(),
         circuit_breakers=_retry_room(),

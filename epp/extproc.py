@@ -101,6 +101,26 @@ def immediate(
     )
 
 
+def streamed_request_body(payload: bytes) -> list[ep.ProcessingResponse]:
+    """A held request body handed back to Envoy (FULL_DUPLEX_STREAMED), in chunks that fit its
+    gRPC frames; an empty body is one empty end-of-stream chunk."""
+    n = len(payload)
+    return [
+        ep.ProcessingResponse(
+            request_body=ep.BodyResponse(
+                response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(
+                        streamed_response=ep.StreamedBodyResponse(
+                            body=payload[start : start + MAX_CHUNK], end_of_stream=start + MAX_CHUNK >= n
+                        )
+                    )
+                )
+            )
+        )
+        for start in range(0, max(n, 1), MAX_CHUNK)
+    ]
+
+
 class ModelRewriter:
     """Replaces ``"model":"<target>"`` with the client's name in a streamed body, even when the
     needle is split across chunks (the tail that could start a match is held back)."""
@@ -371,22 +391,7 @@ class EndpointPickerHandler:
             )
         ]
         if has_body:
-            n = len(payload)
-            for start in range(0, max(n, 1), MAX_CHUNK):
-                chunk = payload[start : start + MAX_CHUNK]
-                out.append(
-                    ep.ProcessingResponse(
-                        request_body=ep.BodyResponse(
-                            response=ep.CommonResponse(
-                                body_mutation=ep.BodyMutation(
-                                    streamed_response=ep.StreamedBodyResponse(
-                                        body=chunk, end_of_stream=start + MAX_CHUNK >= n
-                                    )
-                                )
-                            )
-                        )
-                    )
-                )
+            out += streamed_request_body(payload)
         return out
 
     # -- response phase ---------------------------------------------------------------------

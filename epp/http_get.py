@@ -18,12 +18,19 @@ class EndpointRefused(ScrapeError):
     """Nothing listens there: a definitive sign the endpoint is gone, not a slow one."""
 
 
+def get_request(host: str, port: int, path: str, api_key: str | None = None) -> bytes:
+    """A complete HTTP/1.1 GET (bytes), with the engines' API key as a bearer token if given."""
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n"
+        f"User-Agent: kvgate-epp\r\n{auth}\r\n"
+    ).encode()
+
+
 class KeepAliveGetter:
     def __init__(self, host: str, port: int, path: str = "/metrics", timeout: float = 1.0) -> None:
         self.host, self.port, self.timeout = host, port, timeout
-        self._request = (
-            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\nUser-Agent: kvgate-epp\r\n\r\n"
-        ).encode()
+        self._request = get_request(host, port, path)
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvgate.api.contracts import metrics as vllm
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
-from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError
+from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError, get_request
 
 log = logging.getLogger("kvgate.epp.scraper")
 
@@ -213,11 +213,7 @@ class MetricsScraper:
             )
 
     def _request(self, host: str, port: int, path: str) -> bytes:
-        auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
-        return (
-            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: text/plain\r\n"
-            f"User-Agent: kvgate-epp\r\n{auth}\r\n"
-        ).encode()
+        return get_request(host, port, path, self.api_key)
 
     async def scrape_once(self, endpoint: Endpoint, getter: KeepAliveGetter) -> bool:
         raw = self._request(getter.host, getter.port, self.path)

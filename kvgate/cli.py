@@ -19,6 +19,7 @@ from types import ModuleType
 COMMANDS: dict[tuple[str, ...], str] = {
     ("engine", "serve"): "kvgate.engine.cli",
     ("epp", "serve"): "kvgate.epp.cli",
+    ("router", "serve"): "kvgate.epp.router_cli",
     ("operator", "run"): "kvgate.operator.cli",
     ("up",): "kvgate.local.cli",
     ("bench",): "kvgate.bench.cli",
@@ -27,6 +28,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
 GROUP_HELP = {
     "engine": "the model server (OpenAI-compatible API, vLLM metrics, KV events)",
     "epp": "the endpoint picker (Envoy ext-proc, GIE protocol)",
+    "router": "the model router: one gateway for several pools, chosen by the body's model",
     "operator": "the Kubernetes operator (ModelDeployment, InferencePool)",
 }
 

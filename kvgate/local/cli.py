@@ -29,7 +29,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "and the stack stops with exit code 1. Ctrl-C or SIGTERM stops everything."
     )
     p.add_argument("--port", type=port, default=8080, help="gateway (Envoy) port; 0 picks a free one")
-    p.add_argument("--engines", type=positive_int, default=2, help="number of engines")
+    p.add_argument("--engines", type=positive_int, default=None, help="number of engines (default 2)")
     p.add_argument(
         "--epp-replicas",
         type=positive_int,
@@ -39,8 +39,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model",
-        default="default",
-        help="model for every engine: 'default' (SmolLM2-135M-Instruct), a GGUF file or a HF folder",
+        default=None,
+        help="model for every engine: 'default' (SmolLM2-135M-Instruct, the default), a GGUF file or a HF folder",
+    )
+    p.add_argument(
+        "--pool",
+        type=pool_arg,
+        action="append",
+        default=[],
+        metavar="NAME=MODEL[:ENGINES]",
+        help="several models behind one gateway (repeatable; instead of --model/--engines): a pool of "
+        "ENGINES engines (default 1) serving MODEL under the name NAME, with --epp-replicas EPPs of its "
+        'own. A model router in front picks the pool from each request\'s "model"; GET /v1/models '
+        "lists every pool's models; an unknown model is a 404",
     )
     p.add_argument(
         "--simulate", action="store_true", help="simulated engines: real scheduler/KV cache, no model math"
@@ -138,6 +149,21 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
 
 
+def pool_arg(value: str) -> tuple[str, str, int]:
+    """argparse type of --pool: NAME=MODEL[:ENGINES]."""
+    name, sep, rest = value.partition("=")
+    model, colon, count = rest.rpartition(":") if rest.rpartition(":")[2].isdigit() else (rest, "", "")
+    name = name.strip()
+    if not sep or not name or not model.strip() or not all(c.isalnum() or c == "-" for c in name):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=MODEL[:ENGINES] with NAME of letters, digits and '-', got {value!r}"
+        )
+    engines = int(count) if colon else 1
+    if engines < 1:
+        raise argparse.ArgumentTypeError(f"a pool needs at least one engine, got {value!r}")
+    return name, model.strip(), engines
+
+
 def lora_modules(value: str) -> list[tuple[str, str]]:
     """argparse type of --lora-modules: NAME=PATH[,NAME=PATH...]."""
     out: list[tuple[str, str]] = []
@@ -159,23 +185,36 @@ def _fail(message: str, details: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     from kvgate.api.cli_args import SimTiming
     from kvgate.local.ports import PortBusyError, plan_ports
-    from kvgate.local.stack import LocalStack, StackConfig, StackError
+    from kvgate.local.stack import LocalStack, PoolConfig, StackConfig, StackError
 
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")
     names = [name for name, _ in args.lora_modules]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         return _fail(f"--lora-modules names an adapter more than once: {', '.join(dupes)}")
+    pools = tuple(PoolConfig(name, model, engines) for name, model, engines in args.pool)
+    if pools:
+        if args.model is not None or args.engines is not None:
+            return _fail("--pool sets each pool's model and engines: leave out --model and --engines")
+        if args.lora_modules:
+            return _fail("--lora-modules with --pool is not supported yet (adapters per pool)")
+        pool_names = [p.name for p in pools]
+        if dupes := sorted({n for n in pool_names if pool_names.count(n) > 1}):
+            return _fail(f"--pool names a pool more than once: {', '.join(dupes)}")
+    engines = sum(p.engines for p in pools) if pools else args.engines or 2
+    epp_replicas = args.epp_replicas * max(1, len(pools))
+    model = pools[0].model if pools else args.model or "default"
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
     try:
-        ports = plan_ports(args.port, args.base_port, args.engines, args.epp_replicas)
+        ports = plan_ports(args.port, args.base_port, engines, epp_replicas, model_router=bool(pools))
     except ValueError as exc:
         return _fail(str(exc))
     cfg = StackConfig(
         ports=ports,
-        engines=args.engines,
-        epp_replicas=args.epp_replicas,
-        model=args.model,
+        engines=engines,
+        epp_replicas=epp_replicas,
+        pools=pools,
+        model=model,
         simulate=args.simulate,
         sim=SimTiming.from_args(args),
         profile=args.profile,
@@ -207,12 +246,20 @@ def run(args: argparse.Namespace) -> int:
 
     # The children's lines are always echoed: with --quiet they only write warnings and errors.
     stack = LocalStack(cfg, echo=sys.stdout, progress=say)
-    kind = "simulated" if args.simulate else f"model {args.model}"
-    say(
-        f"starting {args.engines} engine(s) ({kind}), {args.epp_replicas} EPP replica(s) "
-        f"(profile {args.profile or 'precise-prefix'}) "
-        f"and Envoy; logs in {log_dir}"
-    )
+    kind = "simulated" if args.simulate else f"model {model}"
+    if pools:
+        listed = ", ".join(f"{p.name} ({p.engines} x {p.model})" for p in pools)
+        say(
+            f"starting {len(pools)} pools: {listed}{' simulated' if args.simulate else ''}, "
+            f"{args.epp_replicas} EPP replica(s) each (profile {args.profile or 'precise-prefix'}), "
+            f"the model router and Envoy; logs in {log_dir}"
+        )
+    else:
+        say(
+            f"starting {engines} engine(s) ({kind}), {epp_replicas} EPP replica(s) "
+            f"(profile {args.profile or 'precise-prefix'}) "
+            f"and Envoy; logs in {log_dir}"
+        )
     with signals:
         try:
             info = stack.start(cancel=stop)
@@ -228,7 +275,10 @@ def run(args: argparse.Namespace) -> int:
             stack.stop()
             raise
 
-        shout(f"ready: gateway {info.gateway_url} (model {info.model!r}, {args.engines} engine(s))")
+        if pools:
+            shout(f"ready: gateway {info.gateway_url} (models {', '.join(repr(p.name) for p in pools)})")
+        else:
+            shout(f"ready: gateway {info.gateway_url} (model {info.model!r}, {engines} engine(s))")
         say("try it:")
         print(info.curl_line(), flush=True)
         say(f"stack details in {log_dir / 'stack.json'}; Ctrl-C stops everything")

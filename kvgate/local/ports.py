@@ -58,6 +58,7 @@ class PortPlan:
     kv_events: tuple[int, ...]
     kv_replay: tuple[int, ...]
     epps: tuple[EppPorts, ...]
+    router: tuple[int, int] | None = None  # the model router's ext_proc and health ports (several pools)
 
     # The first replica's ports, where one address is asked for (stack.json, single-EPP users).
     @property
@@ -87,6 +88,11 @@ class PortPlan:
             name = "EPP" if len(self.epps) == 1 else f"epp-{i}"
             roles += [(f"{name} ext-proc gRPC", epp.grpc), (f"{name} gRPC health", epp.health)]
             roles += [(f"{name} metrics", epp.metrics)]
+        if self.router is not None:
+            roles += [
+                ("model router ext-proc gRPC", self.router[0]),
+                ("model router gRPC health", self.router[1]),
+            ]
         return roles
 
     def check_free(self) -> None:
@@ -102,17 +108,20 @@ class PortPlan:
                 raise PortBusyError(f"port {port} ({role}) is already in use; choose another {hint}")
 
 
-def plan_ports(gateway: int, base_port: int, engines: int, epp_replicas: int = 1) -> PortPlan:
+def plan_ports(
+    gateway: int, base_port: int, engines: int, epp_replicas: int = 1, model_router: bool = False
+) -> PortPlan:
     """Lay the stack's ports out from `base_port` (0: any free ports), gateway on `gateway`.
 
     From base_port: engine HTTP ports, then their KV-event ports, then their replay ports,
-    then each EPP replica's gRPC, health and metrics ports, then Envoy's admin port.
+    then each EPP replica's gRPC, health and metrics ports, then Envoy's admin port, then (with
+    `model_router`, for several pools) the model router's ext_proc and health ports.
     """
     if engines < 1:
         raise ValueError("at least one engine is needed")
     if epp_replicas < 1:
         raise ValueError("at least one EPP replica is needed")
-    needed = 3 * engines + 3 * epp_replicas + 1
+    needed = 3 * engines + 3 * epp_replicas + 1 + (2 if model_router else 0)
     if base_port == 0:
         ports = free_ports(needed + (1 if gateway == 0 else 0))
         if gateway == 0:
@@ -128,5 +137,6 @@ def plan_ports(gateway: int, base_port: int, engines: int, epp_replicas: int = 1
         kv_events=tuple(ports[n : 2 * n]),
         kv_replay=tuple(ports[2 * n : 3 * n]),
         epps=tuple(EppPorts(*ports[3 * n + 3 * r : 3 * n + 3 * r + 3]) for r in range(epp_replicas)),
-        envoy_admin=ports[needed - 1],
+        envoy_admin=ports[3 * n + 3 * epp_replicas],
+        router=(ports[needed - 2], ports[needed - 1]) if model_router else None,
     )

@@ -41,6 +41,26 @@ class StackError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PoolConfig:
+    """One of several pools behind the gateway: its engines serve `model` under the name `name`
+    (what clients send as "model"), with EPP replicas of its own."""
+
+    name: str
+    model: str = DEFAULT_MODEL
+    engines: int = 1
+
+
+@dataclass(frozen=True)
+class _PoolLayout:
+    """Which engines and EPP replicas (indices into the stack's lists) make up a pool."""
+
+    name: str | None  # None: the only pool of a one-pool stack
+    model: str
+    engines: range
+    epps: range
+
+
+@dataclass(frozen=True)
 class StackConfig:
     ports: PortPlan
     engines: int = 2
@@ -63,6 +83,32 @@ class StackConfig:
     log_format: str | None = None  # --log-format for engines and EPPs; None: each one's default
     quiet: bool = False  # engines and EPPs log only warnings and errors (--quiet)
     otlp_endpoint: str | None = None  # OpenTelemetry collector for engines and EPPs; None: off
+    # Several pools behind one gateway (a model router picks the pool from each body's model);
+    # then `engines` and `epp_replicas` are totals and `model` is unused. Empty: one pool.
+    pools: tuple[PoolConfig, ...] = ()
+
+    def layout(self) -> list[_PoolLayout]:
+        if not self.pools:
+            return [_PoolLayout(None, self.model, range(self.engines), range(self.epp_replicas))]
+        per_pool = self.epp_replicas // len(self.pools)
+        out, first = [], 0
+        for k, pool in enumerate(self.pools):
+            out.append(
+                _PoolLayout(
+                    pool.name,
+                    pool.model,
+                    range(first, first + pool.engines),
+                    range(k * per_pool, (k + 1) * per_pool),
+                )
+            )
+            first += pool.engines
+        return out
+
+    def pool_of_engine(self, i: int) -> _PoolLayout:
+        return next(p for p in self.layout() if i in p.engines)
+
+    def pool_of_epp(self, r: int) -> _PoolLayout:
+        return next(p for p in self.layout() if r in p.epps)
 
 
 def find_envoy(explicit: str | None = None) -> str:
@@ -101,8 +147,14 @@ def _observability_args(cfg: StackConfig) -> list[str]:
     return argv
 
 
+def engine_name(cfg: StackConfig, i: int) -> str:
+    pool = cfg.pool_of_engine(i)
+    return f"engine-{i}" if pool.name is None else f"engine-{pool.name}-{i - pool.engines.start}"
+
+
 def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     p = cfg.ports
+    pool = cfg.pool_of_engine(i)
     argv = kvgate_argv(
         "engine",
         "serve",
@@ -111,7 +163,7 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         "--port",
         str(p.engines[i]),
         "--model",
-        cfg.model,
+        pool.model,
         "--kv-events-endpoint",
         f"tcp://{LOOPBACK}:{p.kv_events[i]}",
         "--kv-events-replay-endpoint",
@@ -132,26 +184,32 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv.append("--enable-lora")
         for name, path in cfg.lora_modules:
             argv += ["--lora-modules", f"{name}={path}"]
+    if pool.name is not None:
+        argv += ["--served-model-name", pool.name]  # what clients name, and the router routes on
     argv += list(cfg.engine_args)
-    return ProcessSpec(name=f"engine-{i}", argv=argv)
+    return ProcessSpec(name=engine_name(cfg, i), argv=argv)
 
 
 def epp_name(cfg: StackConfig, r: int) -> str:
-    return "epp" if cfg.epp_replicas == 1 else f"epp-{r}"
+    pool = cfg.pool_of_epp(r)
+    if pool.name is None:
+        return "epp" if cfg.epp_replicas == 1 else f"epp-{r}"
+    return f"epp-{pool.name}" if len(pool.epps) == 1 else f"epp-{pool.name}-{r - pool.epps.start}"
 
 
 def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
     p = cfg.ports
     ports = p.epps[r]
+    pool = cfg.pool_of_epp(r)
     argv = kvgate_argv(
         "epp",
         "serve",
         "--endpoints",
-        ",".join(f"{LOOPBACK}:{port}" for port in p.engines),
+        ",".join(f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines),
         "--kv-events-endpoints",
-        ",".join(f"tcp://{LOOPBACK}:{port}" for port in p.kv_events),
+        ",".join(f"tcp://{LOOPBACK}:{p.kv_events[i]}" for i in pool.engines),
         "--kv-replay-endpoints",
-        ",".join(f"tcp://{LOOPBACK}:{port}" for port in p.kv_replay),
+        ",".join(f"tcp://{LOOPBACK}:{p.kv_replay[i]}" for i in pool.engines),
         "--grpc-port",
         str(ports.grpc),
         "--grpc-health-port",
@@ -160,7 +218,7 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         str(ports.metrics),
         "--secure-serving=false",
         "--tokenizer",
-        cfg.model,
+        pool.model,
     )
     if cfg.epp_config_file:
         argv += ["--config-file", cfg.epp_config_file]
@@ -171,10 +229,51 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
 
 
+def router_spec(cfg: StackConfig) -> ProcessSpec:
+    """The model router: each pool and its engines (their /v1/models say what it serves)."""
+    p = cfg.ports
+    assert p.router is not None
+    argv = kvgate_argv(
+        "router", "serve", "--grpc-port", str(p.router[0]), "--grpc-health-port", str(p.router[1])
+    )
+    for pool in cfg.layout():
+        argv += ["--pool", f"{pool.name}=" + ",".join(f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines)]
+    argv += ["--refresh-interval", "1"]
+    if cfg.log_format:
+        argv += ["--log-format", cfg.log_format]
+    if cfg.quiet:
+        argv.append("--quiet")
+    return ProcessSpec(name="router", argv=argv)
+
+
 def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
-    from kvgate.epp.envoy_config import build_bootstrap
+    from kvgate.epp.envoy_config import PoolGateway, build_bootstrap
 
     p = cfg.ports
+    if cfg.pools:
+        assert p.router is not None
+        return build_bootstrap(
+            listen_port=p.gateway,
+            epp_host=LOOPBACK,
+            epp_port=p.epp_grpc,
+            admin_port=p.envoy_admin,
+            listen_host=LOOPBACK,
+            epp_health_check=cfg.epp_replicas > len(cfg.pools),
+            expose_upstream_header=cfg.expose_upstream_header,
+            failure_mode=cfg.failure_mode,
+            pools=[
+                PoolGateway(
+                    str(pool.name),
+                    [f"{LOOPBACK}:{p.epps[r].grpc}" for r in pool.epps],
+                    [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines],
+                    [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines]
+                    if cfg.failure_mode == "FailOpen"
+                    else None,
+                )
+                for pool in cfg.layout()
+            ],
+            model_router_addresses=[f"{LOOPBACK}:{p.router[0]}"],
+        )
     return build_bootstrap(
         listen_port=p.gateway,
         epp_host=LOOPBACK,
@@ -227,6 +326,9 @@ class StackInfo:
     epp_metrics_url: str
     envoy_admin_url: str
     log_dir: str
+    # several pools: each one's model name -> {"model", "engine_urls", "epp_pids"}; and the router
+    pools: dict[str, dict[str, object]] = field(default_factory=dict)
+    router_pid: int | None = None
 
     @property
     def engine_metrics_urls(self) -> list[str]:
@@ -261,6 +363,7 @@ class LocalStack:
         self.engines: list[ManagedProcess] = []
         self.epps: list[ManagedProcess] = []
         self.envoy: ManagedProcess | None = None
+        self.router: ManagedProcess | None = None
         self.info: StackInfo | None = None
         self._model = cfg.model
 
@@ -279,6 +382,8 @@ class LocalStack:
 
         self.engines = [self.supervisor.start(engine_spec(cfg, i)) for i in range(cfg.engines)]
         self.epps = [self.supervisor.start(epp_spec(cfg, r)) for r in range(cfg.epp_replicas)]
+        if cfg.pools:
+            self.router = self.supervisor.start(router_spec(cfg))
         self.envoy = self.supervisor.start(envoy_spec(cfg, envoy_bin, bootstrap_path))
         self._wait_ready(cancel)
         self._model = self._served_model()
@@ -299,6 +404,16 @@ class LocalStack:
             epp_metrics_url=f"http://{LOOPBACK}:{p.epp_metrics}/metrics",
             envoy_admin_url=f"http://{LOOPBACK}:{p.envoy_admin}",
             log_dir=str(self.cfg.log_dir),
+            pools={
+                str(pool.name): {
+                    "model": pool.model,
+                    "engine_urls": [f"http://{LOOPBACK}:{p.engines[i]}" for i in pool.engines],
+                    "epp_pids": [self.epps[r].pid for r in pool.epps],
+                }
+                for pool in self.cfg.layout()
+                if pool.name is not None
+            },
+            router_pid=self.router.pid if self.router is not None else None,
         )
         tmp = self.cfg.log_dir / "stack.json.tmp"
         tmp.write_text(json.dumps(asdict(self.info), indent=2) + "\n")
@@ -356,18 +471,21 @@ class LocalStack:
         for proc, port in zip(self.engines, p.engines, strict=True):
             checks.append((proc, _http_ok(f"http://{LOOPBACK}:{port}/health")))
         assert self.envoy is not None
-        for proc, ports in zip(self.epps, p.epps, strict=True):
+        for r, (proc, ports) in enumerate(zip(self.epps, p.epps, strict=True)):
             # Ready = serving and scraping every engine: the gateway probe that follows is a real
             # pick, and an EPP that has not seen an engine yet would answer (and log) a 503.
+            engines = len(self.cfg.pool_of_epp(r).engines)
             checks.append(
                 (
                     proc,
                     _both(
                         _grpc_ok(f"{LOOPBACK}:{ports.health}"),
-                        _epp_sees_engines(f"http://{LOOPBACK}:{ports.metrics}/metrics", len(p.engines)),
+                        _epp_sees_engines(f"http://{LOOPBACK}:{ports.metrics}/metrics", engines),
                     ),
                 )
             )
+        if self.router is not None and p.router is not None:
+            checks.append((self.router, _grpc_ok(f"{LOOPBACK}:{p.router[1]}")))
         checks.append((self.envoy, _http_ok(f"http://{LOOPBACK}:{p.envoy_admin}/ready")))
         return checks
 
@@ -432,7 +550,7 @@ class LocalStack:
                 lines = [
                     line
                     for line in client.get(url).text.splitlines()
-                    if line.startswith("epp::") and "::health_flags::" in line
+                    if (line.startswith("epp::") or line.startswith("epp-")) and "::health_flags::" in line
                 ]
                 if len(lines) >= self.cfg.epp_replicas and all(line.endswith("::healthy") for line in lines):
                     return
@@ -442,6 +560,8 @@ class LocalStack:
         raise StackError("every part is up but Envoy does not see the endpoint pickers healthy yet")
 
     def _served_model(self) -> str:
+        if self.cfg.pools:
+            return self.cfg.pools[0].name
         url = f"http://{LOOPBACK}:{self.cfg.ports.engines[0]}/v1/models"
         try:
             data = httpx.get(url, timeout=5.0).json()["data"]

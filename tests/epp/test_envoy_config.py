@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.epp.envoy_config import build_bootstrap, main
+from kvgate.epp.envoy_config import PoolGateway, build_bootstrap, main
 
 ENVOY = str(Path(sys.executable).parent / "envoy")
 
@@ -56,9 +56,74 @@ def test_every_variant_validates(tmp_path) -> None:
             expose_upstream_header=True,
             expose_internal_routes=True,
         ),
+        build_bootstrap(
+            10000,
+            "",
+            0,
+            "FailOpen",
+            pools=[
+                PoolGateway(
+                    "alpha", ["127.0.0.1:9002", "127.0.0.1:9012"], ["127.0.0.1:8000"], ["127.0.0.1:8000"]
+                ),
+                PoolGateway("beta", ["epp-beta.svc:9002"], ["beta-engines:8000"]),
+            ],
+            model_router_addresses=["127.0.0.1:9004"],
+        ),
     ]
     for v in variants:
         validate(v, tmp_path)
+
+
+def test_several_pools_behind_one_model_router() -> None:
+    config = build_bootstrap(
+        10000,
+        "",
+        0,
+        pools=[
+            PoolGateway("alpha", ["127.0.0.1:9002"], ["127.0.0.1:8000", "127.0.0.1:8001"]),
+            PoolGateway("beta", ["127.0.0.1:9012"], ["127.0.0.1:8002"]),
+        ],
+        model_router_addresses=["127.0.0.1:9004"],
+    )
+    hcm = _filter(config)
+    # the model router runs first (it names the pool), then the EPP, then the router
+    names = [f["name"] for f in hcm["http_filters"]]
+    assert names == ["kvgate.model_router", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    router_mode = hcm["http_filters"][0]["typed_config"]["processing_mode"]
+    assert router_mode["request_body_mode"] == "FULL_DUPLEX_STREAMED" and not hcm["http_filters"][0][
+        "typed_config"
+    ].get("failure_mode_allow")
+    assert "x-kvgate-pool" in hcm["route_config"]["internal_only_headers"]
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    for pool in ("alpha", "beta"):
+        for kind in ("picked", "unpicked"):
+            route = routes[f"{kind} {pool}"]
+            match = [h for h in route["match"]["headers"] if h["name"] == "x-kvgate-pool"]
+            assert match == [{"name": "x-kvgate-pool", "string_match": {"exact": pool}}]
+            # the pool's EPP stream goes to its own EPP replicas
+            override = route["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["overrides"]
+            assert override["grpc_service"]["envoy_grpc"]["cluster_name"] == f"epp-{pool}"
+        assert routes[f"picked {pool}"]["route"]["cluster"] == f"pool-{pool}"
+    # before the router names a pool, only the EPP is off (the router must run on this route)
+    no_pool = routes["no_pool"]["typed_per_filter_config"]
+    assert set(no_pool) == {"envoy.filters.http.ext_proc"}
+    # Envoy's own answers (413, internal paths) never ask either processor
+    assert set(routes["body_too_large"]["typed_per_filter_config"]) == {
+        "envoy.filters.http.ext_proc",
+        "kvgate.model_router",
+    }
+    clusters = {c["name"] for c in config["static_resources"]["clusters"]}
+    assert {"epp-alpha", "epp-beta", "pool-alpha", "pool-beta", "model_router"} <= clusters
+    with pytest.raises(ValueError, match="model router"):
+        build_bootstrap(10000, "", 0, pools=[PoolGateway("a", ["127.0.0.1:1"])])
+    with pytest.raises(ValueError, match="unique"):
+        build_bootstrap(
+            10000,
+            "",
+            0,
+            pools=[PoolGateway("a", ["127.0.0.1:1"])] * 2,
+            model_router_addresses=["127.0.0.1:2"],
+        )
 
 
 def test_gie_settings() -> None:

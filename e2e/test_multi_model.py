@@ -1,0 +1,150 @@
+"""One gateway, several models: `kvgate up --pool NAME=MODEL[:ENGINES]` as a user runs it. The
+model router picks the pool from each body's model, the pool's own EPP picks the engine; the
+openai client sees one endpoint that lists and serves every model, and a 404 for the others."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvgate.testing import eventually
+from kvgate.testing.local_up import UpProcess, start_up, stop_up
+
+pytestmark = pytest.mark.timeout(180)
+UPSTREAM = "x-kvgate-upstream"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    up = start_up(
+        tmp_path_factory.mktemp("pools"),
+        "--simulate",
+        "--pool",
+        "alpha=default:2",
+        "--pool",
+        "beta=default",
+        "--epp-replicas",
+        "1",
+        "--expose-upstream-header",
+        # every engine may load adapters at run time (the router must find them)
+        "--engine-arg=--enable-lora",
+    )
+    try:
+        up.wait_for_line(r"^curl ")
+        yield up
+    finally:
+        stop_up(up)
+
+
+def _client(up: UpProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=up.stack["gateway_url"] + "/v1", api_key="unused", max_retries=0)
+
+
+def _engines(up: UpProcess, pool: str) -> set[str]:
+    return {u.removeprefix("http://") for u in up.stack["pools"][pool]["engine_urls"]}
+
+
+def test_stack_json_and_progress_name_every_pool(stack: UpProcess) -> None:
+    info = stack.stack
+    assert set(info["pools"]) == {"alpha", "beta"}
+    assert len(info["pools"]["alpha"]["engine_urls"]) == 2 and len(info["pools"]["beta"]["engine_urls"]) == 1
+    assert len(info["engine_urls"]) == 3 and info["router_pid"]
+    text = "\n".join(stack.lines)
+    for part in ("engine-alpha-0 ready", "engine-alpha-1 ready", "engine-beta-0 ready", "epp-alpha ready"):
+        assert part in text
+    assert "router ready" in text and "models 'alpha', 'beta'" in text
+
+
+def test_models_lists_every_pool(stack: UpProcess) -> None:
+    client = _client(stack)
+    assert {m.id for m in client.models.list()} == {"alpha", "beta"}
+    assert client.models.retrieve("beta").id == "beta"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gamma")
+
+
+def test_each_model_is_served_by_its_own_pool(stack: UpProcess) -> None:
+    client = _client(stack).with_options(max_retries=0)
+    for model in ("alpha", "beta", "alpha", "beta", "alpha", "alpha"):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=[{"role": "user", "content": f"hello {model}"}], max_tokens=3
+        )
+        assert raw.headers[UPSTREAM] in _engines(stack, model), (model, raw.headers[UPSTREAM])
+        assert raw.parse().model == model
+    stream = client.completions.create(model="beta", prompt="count with me", max_tokens=4, stream=True)
+    assert len([c for c in stream if c.choices]) >= 1
+
+
+def test_unknown_model_is_404_from_the_gateway(stack: UpProcess) -> None:
+    client = _client(stack)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(
+            model="gamma", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and "gamma" in body["message"] and body["type"] == "NotFoundError"
+    # no engine saw it: every engine's request counter is unchanged by a burst of unknown models
+    before = _requests_seen(stack)
+    for i in range(5):
+        resp = httpx.post(
+            stack.stack["gateway_url"] + "/v1/completions", json={"model": f"x{i}", "prompt": "p"}, timeout=10
+        )
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == 404
+    assert _requests_seen(stack) == before
+
+
+def test_a_forged_pool_header_does_not_choose_the_pool(stack: UpProcess) -> None:
+    url = stack.stack["gateway_url"]
+    for _ in range(3):
+        resp = httpx.post(
+            url + "/v1/completions",
+            json={"model": "alpha", "prompt": "hi", "max_tokens": 2},
+            headers={"x-kvgate-pool": "beta", "x-gateway-model-name": "beta"},
+            timeout=10,
+        )
+        assert resp.status_code == 200 and resp.headers[UPSTREAM] in _engines(stack, "alpha")
+    # bodyless: no pool, whatever the client says
+    resp = httpx.get(url + "/v1/anything", headers={"x-kvgate-pool": "beta"}, timeout=10)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+def test_bad_bodies_are_openai_errors(stack: UpProcess) -> None:
+    url = stack.stack["gateway_url"] + "/v1/chat/completions"
+    for raw in (b"not json", b"[]", b'{"messages": []}', b'{"model": 7}'):
+        resp = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=10)
+        assert resp.status_code == 400, (raw, resp.text)
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_an_adapter_loaded_at_run_time_is_routed_to_its_pool(stack: UpProcess, tmp_path) -> None:
+    alpha = stack.stack["pools"]["alpha"]["engine_urls"]  # simulated: any existing folder is an adapter
+    for engine in alpha:
+        resp = httpx.post(
+            engine + "/v1/load_lora_adapter",
+            json={"lora_name": "alpha-sql", "lora_path": str(tmp_path)},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+    client = _client(stack)
+    eventually(
+        lambda: "alpha-sql" in {m.id for m in client.models.list()}, 15, "the router lists the adapter"
+    )
+    card = client.models.retrieve("alpha-sql")
+    assert card.model_extra and card.model_extra.get("parent") == "alpha"
+    for _ in range(3):
+        raw = client.completions.with_raw_response.create(model="alpha-sql", prompt="select", max_tokens=2)
+        assert raw.headers[UPSTREAM] in _engines(stack, "alpha")
+        assert raw.parse().model == "alpha-sql"
+
+
+def _requests_seen(up: UpProcess) -> float:
+    total = 0.0
+    for url in up.stack["engine_urls"]:
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            # every POST an engine answered, whatever its status (scrapes and model polls are GETs)
+            if line.startswith("http_requests_total{") and 'method="POST"' in line:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
