@@ -155,6 +155,11 @@ def register_adapters(engine: LLMEngine, modules: list[tuple[str, str]]) -> None
 def serve(config: EngineConfig, options: ServerOptions) -> int:
     if options.lora_modules and not options.enable_lora:
         raise ServeError("--lora-modules needs --enable-lora")
+    if config.max_cpu_loras is not None and config.max_cpu_loras < config.max_loras:
+        # as vLLM: every adapter in a slot is also held on the CPU
+        raise ServeError(
+            f"--max-cpu-loras ({config.max_cpu_loras}) must be at least --max-loras ({config.max_loras})"
+        )
     names: set[str] = set()
     for name, _ in options.lora_modules:
         if name in names or name == config.model_name() or name in options.model_aliases:

@@ -89,10 +89,14 @@ class LoRAAdmin:
 
 
 def _read(engine: Any, name: str, path: str) -> Any:
-    """Worker thread: the adapter read and checked (vLLM answers a path that is not there 404)."""
-    if not Path(path).expanduser().exists():
-        raise FileNotFoundError(path)
-    return engine.load_lora(name, path)
+    """Worker thread: the adapter read and checked (vLLM answers a path that is not there 404;
+    a simulated engine reads nothing and takes any path)."""
+    try:
+        return engine.load_lora(name, path)
+    except ValueError:
+        if not Path(path).expanduser().exists():
+            raise FileNotFoundError(path) from None
+        raise
 
 
 class _Claim:

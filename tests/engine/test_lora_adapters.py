@@ -212,6 +212,7 @@ def test_unloading_waits_for_running_requests(tok: Any) -> None:
     engine.step()
     assert engine.remove_lora("a")
     assert not engine.remove_lora("a")  # already going
+    assert lora_int_id("a") in engine.loras  # kept: a running request still needs its weights
     with pytest.raises(ValueError, match="not loaded"):
         engine.add_request("s", [5], SamplingParams(max_tokens=1), lora_id=lora_int_id("a"))
     while engine.has_unfinished_requests():

@@ -73,6 +73,7 @@ def test_adapters_are_models_with_the_base_as_parent(tmp_path) -> None:
         (["--enable-lora", "--lora-modules", '{"name": "a"}'], '"name" and "path"'),
         (["--enable-lora", "--lora-modules", "{bad"], "invalid JSON"),
         (["--enable-lora", "--lora-modules", "a=/p", "--lora-modules", "a=/q"], "used twice"),
+        (["--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2"], "must be at least --max-loras (3)"),
     ],
 )
 def test_bad_lora_flags_are_clear_errors(args: list[str], message: str) -> None:
@@ -98,8 +99,6 @@ def test_runtime_load_and_unload(tmp_path) -> None:
             assert httpx.post(f"http://{eng.address}/v1/load_lora_adapter", json=load).status_code == 401
             r = c.post("/v1/load_lora_adapter", json={"lora_name": "new"})
             assert r.status_code == 400 and "'lora_path'" in r.json()["error"]["message"], r.text
-            r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/adapter"})
-            assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
             r = c.post("/v1/load_lora_adapter", json={"lora_name": base, "lora_path": str(tmp_path)})
             assert r.status_code == 400, r.text
 
@@ -122,6 +121,60 @@ def test_runtime_load_and_unload(tmp_path) -> None:
             # and back again
             assert c.post("/v1/load_lora_adapter", json=load).status_code == 200
     finally:
+        harness.stop_all(eng.proc)
+
+
+def test_load_and_unload_under_load_fail_no_request(tmp_path) -> None:
+    """Clients stream requests at the base model and adapter `a` while `b` is loaded and
+    unloaded again and again, and `a` itself is unloaded with requests in flight: every request
+    sent while its model was listed succeeds (running ones finish under the adapter)."""
+    eng = harness.start_engine(
+        tmp_path, "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/adapters/a",
+        "--sim-itl", "0.01", "--sim-time-scale", "1", "--sim-lora-load-time", "0.005",
+    ).wait_ready()  # fmt: skip
+    url = f"http://{eng.address}"
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def client(model: str) -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            while not stop.is_set():
+                body = {"model": model, "prompt": "load me", "max_tokens": 8, "ignore_eos": True}
+                r = c.post("/v1/completions", json=body)
+                if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != 8:
+                    failures.append(f"{model}: {r.status_code} {r.text[:200]}")
+
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            base = c.get("/v1/models").json()["data"][0]["id"]
+            threads = [threading.Thread(target=client, args=(m,)) for m in (base, base, "a")]
+            for t in threads:
+                t.start()
+            for _ in range(8):
+                r = c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/adapters/b"})
+                assert r.status_code == 200, r.text
+                body = {"model": "b", "prompt": "x", "max_tokens": 3}
+                assert c.post("/v1/completions", json=body).status_code == 200
+                assert c.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+            stop.set()
+            for t in threads:
+                t.join()
+            assert not failures, failures[:5]
+
+            # unload `a` while a long request runs under it: that request still completes
+            done: list[httpx.Response] = []
+            body = {"model": "a", "prompt": "long", "max_tokens": 40, "ignore_eos": True}
+            runner = threading.Thread(
+                target=lambda: done.append(httpx.post(f"{url}/v1/completions", json=body, timeout=30))
+            )
+            runner.start()
+            eventually(lambda: 'running_lora_adapters="a"' in _metric_line(c), 10, "a running")
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+            assert c.post("/v1/completions", json={"model": "a", "prompt": "x"}).status_code == 404
+            runner.join()
+            assert done[0].status_code == 200 and done[0].json()["usage"]["completion_tokens"] == 40
+    finally:
+        stop.set()
         harness.stop_all(eng.proc)
 
 
@@ -242,6 +295,8 @@ def test_real_model_serves_adapters_and_refuses_bad_ones(tmp_path: Path) -> None
             assert complete("good") != complete(base)
             r = c.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": str(other)})
             assert r.status_code == 400 and "trained for another base model" in r.json()["error"]["message"]
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/no/such/adapter"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found", r.text
             r = c.post("/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
             assert r.status_code == 400 and "exceeds --max-lora-rank 16" in r.json()["error"]["message"]
             again = _peft_folder(tmp_path / "again", seed=1)
