@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvgate.api.cli_args import add_log_level, add_otlp_endpoint, add_request_template_flag
+from kvgate.api.cli_args import add_log_level, add_otlp_endpoint, add_request_template_flag, non_negative_int
 from kvgate.api.cli_args import boolean as _bool
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
@@ -38,7 +38,10 @@ def _objective(text: str) -> tuple[str, int]:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("endpoints")
     d.add_argument(
-        "--endpoints", default="", help="static endpoint list ip:port,ip:port (local use; no Kubernetes)"
+        "--endpoints",
+        default="",
+        help="static endpoint list ip:port,ip:port (local use; no Kubernetes); an optional role suffix "
+        "ip:port@prefill, @decode or @both (default) for prefill/decode disaggregation",
     )
     d.add_argument(
         "--kv-events-endpoints",
@@ -75,6 +78,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default="",
         help="built-in profile (precise-prefix, default, round-robin, random) or, with --config-file, "
         "which of its schedulingProfiles runs (default: precise-prefix / the file's first)",
+    )
+    s.add_argument(
+        "--pd-threshold",
+        type=non_negative_int,
+        default=None,
+        metavar="TOKENS",
+        help="prefill/decode disaggregation: a request whose uncached prompt tokens at the picked decode "
+        "engine exceed TOKENS gets a prefill engine (role prefill or both) named in x-prefiller-host-port; "
+        "default: off (or the config's pdThreshold)",
     )
     s.add_argument(
         "--objective",
@@ -199,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     tokenizer = None
-    if needs_tokenizer(config):
+    if needs_tokenizer(config, args.pd_threshold):
         from kvgate.epp.tokenization import load as load_tokenizer
 
         try:
@@ -229,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_request_body_bytes=args.max_request_body_bytes,
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
+        pd_threshold=args.pd_threshold,
     )
     try:
         asyncio.run(serve_forever(settings))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvgate.api.contracts.admissions import Admission
+from kvgate.api.contracts.disaggregation import ROLE_BOTH
 from kvgate.epp.prefix_index import PreciseIndex
 
 
@@ -22,6 +23,9 @@ class Endpoint:
     kv_events: str | None = None  # ZMQ PUB address, e.g. tcp://10.0.0.7:5557
     kv_replay: str | None = None  # ZMQ ROUTER replay address, when the engine offers one
     name: str = ""  # pod name in Kubernetes; informative only
+    # prefill | decode | both (kvgate.api.contracts.disaggregation): which side of a
+    # disaggregated request it serves; a prefill-only endpoint is never a destination
+    role: str = ROLE_BOTH
 
 
 @dataclass(slots=True)

@@ -8,10 +8,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.api.contracts.admissions import Admission
+from kvgate.api.contracts.disaggregation import serves_decode
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
 from kvgate.epp.prefix_index import block_keys
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
+from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext, SchedulingProfile
 
 log = logging.getLogger("kvgate.epp.director")
@@ -29,6 +31,12 @@ class Decision:
     scheduler_seconds: float = 0.0
     plugin_seconds: dict[str, float] = field(default_factory=dict)
     candidates: int = 0  # endpoints the profile chose among
+    # Prefill/decode (only with a P/D handler): the prefill engine's "ip:port" when the request
+    # is disaggregated (sent to the decode engine in x-prefiller-host-port), else None;
+    # pd_decision "disaggregated" / "aggregated" ("" without a handler) and why.
+    prefill: str | None = None
+    pd_decision: str = ""
+    pd_reason: str = ""
 
     @property
     def routed(self) -> bool:
@@ -42,11 +50,14 @@ class Director:
         profile: SchedulingProfile,
         saturation: SaturationDetector,
         clock: Callable[[], float] = time.monotonic,
+        pd: PrefillDecodeHandler | None = None,
     ) -> None:
         self.clock = clock  # a virtual one in the routing simulator (kvgate.bench.virtual_pool)
         self.datastore = datastore
         self.profile = profile
         self.saturation = saturation
+        # Prefill/decode disaggregation (--pd-threshold); None: every request aggregated.
+        self.pd = pd
         datastore.subscribe(self._on_endpoint)
         datastore.subscribe_admissions(self._on_admission)
 
@@ -58,6 +69,8 @@ class Director:
                 forget = getattr(scorer, "forget_endpoint", None)
                 if forget is not None:
                     forget(endpoint.address)
+            if self.pd is not None:
+                self.pd.forget_endpoint(endpoint.address)
 
     def _on_admission(self, address: str, admission: Admission) -> None:
         """Another replica's pick, announced by the engine that admitted it: count it as that
@@ -76,6 +89,8 @@ class Director:
                 found = observe(address, tokens, now, index, admission.lora_id)
                 if uncached is None and isinstance(found, int):
                     uncached = found
+        if self.pd is not None:
+            self.pd.observe_admission(address, tokens, now, index, admission.lora_id)
         if uncached is None:  # no prefix-aware scorer: what the index says is cached there
             size = index.block_size(address) or DEFAULT_BLOCK_SIZE
             keys = block_keys(tokens, size, admission.lora_id)
@@ -84,8 +99,9 @@ class Director:
         state.note_pick(now, uncached)
 
     def candidates(self, request: InferenceRequest) -> list[EndpointState]:
+        """Reachable endpoints that may be the destination: never a prefill-only one."""
         reachable = self.datastore.reachable
-        endpoints = [e for e in self.datastore.all() if reachable(e)]
+        endpoints = [e for e in self.datastore.all() if reachable(e) and serves_decode(e.endpoint.role)]
         if request.subset is not None:
             allowed = set(request.subset)
             endpoints = [e for e in endpoints if e.address in allowed]
@@ -100,6 +116,8 @@ class Director:
                 why = (
                     "no endpoint in the subset hint is eligible" if request.subset else "subset hint is empty"
                 )
+            elif any(self.datastore.reachable(e) for e in self.datastore.all()):
+                why = "no ready decode endpoints in the pool (only prefill endpoints are ready)"
             else:
                 why = "no ready endpoints in the pool"
             return Decision(503, reason=why, error_type="service_unavailable")
@@ -120,13 +138,26 @@ class Director:
             )
         chosen = result.targets[0]
         self.profile.pre_request(ctx, chosen)
-        chosen.note_pick(now, ctx.cache.get(PREFILL_TOKENS, {}).get(chosen.address, 0))
+        prefill_tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(chosen.address, 0)
+        split = None
+        if self.pd is not None and request.body is not None:
+            pool = [e for e in self.datastore.all() if self.datastore.reachable(e)]
+            split = self.pd.decide(ctx, chosen, pool)
+            self.pd.commit(ctx, chosen, split)
+            if split.prefill is not None:
+                prefill_tokens = 0  # computed on the prefill engine; the decode engine pulls the KV
+        chosen.note_pick(now, prefill_tokens)
         chosen.inflight += 1
         elapsed = time.perf_counter() - t0
         scores = result.breakdown.get(chosen.address, {})
         reason = f"profile={self.profile.name} score={result.scores[chosen.address]:.3f} " + " ".join(
             f"{k}={v:.2f}" for k, v in scores.items()
         )
+        if split is not None:
+            assert self.pd is not None
+            reason += f" pd={split.decision} ({split.reason}: {split.uncached} uncached tokens, threshold {self.pd.threshold})"
+            if split.prefill is not None:
+                reason += f" prefill={split.prefill.address}"
         return Decision(
             200,
             targets=[t.address for t in result.targets],
@@ -134,6 +165,9 @@ class Director:
             scheduler_seconds=elapsed,
             plugin_seconds=ctx.plugin_seconds,
             candidates=len(candidates),
+            prefill=split.prefill.address if split is not None and split.prefill is not None else None,
+            pd_decision=split.decision if split is not None else "",
+            pd_reason=split.reason if split is not None else "",
         )
 
     def response_seen(self) -> None:

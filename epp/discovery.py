@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvgate.api.contracts.disaggregation import ROLE_BOTH, ROLES
 from kvgate.epp.datastore import Endpoint
 
 
@@ -20,11 +21,25 @@ def check_address(address: str, flag: str = "--endpoints") -> str:
     return address
 
 
+def split_role(entry: str) -> tuple[str, str]:
+    """``ip:port@role`` → (ip:port, role); no suffix: both (serves prefill and decode)."""
+    address, sep, role = entry.partition("@")
+    if not sep:
+        return entry, ROLE_BOTH
+    if role not in ROLES:
+        raise EndpointListError(
+            f"--endpoints: {entry!r} has role {role!r}; the role suffix is one of {', '.join('@' + r for r in ROLES)}"
+        )
+    return address, role
+
+
 def static_endpoints(
     endpoints: str, kv_events: str | None = None, kv_replay: str | None = None
 ) -> list[Endpoint]:
-    """``--endpoints a:1,b:2`` with optional ZMQ addresses in the same order (or one per list)."""
-    addresses = [check_address(a) for a in _split(endpoints)]
+    """``--endpoints a:1,b:2@prefill`` (an optional role suffix each) with optional ZMQ addresses
+    in the same order (or one per list)."""
+    entries = [split_role(e) for e in _split(endpoints)]
+    addresses = [check_address(a) for a, _ in entries]
     if len(set(addresses)) != len(addresses):
         raise EndpointListError("--endpoints lists the same address twice")
     events = _split(kv_events)
@@ -43,6 +58,7 @@ def static_endpoints(
             kv_events=events[i] if events else None,
             kv_replay=replays[i] if replays else None,
             name=a,
+            role=entries[i][1],
         )
         for i, a in enumerate(addresses)
     ]

@@ -27,6 +27,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from kvgate.api.contracts.admissions import PICKED_BY_HEADER
+from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
 from kvgate.api.tracing import TRACEPARENT, Tracer
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.metrics import EppMetrics
@@ -330,8 +331,12 @@ class EndpointPickerHandler:
                 "kvgate.pick.prompt_tokens": len(req.token_ids) if req.body else 0,
             }
         )
+        if decision.pd_decision:
+            span.set_attribute("kvgate.pick.pd", decision.pd_decision)
         if decision.routed:
             span.set_attribute("kvgate.pick.endpoint", decision.targets[0])
+            if decision.prefill:
+                span.set_attribute("kvgate.pick.prefill_endpoint", decision.prefill)
             # the engine's span becomes this pick's child: client -> pick -> engine
             x.traceparent = span.traceparent()
         span.end()
@@ -346,6 +351,8 @@ class EndpointPickerHandler:
                 self.metrics.observe_plugin(name, secs)
             x.running_label = self.metrics.model_label(model)
             self.metrics.running.labels(x.running_label).inc()
+            if decision.pd_decision:
+                self.metrics.pd_decisions.labels(decision.pd_decision, decision.pd_reason).inc()
         log.debug(
             "request %s model=%s -> %s (%s)",
             x.request_id,
@@ -376,6 +383,13 @@ class EndpointPickerHandler:
             set_headers.append(_header(REQUEST_ID_HEADER, x.request_id))
         if x.traceparent:
             set_headers.append(_header(TRACEPARENT, x.traceparent))
+        # The prefill engine the decode engine pulls the prompt's KV from. A client's own value
+        # never reaches the engine: it would make the engine call any address the client names.
+        remove_headers: list[str] = []
+        if decision.prefill:
+            set_headers.append(_header(PREFILLER_HEADER, decision.prefill))
+        elif PREFILLER_HEADER in x.headers:
+            remove_headers.append(PREFILLER_HEADER)
         lb = struct_pb2.Struct()
         lb.fields[DESTINATION_HEADER].string_value = ",".join(decision.targets)
         dyn = struct_pb2.Struct()
@@ -384,7 +398,10 @@ class EndpointPickerHandler:
             ep.ProcessingResponse(
                 request_headers=ep.HeadersResponse(
                     response=ep.CommonResponse(
-                        header_mutation=ep.HeaderMutation(set_headers=set_headers), clear_route_cache=True
+                        header_mutation=ep.HeaderMutation(
+                            set_headers=set_headers, remove_headers=remove_headers
+                        ),
+                        clear_route_cache=True,
                     )
                 ),
                 dynamic_metadata=dyn,

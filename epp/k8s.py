@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from kvgate.api.contracts.disaggregation import ROLE_BOTH, ROLE_LABEL, ROLES
 from kvgate.api.k8s.crds import InferencePoolSpec
 from kvgate.epp.datastore import Datastore, Endpoint
 
@@ -56,6 +57,25 @@ def matches(pod: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(have.get(k) == v for k, v in labels.items())
 
 
+def pod_role(pod: dict[str, Any]) -> str:
+    """The pod's ``kvgate.dev/role`` label; absent: both. An unknown value (a typo) also counts as
+    both, with a warning: taking the pod out of the pool would be a worse surprise."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    role = labels.get(ROLE_LABEL)
+    if role is None:
+        return ROLE_BOTH
+    if role not in ROLES:
+        log.warning(
+            "pod %s: label %s=%r is not one of %s; serving it as both",
+            (pod.get("metadata") or {}).get("name", "?"),
+            ROLE_LABEL,
+            role,
+            ", ".join(ROLES),
+        )
+        return ROLE_BOTH
+    return str(role)
+
+
 def endpoints_for(
     pods: dict[str, dict[str, Any]], spec: PoolSpec, kv_events_port: int, kv_replay_port: int
 ) -> list[Endpoint]:
@@ -65,6 +85,7 @@ def endpoints_for(
             continue
         ip = pod["status"]["podIP"]
         host = f"[{ip}]" if ":" in ip else ip
+        role = pod_role(pod)
         for port in spec.target_ports:
             out.append(
                 Endpoint(
@@ -72,6 +93,7 @@ def endpoints_for(
                     kv_events=f"tcp://{host}:{kv_events_port}" if kv_events_port else None,
                     kv_replay=f"tcp://{host}:{kv_replay_port}" if kv_replay_port else None,
                     name=name,
+                    role=role,
                 )
             )
     return out

@@ -199,6 +199,13 @@ class EppMetrics:
             ["name", "endpoint"],
             registry=r,
         )
+        self.pd_decisions = Counter(
+            "kvgate_epp_pd_decisions",
+            "Prefill/decode decisions (only with --pd-threshold): disaggregated (a prefill engine "
+            "named in x-prefiller-host-port) or aggregated, and why",
+            ["decision", "reason"],
+            registry=r,
+        )
         self.pool_name = pool_name
         r.register(_PoolCollector(datastore, pool_name))
         self._plugin_children: dict[str, Histogram] = {}

@@ -24,6 +24,7 @@ from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
+from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
 
 log = logging.getLogger("kvgate.epp")
@@ -52,10 +53,14 @@ class ServerSettings:
     max_model_len: int = 0  # 0: learnt from the engines' GET /v1/models
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     otlp_endpoint: str | None = None  # traces (kvgate.api.tracing); None: off
+    pd_threshold: int | None = None  # P/D above this many uncached tokens; None: the config's (off)
 
 
-def needs_tokenizer(config: EndpointPickerConfig) -> bool:
-    """Whether any scorer keys on prompt tokens (it declares `uses_tokens`)."""
+def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
+    """Whether any scorer keys on prompt tokens (it declares `uses_tokens`), or P/D is on (it
+    counts uncached prompt tokens)."""
+    if pd_threshold is not None or config.pd_threshold is not None:
+        return True
     return any(getattr(s, "uses_tokens", False) for p in build_profiles(config) for s, _ in p.scorers)
 
 
@@ -74,7 +79,15 @@ class EppServer:
         else:
             profile = profiles[0]
         self.profile = profile
-        self.director = Director(self.datastore, profile, saturation_detector(settings.config))
+        threshold = (
+            settings.pd_threshold if settings.pd_threshold is not None else settings.config.pd_threshold
+        )
+        self.director = Director(
+            self.datastore,
+            profile,
+            saturation_detector(settings.config),
+            pd=PrefillDecodeHandler(threshold) if threshold is not None else None,
+        )
         self.metrics = EppMetrics(self.datastore, settings.pool_name or "local")
         self.tracer = Tracer(settings.otlp_endpoint, "kvgate-epp")
         self.metrics.describe_plugins(
@@ -158,6 +171,7 @@ class EppServer:
                 "grpc_health_port": self.health_port,
                 "metrics_port": self.metrics_port,
                 "profile": self.profile.name,
+                "pd_threshold": self.director.pd.threshold if self.director.pd else None,
                 "secure_serving": s.secure_serving,
                 "endpoints": len(self.datastore),
             },

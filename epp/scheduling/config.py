@@ -88,6 +88,9 @@ class EndpointPickerConfig(BaseModel):
     )
     # kvgate extension: InferenceObjective name -> priority (negative = sheddable)
     objectives: dict[str, int] = Field(default_factory=dict)
+    # kvgate extension: prefill/decode disaggregation above this many uncached prompt tokens
+    # (epp/scheduling/disaggregation.py); unset: off. The EPP's --pd-threshold overrides it.
+    pd_threshold: int | None = Field(None, alias="pdThreshold", ge=0)
 
     @field_validator("kind")
     @classmethod
