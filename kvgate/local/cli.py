@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvgate.api.cli_args import add_simulation_group, otlp_url, port, positive_int
+from kvgate.api.cli_args import add_simulation_group, non_negative_int, otlp_url, port, positive_int
 
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 HELP = "start a local stack (engines, EPP, Envoy) on loopback and print the gateway URL"
 
 EXIT_USAGE = 2
+# Uncached prompt tokens above which a P/D stack splits a request: below it the hand-off (a
+# second request, a KV pull) costs more than computing the prompt in place.
+DEFAULT_PD_THRESHOLD = 512
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -30,6 +33,32 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--port", type=port, default=8080, help="gateway (Envoy) port; 0 picks a free one")
     p.add_argument("--engines", type=positive_int, default=None, help="number of engines (default 2)")
+    p.add_argument(
+        "--prefill-engines",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="prefill/decode disaggregation (with --decode-engines, instead of --engines): N engines "
+        "run with --kv-role producer; they are never a gateway destination, the decode engines pull "
+        "the prompt's KV from them",
+    )
+    p.add_argument(
+        "--decode-engines",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="prefill/decode disaggregation (with --prefill-engines): M engines run with --kv-role "
+        "consumer and serve every request, splitting long uncached prompts off to a prefill engine",
+    )
+    p.add_argument(
+        "--pd-threshold",
+        type=non_negative_int,
+        default=None,
+        metavar="TOKENS",
+        help="with --prefill-engines: the EPP sends a prompt's prefill to a prefill engine when more "
+        f"than TOKENS of it are uncached at the picked decode engine (default {DEFAULT_PD_THRESHOLD}; "
+        "0: every prompt)",
+    )
     p.add_argument(
         "--epp-replicas",
         type=positive_int,
@@ -201,7 +230,20 @@ def run(args: argparse.Namespace) -> int:
         pool_names = [p.name for p in pools]
         if dupes := sorted({n for n in pool_names if pool_names.count(n) > 1}):
             return _fail(f"--pool names a pool more than once: {', '.join(dupes)}")
-    engines = sum(p.engines for p in pools) if pools else args.engines or 2
+    pd = args.prefill_engines is not None or args.decode_engines is not None
+    if pd:
+        if args.prefill_engines is None or args.decode_engines is None:
+            return _fail("prefill/decode disaggregation needs both --prefill-engines and --decode-engines")
+        if args.engines is not None:
+            return _fail("--prefill-engines and --decode-engines replace --engines: leave it out")
+        if pools:
+            return _fail("prefill/decode disaggregation with --pool is not supported yet")
+    elif args.pd_threshold is not None:
+        return _fail("--pd-threshold needs --prefill-engines and --decode-engines")
+    if pd:
+        engines = args.prefill_engines + args.decode_engines
+    else:
+        engines = sum(p.engines for p in pools) if pools else args.engines or 2
     epp_replicas = args.epp_replicas * max(1, len(pools))
     model = pools[0].model if pools else args.model or "default"
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
@@ -214,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
         engines=engines,
         epp_replicas=epp_replicas,
         pools=pools,
+        prefill_engines=args.prefill_engines or 0,
+        pd_threshold=(DEFAULT_PD_THRESHOLD if args.pd_threshold is None else args.pd_threshold)
+        if pd
+        else None,
         model=model,
         simulate=args.simulate,
         sim=SimTiming.from_args(args),
@@ -253,6 +299,12 @@ def run(args: argparse.Namespace) -> int:
             f"starting {len(pools)} pools: {listed}{' simulated' if args.simulate else ''}, "
             f"{args.epp_replicas} EPP replica(s) each (profile {args.profile or 'precise-prefix'}), "
             f"the model router and Envoy; logs in {log_dir}"
+        )
+    elif pd:
+        say(
+            f"starting {args.prefill_engines} prefill and {args.decode_engines} decode engine(s) ({kind}; "
+            f"prompts with more than {cfg.pd_threshold} uncached tokens prefilled apart), "
+            f"{epp_replicas} EPP replica(s) (profile {args.profile or 'precise-prefix'}) and Envoy; logs in {log_dir}"
         )
     else:
         say(

@@ -86,6 +86,21 @@ class StackConfig:
     # Several pools behind one gateway (a model router picks the pool from each body's model);
     # then `engines` and `epp_replicas` are totals and `model` is unused. Empty: one pool.
     pools: tuple[PoolConfig, ...] = ()
+    # Prefill/decode disaggregation (one pool only): the first `prefill_engines` of `engines`
+    # are prefill engines (--kv-role producer, never a gateway destination), the rest decode
+    # engines (--kv-role consumer); the EPP splits prompts above `pd_threshold` uncached tokens.
+    prefill_engines: int = 0
+    pd_threshold: int | None = None
+
+    def engine_role(self, i: int) -> str | None:
+        """prefill / decode for a P/D stack's engine `i`; None in an aggregated stack."""
+        if not self.prefill_engines:
+            return None
+        return "prefill" if i < self.prefill_engines else "decode"
+
+    def decode_engine_indices(self) -> list[int]:
+        """The engines a request may be sent to (every engine unless P/D)."""
+        return [i for i in range(self.engines) if self.engine_role(i) != "prefill"]
 
     def layout(self) -> list[_PoolLayout]:
         if not self.pools:
@@ -149,6 +164,9 @@ def _observability_args(cfg: StackConfig) -> list[str]:
 
 def engine_name(cfg: StackConfig, i: int) -> str:
     pool = cfg.pool_of_engine(i)
+    role = cfg.engine_role(i)
+    if role is not None:
+        return f"engine-{role}-{i if role == 'prefill' else i - cfg.prefill_engines}"
     return f"engine-{i}" if pool.name is None else f"engine-{pool.name}-{i - pool.engines.start}"
 
 
@@ -186,6 +204,9 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
             argv += ["--lora-modules", f"{name}={path}"]
     if pool.name is not None:
         argv += ["--served-model-name", pool.name]  # what clients name, and the router routes on
+    role = cfg.engine_role(i)
+    if role is not None:  # vLLM's kv_transfer_config names: the prefill side produces the KV
+        argv += ["--kv-role", "producer" if role == "prefill" else "consumer"]
     argv += list(cfg.engine_args)
     return ProcessSpec(name=engine_name(cfg, i), argv=argv)
 
@@ -205,7 +226,7 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         "epp",
         "serve",
         "--endpoints",
-        ",".join(f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines),
+        ",".join(f"{LOOPBACK}:{p.engines[i]}" + _role_suffix(cfg, i) for i in pool.engines),
         "--kv-events-endpoints",
         ",".join(f"tcp://{LOOPBACK}:{p.kv_events[i]}" for i in pool.engines),
         "--kv-replay-endpoints",
@@ -220,6 +241,8 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         "--tokenizer",
         pool.model,
     )
+    if cfg.pd_threshold is not None:
+        argv += ["--pd-threshold", str(cfg.pd_threshold)]
     if cfg.epp_config_file:
         argv += ["--config-file", cfg.epp_config_file]
     elif cfg.profile:
@@ -227,6 +250,11 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
     argv += _observability_args(cfg)
     argv += list(cfg.epp_args)
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
+
+
+def _role_suffix(cfg: StackConfig, i: int) -> str:
+    role = cfg.engine_role(i)
+    return "" if role is None else f"@{role}"
 
 
 def router_spec(cfg: StackConfig) -> ProcessSpec:
@@ -250,6 +278,9 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
     from kvgate.epp.envoy_config import PoolGateway, build_bootstrap
 
     p = cfg.ports
+    # Envoy connects only to engines a request may be sent to: a P/D stack's prefill engines are
+    # reached by the decode engines themselves, never through the gateway.
+    destinations = [f"{LOOPBACK}:{p.engines[i]}" for i in cfg.decode_engine_indices()]
     if cfg.pools:
         assert p.router is not None
         return build_bootstrap(
@@ -288,13 +319,11 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         epp_health_check=cfg.epp_replicas > 1,
         # the engines are known: a request that fails before its first byte is retried once on
         # the EPP's next choice
-        pool_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines],
+        pool_endpoints=destinations,
         expose_upstream_header=cfg.expose_upstream_header,
         failure_mode=cfg.failure_mode,
         # with FailOpen, requests no EPP replica could see go round-robin to the engines
-        fallback_endpoints=[f"{LOOPBACK}:{port}" for port in p.engines]
-        if cfg.failure_mode == "FailOpen"
-        else None,
+        fallback_endpoints=destinations if cfg.failure_mode == "FailOpen" else None,
     )
 
 
@@ -329,6 +358,9 @@ class StackInfo:
     # several pools: each one's model name -> {"model", "engine_urls", "epp_pids"}; and the router
     pools: dict[str, dict[str, object]] = field(default_factory=dict)
     router_pid: int | None = None
+    # prefill/decode stacks: which of engine_urls prefill and which decode (both empty otherwise)
+    prefill_engine_urls: list[str] = field(default_factory=list)
+    decode_engine_urls: list[str] = field(default_factory=list)
 
     @property
     def engine_metrics_urls(self) -> list[str]:
@@ -414,6 +446,16 @@ class LocalStack:
                 if pool.name is not None
             },
             router_pid=self.router.pid if self.router is not None else None,
+            prefill_engine_urls=[
+                f"http://{LOOPBACK}:{port}"
+                for i, port in enumerate(p.engines)
+                if self.cfg.engine_role(i) == "prefill"
+            ],
+            decode_engine_urls=[
+                f"http://{LOOPBACK}:{port}"
+                for i, port in enumerate(p.engines)
+                if self.cfg.engine_role(i) == "decode"
+            ],
         )
         tmp = self.cfg.log_dir / "stack.json.tmp"
         tmp.write_text(json.dumps(asdict(self.info), indent=2) + "\n")
