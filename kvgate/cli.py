@@ -18,6 +18,7 @@ from types import ModuleType
 # (command path) -> module implementing it
 COMMANDS: dict[tuple[str, ...], str] = {
     ("engine", "serve"): "kvgate.engine.cli",
+    ("engine", "fetch-adapters"): "kvgate.engine.lora_fetch",
     ("epp", "serve"): "kvgate.epp.cli",
     ("router", "serve"): "kvgate.epp.router_cli",
     ("operator", "run"): "kvgate.operator.cli",

@@ -26,6 +26,7 @@ from kvgate.api.k8s.crds import (
     RoutingSpec,
 )
 from kvgate.operator import children as ch
+from kvgate.operator.adapters import sync_adapters
 from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import ApiError, KubeClient
@@ -300,8 +301,34 @@ class Reconciler:
             status["signals"], metrics_cond, has_data = await self._signals(name, spec, report.query)
             status["autoscaler"]["hasData"] = has_data
             conds.append(metrics_cond)
+        adapters_cond = await self._adapters(namespace, name, spec, old_status, status)
+        if adapters_cond is not None:
+            conds.append(adapters_cond)
         status["conditions"] = merge_conditions(old_conditions, conds, generation)
         return Outcome(_drop_none(status), report.events)
+
+    async def _adapters(
+        self,
+        namespace: str,
+        name: str,
+        spec: ModelDeploymentSpec,
+        old: dict[str, Any],
+        status: dict[str, Any],
+    ) -> Cond | None:
+        """Loads/unloads LoRA adapters on the ready engine pods; fills status.adapters."""
+        try:
+            result = await sync_adapters(self.client, namespace, name, spec, old.get("adapters"))
+        except Exception as exc:  # the API server or an engine misbehaving must not stop the pass
+            log.warning("adapter sync for %s/%s failed: %s", namespace, name, exc)
+            if old.get("adapters"):
+                status["adapters"] = old["adapters"]
+            return Cond("Adapters", "Unknown", "SyncFailed", f"{type(exc).__name__}: {exc}"[:1000])
+        if result is None:
+            if old.get("adapters"):
+                status["adapters"] = []  # none wanted, none left on any engine
+            return None
+        status["adapters"] = result.entries
+        return result.condition
 
     async def _signals(
         self, pool: str, spec: ModelDeploymentSpec, query: str | None

@@ -243,26 +243,10 @@ PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
 TOKEN_SCORERS = (PRECISE_PREFIX_SCORER, "predicted-latency-scorer")
 
 
-class ModelSource(K8sModel):
-    source: str = Field(
-        pattern=MODEL_SOURCE_PATTERN,
-        description=(
-            "Where the weights come from: `hf://org/name[@revision]` (downloaded at start-up), "
-            "`pvc://claim/path` (mounted read-only), or an absolute path inside the image "
-            "(a model folder or a .gguf file)."
-        ),
-    )
-    served_name: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=253,
-        description="The model name clients send; defaults to the source's last path element.",
-    )
-    max_model_len: int | None = Field(default=None, ge=16, description="Context length limit for the engine.")
-    hf_token_secret: str | None = Field(
-        default=None,
-        description="A Secret (key `token`) holding a Hugging Face token, for gated hf:// models.",
-    )
+class SourceKind:
+    """How a `source` string (MODEL_SOURCE_PATTERN) is read: shared by the model and its adapters."""
+
+    source: str
 
     def kind(self) -> Literal["hf", "pvc", "path"]:
         if self.source.startswith("hf://"):
@@ -282,6 +266,28 @@ class ModelSource(K8sModel):
         if match is None:
             raise ValueError(f"not a pvc:// source: {self.source}")
         return match.group("claim"), (match.group("path") or "/").lstrip("/")
+
+
+class ModelSource(K8sModel, SourceKind):
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN,
+        description=(
+            "Where the weights come from: `hf://org/name[@revision]` (downloaded at start-up), "
+            "`pvc://claim/path` (mounted read-only), or an absolute path inside the image "
+            "(a model folder or a .gguf file)."
+        ),
+    )
+    served_name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        description="The model name clients send; defaults to the source's last path element.",
+    )
+    max_model_len: int | None = Field(default=None, ge=16, description="Context length limit for the engine.")
+    hf_token_secret: str | None = Field(
+        default=None,
+        description="A Secret (key `token`) holding a Hugging Face token, for gated hf:// models.",
+    )
 
     def effective_served_name(self) -> str:
         if self.served_name:
@@ -588,6 +594,63 @@ class NetworkPolicySpec(K8sModel):
     )
 
 
+# An adapter's name is a model name clients send (OpenAI `model`).
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
+# Where the engine pods see adapters: hf:// ones are fetched into an emptyDir by a sidecar,
+# pvc:// ones on spec.lora.claims are mounted read-only under ADAPTER_CLAIMS_DIR.
+ADAPTER_DIR = "/adapters"
+ADAPTER_HF_DIR = f"{ADAPTER_DIR}/hf"
+ADAPTER_CLAIMS_DIR = f"{ADAPTER_DIR}/pvc"
+
+
+class AdapterSpec(K8sModel, SourceKind):
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=ADAPTER_NAME_PATTERN,
+        description="The model name clients send to run this adapter; unique, not the base model's name.",
+    )
+    source: str = Field(
+        pattern=MODEL_SOURCE_PATTERN,
+        description=(
+            "A PEFT adapter folder: `hf://org/name[@revision]` (fetched into each engine pod by its "
+            "adapter sidecar), `pvc://claim/path` (the model's claim or one in spec.lora.claims, "
+            "mounted read-only), or an absolute path inside the engine image."
+        ),
+    )
+    rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="The adapter's rank, if known: checked against spec.lora.maxLoraRank before any load.",
+    )
+
+
+class LoRASpec(K8sModel):
+    max_loras: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="Distinct adapters the engine runs in one step (`--max-loras`, device slots).",
+    )
+    max_lora_rank: int = Field(
+        default=16, ge=1, le=512, description="Largest adapter rank an engine accepts (`--max-lora-rank`)."
+    )
+    max_cpu_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="Parsed adapters kept in CPU memory (`--max-cpu-loras`); maxLoras when unset.",
+    )
+    claims: list[Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_LABEL_PATTERN)]] = Field(
+        default_factory=list,
+        max_length=8,
+        description=(
+            "PersistentVolumeClaims mounted read-only in the engine pods for pvc:// adapters (the "
+            "model's own claim is always reachable). Changing this list restarts the engines; "
+            "adding or removing adapters does not."
+        ),
+    )
+
+
 class ModelDeploymentSpec(K8sModel):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -603,6 +666,61 @@ class ModelDeploymentSpec(K8sModel):
         default=None, description="Attach the pool to these Gateways with an HTTPRoute."
     )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    lora: LoRASpec | None = Field(
+        default=None,
+        description=(
+            "Engine LoRA settings; LoRA is on when this is set or adapters is not empty. Set it (even "
+            "`{}`) before the first adapter, so adding that adapter does not restart the engines."
+        ),
+    )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "LoRA adapters served as models next to the base model. Loaded into every ready engine at "
+            "run time (POST /v1/load_lora_adapter) by the operator: adding or removing one never "
+            "restarts engines. status.adapters says which pods have each one loaded."
+        ),
+    )
+
+    def lora_enabled(self) -> bool:
+        return self.lora is not None or bool(self.adapters)
+
+    def lora_settings(self) -> LoRASpec:
+        return self.lora or LoRASpec()
+
+    @model_validator(mode="after")
+    def _adapters_are_servable(self) -> ModelDeploymentSpec:
+        # Kept out of the CRD schema like the checks below: a condition says which adapter and why.
+        errors: list[str] = []
+        seen: set[str] = set()
+        base = self.model.effective_served_name()
+        lora = self.lora_settings()
+        model_claim = self.model.pvc()[0] if self.model.kind() == "pvc" else None
+        for i, adapter in enumerate(self.adapters):
+            where = f"adapters[{i}]"
+            if adapter.name in seen:
+                errors.append(f"{where}.name: {adapter.name!r} is used by another adapter")
+            seen.add(adapter.name)
+            if adapter.name == base:
+                errors.append(f"{where}.name: {adapter.name!r} is the base model's served name")
+            if adapter.rank is not None and adapter.rank > lora.max_lora_rank:
+                errors.append(
+                    f"{where}.rank: {adapter.rank} is above lora.maxLoraRank {lora.max_lora_rank} "
+                    "(the engine would refuse it)"
+                )
+            if adapter.kind() == "pvc":
+                claim, _ = adapter.pvc()
+                if claim != model_claim and claim not in lora.claims:
+                    errors.append(
+                        f"{where}.source: claim {claim!r} is not mounted in the engine pods: add it to "
+                        "lora.claims (that restarts the engines once) or use the model's claim"
+                    )
+            elif adapter.kind() == "path" and adapter.source.endswith(".gguf"):
+                errors.append(f"{where}.source: a PEFT adapter is a folder, not a .gguf file")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
 
     @model_validator(mode="after")
     def _picker_can_read_the_tokenizer(self) -> ModelDeploymentSpec:
@@ -630,6 +748,19 @@ class PoolSignals(K8sModel):
     observed_at: str | None = None
 
 
+class AdapterStatus(K8sModel):
+    name: str
+    source: str | None = None
+    state: Literal["Loaded", "Loading", "Failed", "Unloading"] = Field(
+        description=(
+            "Loaded: on every ready engine; Loading: not yet on all of them; Failed: an engine refused "
+            "it (message); Unloading: removed from the spec, still on some engine."
+        )
+    )
+    pods: list[str] = Field(default_factory=list, description="Ready engine pods with it loaded.")
+    message: str | None = Field(default=None, max_length=4096)
+
+
 class ModelDeploymentStatus(K8sModel):
     observed_generation: int | None = None
     replicas: int | None = None
@@ -644,8 +775,13 @@ class ModelDeploymentStatus(K8sModel):
     )
     autoscaler: AutoscalerStatus | None = None
     signals: PoolSignals | None = None
+    adapters: list[AdapterStatus] | None = Field(
+        default=None,
+        max_length=128,
+        description="Each adapter and the ready engine pods that have it loaded (read from their /v1/models).",
+    )
     conditions: list[Condition] | None = _conditions_field(
-        "Ready, Progressing, Degraded, Autoscaling, Metrics."
+        "Ready, Progressing, Degraded, Autoscaling, Routed, GatewayAccepted, Metrics, Adapters."
     )
 
 

@@ -6,11 +6,20 @@ HTTPRoute share the ModelDeployment's name; the endpoint picker's objects add `-
 
 One module per child: `engine` (Deployment, PDB), `pool` (InferencePool), `epp` (the
 endpoint picker's seven objects), `network` (NetworkPolicies), `autoscaling` (ScaledObject or
-HPA, and who owns the replica count), `route` (HTTPRoute); `common` holds what they share and
+HPA, and who owns the replica count), `route` (HTTPRoute), `adapters` (LoRA flags, volumes,
+the hf:// adapter sidecar and its ConfigMap `<name>-adapters`); `common` holds what they share and
 `model_deployment` puts the whole set together. Everything is re-exported here, so callers
 write `from kvgate.operator import children as ch` and `ch.engine_deployment(...)`.
 """
 
+from kvgate.operator.children.adapters import (
+    adapter_fetcher,
+    adapter_path,
+    adapters_config_map,
+    adapters_config_map_name,
+    hf_adapter_list,
+    lora_args,
+)
 from kvgate.operator.children.autoscaling import (
     autoscaler_kind,
     autoscaler_query,
@@ -83,6 +92,10 @@ __all__ = [
     "EPPTarget",
     "Owner",
     "TokenizerSource",
+    "adapter_fetcher",
+    "adapter_path",
+    "adapters_config_map",
+    "adapters_config_map_name",
     "autoscaler_kind",
     "autoscaler_query",
     "command_line",
@@ -99,10 +112,12 @@ __all__ = [
     "epp_objects",
     "epp_target_for_md",
     "external_metric_name",
+    "hf_adapter_list",
     "hf_token_env",
     "horizontal_pod_autoscaler",
     "http_route",
     "inference_pool",
+    "lora_args",
     "model_deployment_children",
     "model_deployment_owner",
     "network_policies",

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
+from kvgate.operator.children.adapters import adapter_fetcher, adapter_volumes, lora_args
 from kvgate.operator.children.common import (
     MODEL_DIR,
     Owner,
@@ -58,7 +59,8 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     # No tensor-parallelism flag: the spec refuses tensorParallelSize > 1 (the engine has none).
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
-    return args + list(eng.args)
+    # LoRA flags only: which adapters run is applied at run time, never in the pod template.
+    return args + lora_args(spec) + list(eng.args)
 
 
 def _download_script(repo: str, revision: str | None) -> str:
@@ -140,6 +142,12 @@ def engine_deployment(
         claim, _ = spec.model.pvc()
         volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "models", "mountPath": MODEL_DIR, "readOnly": True})
+    lora_volumes, lora_mounts = adapter_volumes(name, spec)
+    volumes += lora_volumes
+    mounts += lora_mounts
+    fetcher = adapter_fetcher(spec, config)
+    if fetcher is not None:
+        init_containers.append(fetcher)
 
     container: dict[str, Any] = {
         "name": "engine",

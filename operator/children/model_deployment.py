@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
+from kvgate.operator.children.adapters import adapters_config_map
 from kvgate.operator.children.autoscaling import (
     autoscaler_kind,
     desired_replicas,
@@ -33,6 +34,8 @@ def model_deployment_children(
     children = [
         *epp_objects(epp_target_for_md(name, owner, spec, config), config),
         inference_pool(name, owner, spec, config),
+        # Before the engines: their adapter sidecar mounts it.
+        *([adapters_config_map(name, owner, spec, config)] if spec.lora_enabled() else []),
         engine_deployment(
             name, owner, spec, config, desired_replicas(spec, scaler is not None, engine_exists)
         ),
@@ -56,4 +59,5 @@ OPTIONAL_CHILDREN = (
     ("HTTPRoute", ""),
     ("NetworkPolicy", ""),
     ("NetworkPolicy", "-epp"),
+    ("ConfigMap", "-adapters"),
 )

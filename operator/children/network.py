@@ -26,6 +26,13 @@ from kvgate.operator.config import OperatorConfig
 # policy says, so the health port is opened to the gateway only (its EPP health checks).
 
 
+# The chart's operator pods (charts/kvgate/templates/_helpers.tpl kvgate.operatorSelector), any namespace.
+OPERATOR_PEER = {
+    "namespaceSelector": {"matchLabels": {}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate-operator"}},
+}
+
+
 def _peers(peers: list[NetworkPeer]) -> list[dict[str, Any]]:
     return [p.wire() for p in peers]
 
@@ -53,6 +60,9 @@ def network_policies(
             "ports": _tcp(*(p for p in (eng.port, eng.kv_events_port, eng.kv_events_replay_port) if p)),
         },
     ]
+    if spec.lora_enabled():
+        # The operator loads and unloads adapters through the engines' API (the chart's operator pods).
+        engine_rules.append({"from": [OPERATOR_PEER], "ports": _tcp(eng.port)})
     if metrics:
         epp_rules.append({"from": metrics, "ports": _tcp(EPP_METRICS_PORT)})
         # /metrics shares the serving port: scrapers reach the API too (the engine's API key guards it).

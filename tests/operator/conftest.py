@@ -33,7 +33,9 @@ from kvgate.operator.resources import (
     EVENTS,
     HTTP_ROUTES,
     NAMESPACES,
+    PODS,
     SCALED_OBJECTS,
+    SECRETS,
     Resource,
 )
 from kvgate.testing import eventually_async, foreign_schemas
@@ -174,6 +176,8 @@ async def cluster(keda: bool, gateway_api: bool) -> AsyncIterator[Cluster]:
         # parse /api/v1/namespaces itself, so the operator runs with scanning off (exact names).
         register(emulator, NAMESPACES)
         register(emulator, EVENTS)
+        register(emulator, PODS)  # engine pods the operator loads LoRA adapters into
+        register(emulator, SECRETS)
         for res in BY_KIND.values():
             if (res is SCALED_OBJECTS and not keda) or (res is HTTP_ROUTES and not gateway_api):
                 continue

@@ -301,6 +301,16 @@ SPECS: dict[str, dict[str, Any]] = {
         "engine": {"accelerator": "none", "drainSeconds": 0},
         "replicas": 3,
     },
+    "lora-adapters": {
+        "model": {"source": "pvc://models/llama-3-8b", "servedName": "llama"},
+        "lora": {"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 8, "claims": ["loras"]},
+        "adapters": [
+            {"name": "sql", "source": "hf://acme/sql-lora@v2", "rank": 16},
+            {"name": "chat", "source": "pvc://loras/chat"},
+            {"name": "legal", "source": "pvc://models/adapters/legal"},
+            {"name": "baked", "source": "/opt/adapters/baked"},
+        ],
+    },
 }
 
 
@@ -701,6 +711,10 @@ def test_container_command_lines_parse_with_the_real_kvgate_cli(name: str) -> No
             assert args.port == spec.engine.port and args.host == "0.0.0.0"
         else:
             assert args.pool_name == name and args.grpc_port == 9002 and args.metrics_port == 9090
+        for init in kid["spec"]["template"]["spec"].get("initContainers", []):
+            if init["command"][0] == "kvgate":  # the LoRA adapter sidecar
+                args = parser.parse_args([*init["command"][1:], *init.get("args", [])])
+                assert str(args.dir) == "/adapters/hf" and args.once is False
 
 
 @pytest.mark.parametrize(
