@@ -142,6 +142,7 @@ class SimTiming:
     kv_blocks: int | None = None
     time_scale: float | None = None
     lora_load_time: float | None = None
+    kv_transfer_bandwidth: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimTiming:
@@ -181,6 +182,8 @@ SIM_FLAGS = (
             "multiply every simulated duration (0.1: ten times faster)"),
     SimFlag("lora_load_time", "--sim-lora-load-time", non_negative_float,
             "extra seconds a step takes per LoRA adapter it puts into a slot"),
+    SimFlag("kv_transfer_bandwidth", "--sim-kv-transfer-bandwidth", positive_float,
+            "bytes per second a prefill/decode KV pull moves (131,072 KV bytes per token)"),
 )  # fmt: skip
 
 

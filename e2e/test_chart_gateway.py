@@ -148,7 +148,7 @@ def test_chart_gateway_validates_and_is_hardened(sets: tuple[str, ...], tmp_path
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     rc = hcm["route_config"]
-    assert rc["internal_only_headers"] == ["x-gateway-destination-endpoint"]
+    assert rc["internal_only_headers"] == ["x-gateway-destination-endpoint", "x-prefiller-host-port"]
     assert "x-kvgate-inject-failure" in rc["request_headers_to_remove"]
     assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     fail_open = hcm["http_filters"][0]["typed_config"].get("failure_mode_allow", False)

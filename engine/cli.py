@@ -16,6 +16,7 @@ from kvgate.api.cli_args import (
 )
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
+from kvgate.api.cli_args import positive_float as _positive_float
 from kvgate.api.cli_args import positive_int as _positive_int
 from kvgate.api.tracing import endpoint_from_env
 from kvgate.engine.config import EngineConfig, SimulationConfig
@@ -134,6 +135,29 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=None,
         help="parsed adapters kept in CPU memory, LRU (None: --max-loras)",
+    )
+
+    pd = p.add_argument_group("prefill/decode disaggregation (vLLM's kv_role)")
+    pd.add_argument(
+        "--kv-role",
+        choices=["none", "producer", "consumer", "both"],
+        default="none",
+        help="producer: serves kv_transfer_params do_remote_decode by prefilling and holding the prompt's "
+        "KV blocks for one pull (GET /v1/kv_transfer/ID); consumer: given x-prefiller-host-port (set by the "
+        "EPP) or a producer's kv_transfer_params, pulls those blocks into its prefix cache and decodes, "
+        "prefilling locally if the hand-off fails; both: either",
+    )
+    pd.add_argument(
+        "--kv-transfer-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a consumer gives a hand-off (the prefill call and the pull) before prefilling locally",
+    )
+    pd.add_argument(
+        "--kv-pin-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a producer holds blocks for a pull that does not come (a consumer that died)",
     )
 
     h = p.add_argument_group("HTTP server")
@@ -323,6 +347,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
         enable_lora=args.enable_lora,
         lora_modules=list(args.lora_modules),
+        kv_role=args.kv_role,
+        kv_transfer_timeout=args.kv_transfer_timeout,
+        kv_pin_timeout=args.kv_pin_timeout,
     )
     return config, options
 

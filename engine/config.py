@@ -24,6 +24,11 @@ class SimulationConfig:
     num_kv_blocks: int = 2048
     time_scale: float = 1.0  # multiply every sleep (tests use < 1 to run faster)
     lora_load_time: float = 0.0  # seconds a step takes longer per adapter it puts into a slot
+    # KV transfer (P/D): a Llama-3-8B-like fp16 KV (32 layers x 8 KV heads x 128 x 2 x 2 bytes)
+    # over a 10 GB/s link (RDMA-class; llm-d's P2P pull), plus a fixed latency per pull.
+    kv_bytes_per_token: int = 131_072
+    kv_transfer_bandwidth: float = 10e9  # bytes per second
+    kv_transfer_latency: float = 0.002  # seconds per pull
 
     def timing(self) -> SimTiming:
         """These values as the --sim-* flags give them."""
@@ -43,6 +48,7 @@ _TIMING_FIELDS = {
     "kv_blocks": "num_kv_blocks",
     "time_scale": "time_scale",
     "lora_load_time": "lora_load_time",
+    "kv_transfer_bandwidth": "kv_transfer_bandwidth",
 }
 
 

@@ -10,7 +10,7 @@ import logging
 import math
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -275,6 +275,42 @@ class TorchModelRunner:
 
     def remove_lora(self, lora_id: int) -> None:
         self._lora_manager().remove(lora_id)
+
+    # -- KV transfer (prefill/decode disaggregation) ----------------------------------------------
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What one block's KV is: a consumer takes blocks only from a producer laid out alike."""
+        cfg = self.model_config
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "block_size": self.block_size,
+            "num_layers": cfg.num_layers,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "bytes_per_block": self.kv_bytes_per_block,
+        }
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        """These blocks' KV, one buffer per block ([layer, k|v, slot, head, dim], contiguous);
+        any thread (pinned blocks do not change)."""
+        if not block_ids:
+            return []
+        with torch.inference_mode():
+            index = torch.tensor(block_ids, device=self.device)
+            data = self.kv_cache.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+            raw = data.reshape(len(block_ids), -1).view(torch.uint8).numpy()
+        return [memoryview(row) for row in raw]
+
+    def write_kv_blocks(self, block_ids: list[int], blobs: list[bytes]) -> None:
+        """Fill these blocks (held by an import, not yet findable) with pulled KV."""
+        if not block_ids:
+            return
+        cfg = self.model_config
+        shape = (len(block_ids), cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        with torch.inference_mode():
+            buf = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(self.dtype).view(shape)
+            index = torch.tensor(block_ids, device=self.device)
+            self.kv_cache.index_copy_(2, index, buf.permute(1, 2, 0, 3, 4, 5).to(self.device))
 
     # -- a step ---------------------------------------------------------------------------------
 

@@ -112,6 +112,26 @@ class SimulatedRunner:
     def remove_lora(self, lora_id: int) -> None:
         self.lora_slots.pop(lora_id, None)
 
+    # -- KV transfer: no bytes, only what moving them would cost ------------------------------
+    def kv_layout(self) -> dict[str, Any]:
+        return {
+            "simulated": True,
+            "block_size": self.block_size,
+            "bytes_per_block": self.sim.kv_bytes_per_token * self.block_size,
+        }
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[bytes]:
+        return [b""] * len(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], blobs: list[bytes]) -> None:
+        return None
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        """How long pulling these blocks takes: a latency plus bytes over the link's bandwidth."""
+        sim = self.sim
+        size = num_blocks * self.block_size * sim.kv_bytes_per_token
+        return (sim.kv_transfer_latency + size / sim.kv_transfer_bandwidth) * sim.time_scale
+
     def _slot_loras(self, batch: ScheduledBatch) -> int:
         """Put the step's adapters into slots, LRU; returns how many had to be loaded."""
         wanted = {s.lora_id for s in batch.seqs if s.lora_id is not None}

@@ -73,6 +73,9 @@ INTERNAL_REQUEST_HEADERS = ["x-kvgate-inject-failure"]
 # Engine routes clients have no business calling through the gateway (vLLM serves them too).
 INTERNAL_PATHS = ["/metrics", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc"]
 INTERNAL_V1_PATHS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+INTERNAL_V1_PREFIXES = ["/v1/kv_transfer/"]  # an engine's pinned KV blocks (prefill/decode)
+# Set by the EPP for the decode engine (prefill/decode disaggregation); never by a client.
+PREFILLER_HEADER = "x-prefiller-host-port"
 MiB = 1024 * 1024
 
 
@@ -519,6 +522,11 @@ def build_bootstrap(
         for path in INTERNAL_V1_PATHS:
             match = route_components_pb2.RouteMatch(path=path)
             routes.append(_json_reply(f"internal {path}", match, 404, f"no route {path}", "not_found", multi))
+        for prefix in INTERNAL_V1_PREFIXES:
+            match = route_components_pb2.RouteMatch(prefix=prefix)
+            routes.append(
+                _json_reply(f"internal {prefix}", match, 404, f"no route {prefix}", "not_found", multi)
+            )
     served_prefix = "/" if expose_internal_routes else "/v1/"
     for gw in gateways:
         routes += _pool_routes(gw, multi, served_prefix, route_timeout, idle, upstream_headers, limits)
@@ -583,7 +591,9 @@ def build_bootstrap(
         route_config=route_pb2.RouteConfiguration(
             name="kvgate",
             # nor its own pool: that is the model router's
-            internal_only_headers=[DESTINATION_HEADER, POOL_HEADER] if multi else [DESTINATION_HEADER],
+            internal_only_headers=[DESTINATION_HEADER, PREFILLER_HEADER, POOL_HEADER]
+            if multi
+            else [DESTINATION_HEADER, PREFILLER_HEADER],
             request_headers_to_remove=INTERNAL_REQUEST_HEADERS,
             virtual_hosts=[route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=routes)],
         ),

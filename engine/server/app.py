@@ -20,7 +20,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -28,6 +28,7 @@ from kvgate.api.contracts.admissions import PICKED_BY_HEADER, valid_replica_id
 from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
+from kvgate.engine.server.kv_transfer import PREFILLER_HEADER, KVTransfer, valid_peer
 from kvgate.engine.server.lora_admin import LoadLoRAAdapterRequest, LoRAAdmin, UnloadLoRAAdapterRequest
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from kvgate.engine.server.protocol import (
@@ -37,7 +38,7 @@ from kvgate.engine.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from kvgate.engine.server.serving import INLINE_PROMPT_CHARS, OpenAIServing
+from kvgate.engine.server.serving import INLINE_PROMPT_CHARS, Handoff, OpenAIServing
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class ServerState:
     metrics_auth: bool = False  # /metrics requires the API key too
     tracer: Tracer = field(default_factory=lambda: Tracer(None, "kvgate-engine"))
     lora_admin: LoRAAdmin | None = None  # --enable-lora: the runtime load/unload endpoints
+    kv_transfer: KVTransfer | None = None  # --kv-role: prefill/decode hand-offs
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -298,17 +300,27 @@ def build_app(state: ServerState) -> Starlette:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
+    def handoff(request: Request, raw: bytes) -> Handoff:
+        return Handoff(
+            path=request.url.path,
+            raw_body=raw,
+            prefiller=valid_peer(request.headers.get(PREFILLER_HEADER)),
+            authorization=request.headers.get("authorization"),
+        )
+
     async def completions(request: Request) -> Any:
-        req = parse_body(CompletionRequest, await read_body(request))
-        result = await serving.completions(req, request.receive, _picked_by(request))
+        raw = await read_body(request)
+        req = parse_body(CompletionRequest, raw)
+        result = await serving.completions(req, request.receive, _picked_by(request), handoff(request, raw))
         if isinstance(result, dict):
             _trace_result(request, result)
             return _json(result)
         return SSEResponse(result.body, on_close=result.close)
 
     async def chat(request: Request) -> Any:
-        req = parse_body(ChatCompletionRequest, await read_body(request))
-        result = await serving.chat(req, request.receive, _picked_by(request))
+        raw = await read_body(request)
+        req = parse_body(ChatCompletionRequest, raw)
+        result = await serving.chat(req, request.receive, _picked_by(request), handoff(request, raw))
         if isinstance(result, dict):
             _trace_result(request, result)
             return _json(result)
@@ -396,6 +408,14 @@ def build_app(state: ServerState) -> Starlette:
             state.extra["openapi"] = json.dumps(openapi_document(state.version))
         return Response(state.extra["openapi"], media_type="application/json")
 
+    async def kv_transfer_pull(request: Request) -> Response:
+        """A producer's pinned blocks, once (prefill/decode disaggregation; never public)."""
+        assert state.kv_transfer is not None
+        body = state.kv_transfer.take_pull(request.path_params["transfer_id"])
+        if body is None:
+            raise APIError(404, "No such KV transfer (pulled already, or expired).", code="not_found")
+        return StreamingResponse(body(), media_type="application/octet-stream")
+
     async def load_lora_adapter(request: Request) -> Response:
         assert state.lora_admin is not None
         req = parse_body(LoadLoRAAdapterRequest, await read_body(request))
@@ -427,6 +447,14 @@ def build_app(state: ServerState) -> Starlette:
             route("/v1/load_lora_adapter", load_lora_adapter, ["POST"], auth=True),
             route("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], auth=True),
         ]
+    if state.kv_transfer is not None and state.kv_transfer.settings.produces:
+        routes.append(
+            Route(
+                "/v1/kv_transfer/{transfer_id}",
+                endpoint(kv_transfer_pull, auth=True, handler="/v1/kv_transfer"),
+                methods=["GET"],
+            )
+        )
 
     async def http_error(request: Request, exc: Exception) -> Response:
         status = exc.status_code if isinstance(exc, HTTPException) else 500

@@ -65,6 +65,9 @@ class ServerOptions:
     http_parser: str = "auto"  # auto (httptools when installed) | httptools | h11
     event_loop: str = "auto"  # auto (uvloop when installed) | uvloop | asyncio
     otlp_endpoint: str | None = None  # OpenTelemetry traces (kvgate.api.tracing); None: off
+    kv_role: str = "none"  # prefill/decode disaggregation: none | producer | consumer | both
+    kv_transfer_timeout: float = 30.0  # a consumer's hand-off (prefill call + pull), then local prefill
+    kv_pin_timeout: float = 30.0  # a producer frees blocks nobody pulled within this
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -239,6 +242,27 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         adapters=adapters,
     )
     version = _version()
+    kv_transfer = None
+    if options.kv_role != "none":
+        from kvgate.engine.server.kv_transfer import KVTransfer, KVTransferSettings
+
+        host, _, adv_port = advertised_endpoint(options.host, port).rpartition(":")
+        try:
+            kv_transfer = KVTransfer(
+                async_engine,
+                KVTransferSettings(
+                    role=options.kv_role,
+                    advertise_host=host.strip("[]"),
+                    advertise_port=int(adv_port),
+                    engine_id=f"{model_name}@{host}:{adv_port}",
+                    pin_timeout=options.kv_pin_timeout,
+                    timeout=options.kv_transfer_timeout,
+                ),
+                metrics,
+                options.api_key,
+            )
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
 
     state = ServerState(
         serving=OpenAIServing(
@@ -247,6 +271,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
             info,
             trust_request_chat_template=options.trust_request_chat_template,
             tool_options=tools,
+            kv_transfer=kv_transfer,
         ),
         engine=async_engine,
         metrics=metrics,
@@ -259,6 +284,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         metrics_auth=options.metrics_require_api_key,
         tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
         lora_admin=LoRAAdmin(async_engine, info) if config.enable_lora else None,
+        kv_transfer=kv_transfer,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(
@@ -316,6 +342,8 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     if publisher is not None:
         replay = f" replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
         kv = f", kv events {publisher.endpoint}{replay} topic {publisher.topic.decode()}"
+    if kv_transfer is not None:
+        kv += f", kv role {options.kv_role}"
     log.info(
         "kvgate engine serving %s%s: block_size=%d kv_blocks=%d max_model_len=%d on http://%s%s",
         model_name,
@@ -331,6 +359,9 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     try:
         await server.serve(sockets=[sock])
     finally:
+        if kv_transfer is not None:
+            with contextlib.suppress(Exception):  # pins die with the engine anyway
+                await asyncio.wait_for(kv_transfer.close(), 5.0)
         await asyncio.to_thread(async_engine.stop)
         await asyncio.to_thread(state.tracer.shutdown)
     return 0

@@ -296,15 +296,15 @@ class EngineMetrics:
             "counter",
             "Number of cached tokens recomputed for forward pass.",
         )
-        # vLLM registers these whatever the config; kvgate has no KV connector and serves no
-        # multimodal input, so they honestly stay 0 (as on a vLLM without either).
-        scalar(
+        # vLLM registers these whatever the config; a kvgate consumer (--kv-role) counts the
+        # prompt tokens it asked a producer for and those it pulled; multimodal stays 0.
+        self.external_queries = scalar(
             names.EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
             "counter",
             "External prefix cache queries from KV connector cross-instance cache sharing, "
             "in terms of number of queried tokens.",
         )
-        scalar(
+        self.external_hits = scalar(
             names.EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
             "counter",
             "External prefix cache hits from KV connector cross-instance cache sharing, "
@@ -319,6 +319,32 @@ class EngineMetrics:
             names.MM_CACHE_HITS_TOTAL,
             "counter",
             "Multi-modal cache hits, in terms of number of cached items.",
+        )
+        # Prefill/decode disaggregation (kvgate's own; vLLM's connectors export theirs).
+        self._kv_transfer_families = {
+            "requests": Scalar(
+                "kvgate:kv_transfer_requests_total",
+                "counter",
+                "Prefill/decode hand-offs: pins served as a producer, pulls tried as a consumer.",
+            ),
+            "bytes": Scalar(
+                "kvgate:kv_transfer_bytes_total", "counter", "KV bytes moved by prefill/decode hand-offs."
+            ),
+            "fallbacks": Scalar(
+                "kvgate:kv_transfer_fallbacks_total",
+                "counter",
+                "Hand-offs that did not happen (the consumer prefilled locally; a producer's pin expired).",
+            ),
+        }
+        self._families.extend(self._kv_transfer_families.values())
+        self._kv_transfer_base = base
+        self.kv_transfer_seconds = histogram(
+            "kvgate:kv_transfer_seconds",
+            "Consumer hand-off time: the prefill call and the pull.",
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
+        self.kv_transfer_pinned = scalar(
+            "kvgate:kv_transfer_pinned_blocks", "gauge", "KV blocks a producer holds for pulls not made yet."
         )
         sleep = Scalar(
             names.ENGINE_SLEEP_STATE,
@@ -519,6 +545,10 @@ class EngineMetrics:
         """All `n` sequences of one prompt finished (vLLM's parent request); caller holds `lock`."""
         self.params_n.observe(n)
         self.max_num_generation_tokens.observe(max_generation_tokens)
+
+    def kv_transfer(self, what: str, labels: Mapping[str, str]) -> _Child:
+        """A kvgate:kv_transfer_* counter child ('requests', 'bytes', 'fallbacks')."""
+        return self._kv_transfer_families[what].child({**self._kv_transfer_base, **labels})
 
     def note_http(self, handler: str, method: str, status: int) -> None:
         """One answered HTTP request, as vLLM's API server counts them (its FastAPI

@@ -29,6 +29,19 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = False
 
 
+class KVTransferParams(_Lenient):
+    """vLLM's `kv_transfer_params` (prefill/decode disaggregation). A producer is asked
+    `do_remote_decode` and answers with the `do_remote_prefill` set a consumer pulls with."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = Field(None, max_length=128)
+    remote_host: str | None = Field(None, max_length=253, pattern=r"^[A-Za-z0-9.\-:\[\]]+$")
+    remote_port: int | None = Field(None, ge=1, le=65535)
+    remote_block_ids: list[int] | None = Field(None, max_length=1_000_000)
+    transfer_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_\-]{8,64}$")
+
+
 class _SamplingFields(StructuredFields, _Lenient):
     """Fields both generation endpoints share (OpenAI's plus vLLM's extras; the structured
     output fields are in `structured.py`)."""
@@ -56,6 +69,7 @@ class _SamplingFields(StructuredFields, _Lenient):
     user: str | None = None
     # vLLM's extension: top-K logprobs at every prompt position (plus the prompt token itself).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("stop")
     @classmethod

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvgate.api.lora import lora_int_id
 from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
@@ -35,6 +36,9 @@ from kvgate.engine.server.responses import (
 from kvgate.engine.server.tools.request import ToolOptions, ToolPlan, plan_tools
 from kvgate.engine.server.tools.stream import ToolStreamer, message_tool_calls
 from kvgate.engine.structured import StructuredOutputError, StructuredOutputSpec
+
+if TYPE_CHECKING:
+    from kvgate.engine.server.kv_transfer import Imported, KVTransfer
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
@@ -82,6 +86,17 @@ async def watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
 INLINE_PROMPT_CHARS = 32_768
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """What a prefill/decode hand-off needs of the HTTP request: the route and body to send the
+    prefiller, the prefiller the EPP chose (x-prefiller-host-port), the caller's credentials."""
+
+    path: str
+    raw_body: bytes
+    prefiller: str | None = None
+    authorization: str | None = None
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -90,8 +105,10 @@ class OpenAIServing:
         model: ModelInfo,
         trust_request_chat_template: bool = False,
         tool_options: ToolOptions | None = None,
+        kv_transfer: KVTransfer | None = None,
     ) -> None:
         self.engine = engine
+        self.kv = kv_transfer
         self.tokenizer = tokenizer
         self.model = model
         self.trust_request_chat_template = trust_request_chat_template
@@ -351,10 +368,15 @@ class OpenAIServing:
 
     # ---- completions -----------------------------------------------------------------------
     async def completions(
-        self, req: CompletionRequest, receive: Receive, picked_by: str | None = None
+        self,
+        req: CompletionRequest,
+        receive: Receive,
+        picked_by: str | None = None,
+        handoff: Handoff | None = None,
     ) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
+        produce = self._produces(req)
         if req.suffix:
             raise bad_request("suffix is not supported.", "suffix")
         _check_prompt_logprobs(req)
@@ -385,7 +407,13 @@ class OpenAIServing:
         echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
         rid = f"cmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items, lora_id=self._lora_id(model), picked_by=picked_by)
+        lora_id = self._lora_id(model)
+        imported = await self._kv_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
+        try:
+            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+        except BaseException:
+            await self._kv_release(imported)
+            raise
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -393,9 +421,12 @@ class OpenAIServing:
                 self._stream_completion(
                     handle, meta, include_usage, req.logprobs is not None, echo, receive, scoring
                 ),
-                handle.close,
+                self._closer(handle, imported),
             )
-        finals = await _collect(handle, receive)
+        try:
+            finals = await _collect(handle, receive)
+        finally:
+            await self._kv_release(imported)
         choices = []
         for index in range(len(items)):
             out = finals[index]
@@ -417,7 +448,7 @@ class OpenAIServing:
             if req.prompt_logprobs is not None:
                 c["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs or [])
             choices.append(c)
-        return {
+        body = {
             "id": rid,
             "object": "text_completion",
             "created": meta.created,
@@ -425,6 +456,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": meta.usage(finals),
         }
+        if produce and self.kv is not None:
+            body["kv_transfer_params"] = await self.kv.pin_for_pull(prompts[0], lora_id)
+        return body
 
     def _stream_completion(
         self,
@@ -469,10 +503,15 @@ class OpenAIServing:
 
     # ---- chat completions ------------------------------------------------------------------
     async def chat(
-        self, req: ChatCompletionRequest, receive: Receive, picked_by: str | None = None
+        self,
+        req: ChatCompletionRequest,
+        receive: Receive,
+        picked_by: str | None = None,
+        handoff: Handoff | None = None,
     ) -> dict[str, Any] | StreamResult:
         model = self.check_model(req.model)
         self._reject_unsupported(req)
+        produce = self._produces(req)
         tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
         structured = await self._structured(req, tool_plan.json_schema())
         if req.top_logprobs is not None and not req.logprobs:
@@ -491,14 +530,24 @@ class OpenAIServing:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs, structured)]
         rid = f"chatcmpl-{self._next_id()}"
-        handle = await self.engine.submit(rid, items, lora_id=self._lora_id(model), picked_by=picked_by)
+        lora_id = self._lora_id(model)
+        imported = await self._kv_in(req, handoff, ids, lora_id)
+        try:
+            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+        except BaseException:
+            await self._kv_release(imported)
+            raise
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamResult(
-                self._stream_chat(handle, meta, include_usage, req.logprobs, receive, tool_plan), handle.close
+                self._stream_chat(handle, meta, include_usage, req.logprobs, receive, tool_plan),
+                self._closer(handle, imported),
             )
-        finals = await _collect(handle, receive)
+        try:
+            finals = await _collect(handle, receive)
+        finally:
+            await self._kv_release(imported)
         choices = []
         for index in range(len(items)):
             out = finals[index]
@@ -522,7 +571,66 @@ class OpenAIServing:
         }
         if req.prompt_logprobs is not None:  # vLLM: on the response, not per choice (one prompt)
             body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs or [])
+        if produce and self.kv is not None:
+            body["kv_transfer_params"] = await self.kv.pin_for_pull(ids, lora_id)
         return body
+
+    # -- prefill/decode disaggregation -------------------------------------------------------
+    def _produces(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        """A prefill for a decode engine (vLLM's do_remote_decode): answered with the
+        kv_transfer_params to pull its blocks with. Only on a producer; elsewhere ignored."""
+        params = req.kv_transfer_params
+        if params is None or not params.do_remote_decode or self.kv is None or not self.kv.settings.produces:
+            return False
+        if req.stream:
+            raise bad_request("kv_transfer_params.do_remote_decode needs stream false.", "kv_transfer_params")
+        return True
+
+    async def _kv_in(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        handoff: Handoff | None,
+        prompt_ids: list[int],
+        lora_id: int | None,
+    ) -> Imported | None:
+        """A consumer's hand-off, before the request is queued: the prompt's KV pulled from a
+        producer into this engine's prefix cache (None: none, or it failed: computed here)."""
+        kv = self.kv
+        if kv is None or not kv.settings.consumes:
+            return None
+        auth = handoff.authorization if handoff else None
+        params = req.kv_transfer_params
+        if params is not None and params.do_remote_prefill:
+            got = await kv.pull(params.model_dump(), prompt_ids, lora_id, auth)
+        elif handoff is not None and handoff.prefiller:
+            try:
+                body = json.loads(handoff.raw_body)
+            except ValueError:
+                return None
+            got = await kv.prefill_remotely(handoff.prefiller, handoff.path, body, prompt_ids, lora_id, auth)
+        else:
+            return None
+        metrics = kv.metrics
+        with metrics.lock:
+            metrics.external_queries.inc(len(prompt_ids))
+            metrics.external_hits.inc(got.tokens if got else 0)
+            metrics.touch()
+        return got
+
+    async def _kv_release(self, imported: Imported | None) -> None:
+        if imported is not None and self.kv is not None:
+            await self.kv.release(imported)
+
+    def _closer(self, handle: RequestHandle, imported: Imported | None) -> Callable[[], None]:
+        """A stream's close: the request's, then (off the caller's stack) the pulled blocks'."""
+        if imported is None:
+            return handle.close
+
+        def close() -> None:
+            handle.close()
+            asyncio.get_running_loop().create_task(self._kv_release(imported))
+
+        return close
 
     def _tool_message(self, plan: ToolPlan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
         """A finished choice's message and finish_reason: tool calls read out of its text when

@@ -162,7 +162,7 @@ async def _fill_queue_and_check(
 
     async def queue_shown() -> bool:
         text = (await client.get("/metrics")).text
-        gauges = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)}
+        gauges = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
         return gauges["vllm:num_requests_running"] == 1 and gauges["vllm:num_requests_waiting"] == 2
 
     await admit("waiting-1")
