@@ -123,6 +123,10 @@ def routed_condition(name: str, spec: ModelDeploymentSpec, caps: ch.Capabilities
         return None
     if not caps.gateway_api:
         return Cond("Routed", "False", "GatewayAPIMissing", "HTTPRoute is not served; no route was created.")
+    if spec.http_route.match_model_name:
+        names = ", ".join([spec.model.effective_served_name(), *(a.name for a in spec.adapters)])
+        msg = f"HTTPRoute {name} sends requests with X-Gateway-Model-Name {names} to pool {name}."
+        return Cond("Routed", "True", "HTTPRouteApplied", msg[:4000])
     return Cond("Routed", "True", "HTTPRouteApplied", f"HTTPRoute {name} points at pool {name}.")
 
 

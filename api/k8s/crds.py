@@ -499,6 +499,14 @@ class HTTPRouteSpec(K8sModel):
     request_timeout: str | None = Field(
         default="300s", pattern=r"^([0-9]{1,5}(h|m|s|ms)){1,4}$", description="Gateway API duration."
     )
+    match_model_name: bool = Field(
+        default=False,
+        description=(
+            "Match only requests whose X-Gateway-Model-Name header names this model or one of its "
+            "adapters (GIE's body-based routing: a model router in front of the gateway sets the "
+            "header from the body's model), so several ModelDeployments share one Gateway and path."
+        ),
+    )
 
 
 class LabelSelectorRequirement(K8sModel):
