@@ -3,12 +3,14 @@ running stack's gateway, and clear errors."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from kvgate.bench.workloads import LongPromptSpec, WorkloadSpec, generate
 from kvgate.local.ports import plan_ports
 from kvgate.local.stack import LocalStack, StackConfig
 from kvgate.testing.processes import run_kvgate
@@ -115,3 +117,37 @@ def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_pd_runs_the_split_and_the_aggregated_stack_on_the_same_load(tmp_path: Path) -> None:
+    """--pd 1:1: one stack of 1 prefill + 1 decode engine, one of 2 aggregated engines (issue 15)."""
+    out = bench(
+        "--simulate",
+        "--pd", "1:1",
+        "--pd-threshold", "400",  # short chats (<= 256 words + the template) stay whole
+        "--workload", "long-prompt",
+        "--long-fraction", "0.5",
+        "--min-long-tokens", "800",
+        "--max-long-tokens", "1200",
+        "--output-tokens", "8",
+        "--num-requests", "8",
+        "--request-rate", "4",
+        "--sim-time-scale", "0.5",
+        "--sim-kv-blocks", "1024",
+        "--no-progress",
+        "--json", str(tmp_path / "r.json"),
+        "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = {r["strategy"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert set(records) == {"aggregated-2", "pd-1:1"}
+    assert all(r["errors"] == 0 and r["completed"] == 8 for r in records.values())
+    assert records["aggregated-2"]["kv_transfers"] is None
+    split = records["pd-1:1"]
+    spec = WorkloadSpec(kind="long-prompt", long_prompt=LongPromptSpec(0.5, 800, 1200, output_tokens=8))
+    longs = sum(1 for r in itertools.islice(generate(spec), 8) if r.group.startswith("long-"))
+    assert 0 < longs < 8
+    # every long prompt, and only those, handed off
+    assert split["kv_transfers"] == longs and split["kv_transfer_fallbacks"] == 0
+    assert split["kv_transfer_bytes"] > 0 and split["settings"]["pd"] == "1:1"
+    assert "pd-1:1 vs aggregated-2 at 4 req/s: ITL p90" in out.stdout and "KV hand-offs" in out.stdout

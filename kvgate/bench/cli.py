@@ -50,6 +50,22 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--engines", type=int, default=None, help="engines per stack (default: 8 with --simulate, else 2)"
     )
     s.add_argument(
+        "--pd",
+        type=_pd_split,
+        default=None,
+        metavar="P:D",
+        help="prefill/decode disaggregation vs aggregated at the same engine count: one stack of P prefill "
+        "+ D decode engines (kvgate up --prefill-engines P --decode-engines D), one of P+D aggregated "
+        "engines, the same load on each; reports TTFT/ITL, throughput and the KV the decode engines pulled",
+    )
+    s.add_argument(
+        "--pd-threshold",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with --pd: uncached prompt tokens above which a request is disaggregated (default: kvgate up's)",
+    )
+    s.add_argument(
         "--epp-replicas",
         type=int,
         default=1,
@@ -108,6 +124,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     w.add_argument("--user-turn-tokens", type=int, default=64, help="multi-turn: tokens per user turn")
     w.add_argument("--min-prompt-tokens", type=int, default=128, help="random: shortest prompt")
     w.add_argument("--max-prompt-tokens", type=int, default=1024, help="random: longest prompt")
+    w.add_argument(
+        "--long-fraction", type=float, default=0.3, help="long-prompt: share of requests with a long prompt"
+    )
+    w.add_argument("--min-long-tokens", type=int, default=4000, help="long-prompt: shortest long prompt")
+    w.add_argument("--max-long-tokens", type=int, default=8000, help="long-prompt: longest long prompt")
     w.add_argument("--min-output-tokens", type=int, default=16, help="random: shortest answer")
     w.add_argument("--max-output-tokens", type=int, default=64, help="random: longest answer")
 
@@ -157,6 +178,15 @@ def _fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def _pd_split(text: str) -> tuple[int, int]:
+    prefill, sep, decode = text.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit() or int(prefill) < 1 or int(decode) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected P:D, prefill and decode engine counts >= 1 (e.g. 1:3), got {text!r}"
+        )
+    return int(prefill), int(decode)
+
+
 def _rates(text: str) -> list[float | None]:
     out: list[float | None] = []
     for part in text.split(","):
@@ -181,7 +211,13 @@ def _rates(text: str) -> list[float | None]:
 def run(args: argparse.Namespace) -> int:
     from kvgate.bench.loadgen import LoadSpec
     from kvgate.bench.stats import Slo
-    from kvgate.bench.workloads import MultiTurnSpec, RandomSpec, SharedPrefixSpec, WorkloadSpec
+    from kvgate.bench.workloads import (
+        LongPromptSpec,
+        MultiTurnSpec,
+        RandomSpec,
+        SharedPrefixSpec,
+        WorkloadSpec,
+    )
 
     if args.preset:
         from kvgate.bench.presets import apply_preset
@@ -208,6 +244,12 @@ def run(args: argparse.Namespace) -> int:
             random=RandomSpec(
                 args.min_prompt_tokens, args.max_prompt_tokens, args.min_output_tokens, args.max_output_tokens
             ),
+            long_prompt=LongPromptSpec(
+                long_fraction=args.long_fraction,
+                min_long_tokens=args.min_long_tokens,
+                max_long_tokens=args.max_long_tokens,
+                output_tokens=args.output_tokens,
+            ),
         )
         workload.validate()
         loads = [
@@ -227,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
             load.validate()
         if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
             raise ValueError("SLO bounds must be > 0")
+        if args.pd_threshold is not None and args.pd is None:
+            raise ValueError("--pd-threshold needs --pd P:D")
+        if args.pd_threshold is not None and args.pd_threshold < 0:
+            raise ValueError("--pd-threshold must be >= 0")
     except ValueError as exc:
         return _fail(str(exc))
     slo = Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000)
@@ -236,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.url or args.stack_file:
-            if args.compare:
-                return _fail("--compare starts its own stacks; drop --url/--stack-file")
+            if args.compare or args.pd:
+                return _fail("--compare and --pd start their own stacks; drop --url/--stack-file")
             result = session.against_endpoint(args, workload, loads, slo, progress)
         else:
             result = session.on_local_stacks(args, workload, loads, slo, progress)

@@ -20,6 +20,35 @@ COUNTERS = (
 )
 
 
+# Prefill/decode hand-offs, counted once each (the consumer's side): KV bytes the decode engines
+# received, hand-offs they ran, and those that fell back to a local prefill.
+KV_TRANSFER_RECEIVED_BYTES = "kv_transfer_received_bytes"
+KV_TRANSFERS = "kv_transfers"
+KV_TRANSFER_FALLBACKS = "kv_transfer_fallbacks"
+KV_TRANSFER_SECONDS = "kv_transfer_seconds"  # summed over hand-offs (prefill call + pull)
+_LABELLED: dict[str, tuple[str, str]] = {
+    KV_TRANSFER_RECEIVED_BYTES: ("kvgate:kv_transfer_bytes_total", 'direction="received"'),
+    KV_TRANSFERS: ("kvgate:kv_transfer_requests_total", 'role="consumer"'),
+    KV_TRANSFER_FALLBACKS: ("kvgate:kv_transfer_fallbacks_total", ""),
+    KV_TRANSFER_SECONDS: ("kvgate:kv_transfer_seconds_sum", ""),
+}
+
+
+def labelled_sums(text: str) -> dict[str, float]:
+    """The P/D transfer counters above, each summed over the samples that carry its label."""
+    out = dict.fromkeys(_LABELLED, 0.0)
+    for line in text.splitlines():
+        if not line.startswith("kvgate:kv_transfer_"):
+            continue
+        for key, (name, label) in _LABELLED.items():
+            if line.startswith(name) and line[len(name)] in "{ " and label in line:
+                try:
+                    out[key] += float(line.rsplit(None, 1)[1])
+                except (ValueError, IndexError):
+                    pass
+    return out
+
+
 def parse_samples(text: str) -> dict[str, float]:
     """Sum each sample name over its label sets in Prometheus text exposition format.
 
@@ -53,7 +82,7 @@ class CounterSnapshot:
     reachable: int  # how many engines answered
 
     def minus(self, before: CounterSnapshot) -> dict[str, float]:
-        return {k: self.values.get(k, 0.0) - before.values.get(k, 0.0) for k in COUNTERS}
+        return {k: self.values.get(k, 0.0) - before.values.get(k, 0.0) for k in (*COUNTERS, *_LABELLED)}
 
 
 async def snapshot(metrics_urls: Sequence[str], timeout_s: float = 5.0) -> CounterSnapshot:
@@ -66,17 +95,17 @@ async def snapshot(metrics_urls: Sequence[str], timeout_s: float = 5.0) -> Count
             return None
         if resp.status_code != 200:
             return None
-        return parse_samples(resp.text)
+        return parse_samples(resp.text) | labelled_sums(resp.text)
 
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         per_engine = await asyncio.gather(*(one(client, u) for u in metrics_urls))
-    total = dict.fromkeys(COUNTERS, 0.0)
+    total = dict.fromkeys((*COUNTERS, *_LABELLED), 0.0)
     reachable = 0
     for samples in per_engine:
         if samples is None:
             continue
         reachable += 1
-        for name in COUNTERS:
+        for name in total:
             total[name] += samples.get(name, 0.0)
     return CounterSnapshot(total, reachable)
 

@@ -17,12 +17,14 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("TTFT p90 ms", "ttft_p90_s", "ms"),
     ("TTFT p99 ms", "ttft_p99_s", "ms"),
     ("ITL p50 ms", "itl_p50_s", "ms"),
+    ("ITL p90 ms", "itl_p90_s", "ms"),
     ("ITL p99 ms", "itl_p99_s", "ms"),
     ("E2E p90 ms", "e2e_p90_s", "ms"),
     ("out tok/s", "output_tok_s", ".1f"),
     ("goodput req/s", "goodput_req_s", ".2f"),
     ("prefix hit", "prefix_hit_rate", "%"),
     ("ideal hit", "ideal_prefix_hit_rate", "%"),
+    ("KV pulled", "kv_transfer_bytes", "bytes"),
 )
 
 
@@ -31,11 +33,21 @@ def _cell(value: object, fmt: str) -> str:
         return "-"
     if fmt == "ms":
         return f"{float(value) * 1000:.1f}"  # type: ignore[arg-type]
+    if fmt == "bytes":
+        return human_bytes(float(value))  # type: ignore[arg-type]
     if fmt == "%":
         return f"{float(value) * 100:.1f}%"  # type: ignore[arg-type]
     if fmt == "s":
         return str(value)
     return format(value, fmt)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
 
 
 def rows(summaries: Sequence[Summary]) -> tuple[list[str], list[list[str]]]:

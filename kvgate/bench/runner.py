@@ -149,6 +149,11 @@ def measure(
         label, results, duration, slo, request_rate=load.request_rate, concurrency=load.concurrency
     )
     summary.prefix_hit_rate = hit
+    if deltas.get(engine_metrics.KV_TRANSFERS) or deltas.get(engine_metrics.KV_TRANSFER_FALLBACKS):
+        summary.kv_transfer_bytes = deltas[engine_metrics.KV_TRANSFER_RECEIVED_BYTES]
+        summary.kv_transfers = int(deltas[engine_metrics.KV_TRANSFERS])
+        summary.kv_transfer_fallbacks = int(deltas[engine_metrics.KV_TRANSFER_FALLBACKS])
+        summary.kv_transfer_seconds = deltas[engine_metrics.KV_TRANSFER_SECONDS]
     return RunOutcome(label, results, summary, deltas, load)
 
 

@@ -129,7 +129,14 @@ def on_local_stacks(
     from kvgate.local.ports import PortBusyError, plan_ports
     from kvgate.local.stack import SimTiming, StackConfig, StackError
 
+    pd = getattr(args, "pd", None)
     engines = args.engines or (8 if args.simulate else 2)
+    if pd is not None:
+        if args.compare:
+            raise BenchError("--pd compares P/D with aggregated on its own; drop --compare")
+        if args.engines is not None and args.engines != sum(pd):
+            raise BenchError(f"--pd {pd[0]}:{pd[1]} runs {sum(pd)} engines per stack; drop --engines")
+        engines = sum(pd)
     if engines < 1:
         raise BenchError("--engines must be at least 1")
     if args.compare:
@@ -160,6 +167,10 @@ def on_local_stacks(
     try:
         if args.compare:
             outcomes = compare(strategies, template, workload, loads, slo, log_root, _say, progress)
+        elif pd is not None:
+            outcomes = _pd_against_aggregated(
+                args, pd, template, strategies[0], workload, loads, slo, log_root, progress
+            )
         else:
             # A single run may use any EPP profile name, not only the compared strategies.
             name = strategies[0]
@@ -176,7 +187,69 @@ def on_local_stacks(
     note = fill_ideal_hit_rates(outcomes, workload, args.engine_model)
     out_dir = Path("bench") / "results" / f"compare-{stamp}" if args.compare else None
     settings = {**_settings(args, workload, slo, loads), "engines": engines}
+    if pd is not None:
+        settings |= {"pd": f"{pd[0]}:{pd[1]}", "pd_threshold": args.pd_threshold}
     return BenchResult(outcomes, note, settings, compare=args.compare, default_out_dir=out_dir)
+
+
+def _pd_against_aggregated(
+    args: argparse.Namespace,
+    pd: tuple[int, int],
+    template: StackTemplate,
+    strategy: str,
+    workload: WorkloadSpec,
+    loads: Sequence[LoadSpec],
+    slo: Slo,
+    log_root: Path,
+    progress: bool | None,
+) -> list[RunOutcome]:
+    """The same load on P+D aggregated engines, then on P prefill + D decode engines (one EPP
+    profile for both; the P/D stack's EPP adds the prefill/decode decision)."""
+    from kvgate.local.cli import DEFAULT_PD_THRESHOLD
+
+    prefill, decode = pd
+    profile = STRATEGIES.get(strategy, strategy)
+    threshold = DEFAULT_PD_THRESHOLD if args.pd_threshold is None else args.pd_threshold
+    aggregated = replace(template.for_strategy("precise-prefix", log_root / "aggregated"), profile=profile)
+    split = replace(
+        template.for_strategy("precise-prefix", log_root / "pd"),
+        profile=profile,
+        prefill_engines=prefill,
+        pd_threshold=threshold,
+    )
+    outcomes = run_on_fresh_stack(
+        f"aggregated-{prefill + decode}", aggregated, workload, loads, slo, _say, progress
+    )
+    outcomes += run_on_fresh_stack(f"pd-{prefill}:{decode}", split, workload, loads, slo, _say, progress)
+    return outcomes
+
+
+def pd_lines(summaries: Sequence[Summary]) -> list[str]:
+    """P/D against aggregated at each request rate: the figures disaggregation is judged on."""
+    by_rate: dict[float | None, list[Summary]] = {}
+    for s in summaries:
+        by_rate.setdefault(s.request_rate, []).append(s)
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.0f} ms"
+
+    lines: list[str] = []
+    for rate, rows in by_rate.items():
+        split = next((s for s in rows if s.strategy.startswith("pd-")), None)
+        whole = next((s for s in rows if s.strategy.startswith("aggregated-")), None)
+        if split is None or whole is None:
+            continue
+        at = f" at {rate:g} req/s" if rate else ""
+        n = split.kv_transfers or 0
+        lines.append(
+            f"{split.strategy} vs {whole.strategy}{at}: ITL p90 {ms(split.itl_p90_s)} vs {ms(whole.itl_p90_s)}, "
+            f"TTFT p90 {ms(split.ttft_p90_s)} vs {ms(whole.ttft_p90_s)}, "
+            f"output {split.output_tok_s:.1f} vs {whole.output_tok_s:.1f} tok/s; "
+            f"{n} KV hand-offs ({report.human_bytes(split.kv_transfer_bytes or 0)} pulled, "
+            f"{(split.kv_transfer_seconds or 0) / max(n, 1) * 1000:.0f} ms each on average for the prefill "
+            f"call and the pull), {split.kv_transfer_fallbacks or 0} local-prefill fallbacks"
+        )
+    return lines
 
 
 def verdict_lines(summaries: Sequence[Summary], candidate: str = "precise-prefix") -> list[str]:
@@ -229,6 +302,8 @@ def print_report(args: argparse.Namespace, result: BenchResult, started: str) ->
         print()
         print(ratios)
     for line in verdict_lines(summaries):
+        print(line)
+    for line in pd_lines(summaries):
         print(line)
     if args.markdown:
         print()

@@ -103,6 +103,12 @@ class Summary:
     request_rate: float | None = None  # the offered Poisson rate, if any
     concurrency: int | None = None
     status_counts: dict[str, int] = field(default_factory=dict)
+    # Prefill/decode runs: KV bytes the decode engines pulled, hand-offs, local-prefill fallbacks
+    # (from the engines' kvgate:kv_transfer_* counters; None where no engine ran a hand-off).
+    kv_transfer_bytes: float | None = None
+    kv_transfers: int | None = None
+    kv_transfer_fallbacks: int | None = None
+    kv_transfer_seconds: float | None = None  # summed over the hand-offs
 
     def as_record(self) -> dict[str, object]:
         return dict(self.__dict__)

@@ -10,7 +10,10 @@ Three shapes, as in vLLM's `bench serve` datasets and inference-perf's:
   add a short unique question (a product with a few assistants and many users);
 - `multi-turn`: conversations whose every turn resends the whole history plus a new user turn,
   so the prefix grows; a turn is only sent once the previous turn of its conversation ended;
-- `random`: independent prompts of random length; nothing to share beyond the chat template.
+- `random`: independent prompts of random length; nothing to share beyond the chat template;
+- `long-prompt`: unique long prompts (documents to summarise, 4-8k tokens) mixed with short
+  chats, the shape where prefill/decode disaggregation pays: a long prefill on an engine stalls
+  the decode steps of everything else running there.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-WorkloadKind = Literal["shared-prefix", "multi-turn", "random"]
-WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("shared-prefix", "multi-turn", "random")
+WorkloadKind = Literal["shared-prefix", "multi-turn", "random", "long-prompt"]
+WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("shared-prefix", "multi-turn", "random", "long-prompt")
 
 # Each is a single token (with its leading space) in the SmolLM2 / Llama BPE vocabulary.
 WORDS: tuple[str, ...] = tuple(
@@ -87,16 +90,27 @@ class RandomSpec:
 
 
 @dataclass(frozen=True)
+class LongPromptSpec:
+    long_fraction: float = 0.3  # share of requests that carry a long unique prompt
+    min_long_tokens: int = 4000
+    max_long_tokens: int = 8000
+    min_short_tokens: int = 32  # the short chats
+    max_short_tokens: int = 256
+    output_tokens: int = 128
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     kind: WorkloadKind = "shared-prefix"
     seed: int = 0
     shared_prefix: SharedPrefixSpec = field(default_factory=SharedPrefixSpec)
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     random: RandomSpec = field(default_factory=RandomSpec)
+    long_prompt: LongPromptSpec = field(default_factory=LongPromptSpec)
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for impossible sizes."""
-        sp, mt, rd = self.shared_prefix, self.multi_turn, self.random
+        sp, mt, rd, lp = self.shared_prefix, self.multi_turn, self.random, self.long_prompt
         checks = [
             (sp.groups >= 1, "--groups must be at least 1"),
             (sp.prefix_tokens >= 0, "--prefix-tokens must be >= 0"),
@@ -114,6 +128,13 @@ class WorkloadSpec:
                 1 <= rd.min_output_tokens <= rd.max_output_tokens,
                 "random output lengths: need 1 <= min <= max",
             ),
+            (0.0 <= lp.long_fraction <= 1.0, "--long-fraction must be between 0 and 1"),
+            (
+                1 <= lp.min_long_tokens <= lp.max_long_tokens,
+                "long prompt lengths: need 1 <= --min-long-tokens <= --max-long-tokens",
+            ),
+            (1 <= lp.min_short_tokens <= lp.max_short_tokens, "short chat lengths: need 1 <= min <= max"),
+            (lp.output_tokens >= 1, "--output-tokens must be at least 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -144,6 +165,8 @@ def generate(spec: WorkloadSpec) -> Iterator[BenchRequest]:
         return _multi_turn(spec.multi_turn, spec.seed)
     if spec.kind == "random":
         return _random(spec.random, spec.seed)
+    if spec.kind == "long-prompt":
+        return _long_prompt(spec.long_prompt, spec.seed)
     raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOAD_KINDS)}")
 
 
@@ -235,6 +258,26 @@ def _random(spec: RandomSpec, seed: int) -> Iterator[BenchRequest]:
             messages=(ChatMessage("user", _text(words)),),
             max_tokens=rng.randint(spec.min_output_tokens, spec.max_output_tokens),
             group=f"request-{index}",
+            nominal_words=tuple(words),
+        )
+        index += 1
+
+
+def _long_prompt(spec: LongPromptSpec, seed: int) -> Iterator[BenchRequest]:
+    rng = random.Random(f"{seed}:long-prompt")
+    index = 0
+    while True:
+        long = rng.random() < spec.long_fraction
+        if long:
+            n = rng.randint(spec.min_long_tokens, spec.max_long_tokens)
+        else:
+            n = rng.randint(spec.min_short_tokens, spec.max_short_tokens)
+        words = _unique_words(index, n, rng)  # unique from the start: nothing cached anywhere
+        yield BenchRequest(
+            index=index,
+            messages=(ChatMessage("user", _text(words)),),
+            max_tokens=spec.output_tokens,
+            group=f"{'long' if long else 'short'}-{index}",
             nominal_words=tuple(words),
         )
         index += 1
