@@ -145,7 +145,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="producer: serves kv_transfer_params do_remote_decode by prefilling and holding the prompt's "
         "KV blocks for one pull (GET /v1/kv_transfer/ID); consumer: given x-prefiller-host-port (set by the "
         "EPP) or a producer's kv_transfer_params, pulls those blocks into its prefix cache and decodes, "
-        "prefilling locally if the hand-off fails; both: either",
+        "prefilling locally if the hand-off fails; both: either. Transfers are signed with "
+        "$KVGATE_KV_TRANSFER_SECRET (else the --api-key), the same on every engine of the pool; with "
+        "neither, a consumer believes only producers on this machine",
     )
     pd.add_argument(
         "--kv-transfer-timeout",

@@ -5,8 +5,11 @@ itself: a hand-off can make a request faster, never lose it.
 
 The wire: ``GET /v1/kv_transfer/{transfer_id}`` (API key as on every route; never public at
 the gateway) answers ``application/octet-stream``: one JSON line (``layout``, ``block_hashes``,
-``block_bytes``), then per block an 8-byte BLAKE2b digest and the block's bytes. The producer
-unpins the blocks once they are sent, or when the pin times out (a consumer that died).
+``block_bytes``), then per block an 8-byte BLAKE2b digest and the block's bytes, then a 32-byte
+HMAC-SHA256 over all of it keyed with the pool's shared secret (``KVGATE_KV_TRANSFER_SECRET``,
+else the API key). Pulled blocks join the prefix cache every request shares, so a consumer
+believes only a transfer whose tag checks out; with no secret, only loopback producers. The
+producer unpins the blocks once they are sent, or when the pin times out (a consumer that died).
 
 llm-d runs the decode side of this as a sidecar next to vLLM (it reads ``x-prefiller-host-port``,
 calls the prefiller, then vLLM with the returned ``kv_transfer_params``); kvgate's engine server
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import re
@@ -38,6 +43,7 @@ PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's: where the EPP wants the p
 TRANSFER_PATH = "/v1/kv_transfer"
 ROLES = ("none", "producer", "consumer", "both")
 DIGEST_BYTES = 8
+TAG_BYTES = 32  # HMAC-SHA256 after the last block
 _HOST_PORT = re.compile(r"^(?:[A-Za-z0-9.\-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}$")
 _READ_CHUNK_BLOCKS = 32  # blocks read from the runner (and written) at a time
 
@@ -57,6 +63,16 @@ def valid_peer(value: str | None) -> str | None:
     return value
 
 
+def _loopback(peer: str) -> bool:
+    host = peer.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _digest(data: bytes | memoryview) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_BYTES).digest()
 
@@ -69,6 +85,9 @@ class KVTransferSettings:
     engine_id: str = ""
     pin_timeout: float = 30.0  # a producer's blocks wait this long for their pull
     timeout: float = 30.0  # a consumer's whole hand-off: the prefill call and the pull
+    # Shared by a pool's engines: producers sign each transfer with it, consumers check. None:
+    # only loopback producers are believed (pulled blocks join a cache all requests share).
+    secret: bytes | None = None
 
     @property
     def produces(self) -> bool:
@@ -183,16 +202,22 @@ class KVTransfer:
         async def body() -> AsyncIterator[bytes]:
             sent = 0
             try:
-                head = {"layout": layout, "block_hashes": entry.hashes, "block_bytes": size}
-                yield json.dumps(head).encode() + b"\n"
+                head_line = json.dumps(
+                    {"layout": layout, "block_hashes": entry.hashes, "block_bytes": size}
+                ).encode()
+                tag = self._tagger(tid, head_line)
+                yield head_line + b"\n"
                 ids = entry.pin.block_ids
                 for start in range(0, len(ids), _READ_CHUNK_BLOCKS):
                     chunk = ids[start : start + _READ_CHUNK_BLOCKS]
                     blobs = await asyncio.to_thread(runner.read_kv_blocks, chunk)  # type: ignore[attr-defined]
                     for blob in blobs:
-                        yield _digest(blob)
+                        digest = _digest(blob)
+                        tag.update(digest)
+                        yield digest
                         yield bytes(blob)
                         sent += DIGEST_BYTES + len(blob)
+                yield tag.digest()
             finally:
                 self._count("bytes", {"direction": "sent"}, sent)
                 await self._unpin(tid)
@@ -213,6 +238,7 @@ class KVTransfer:
         t0 = time.monotonic()
         self._count("requests", {"role": "consumer"})
         try:
+            self._check_trusted(prefiller)
             async with asyncio.timeout(self.settings.timeout):
                 params = await self._ask_prefill(prefiller, path, body, authorization)
                 got = await self._pull(params, prompt_ids, lora_id, authorization)
@@ -299,10 +325,10 @@ class KVTransfer:
         peer = valid_peer(f"{host}:{port}")
         if peer is None or not isinstance(tid, str) or not re.fullmatch(r"[A-Za-z0-9_\-]{8,64}", tid):
             raise TransferFailed("bad_params", f"cannot pull from {host!r}:{port!r}")
+        self._check_trusted(peer)
         ours = core.prompt_block_hashes(prompt_ids, self.block_size, lora_id)
         received = 0
         plan: core.ImportPlan | None = None
-        verified = 0
         try:
             async with self._client_for().stream(
                 "GET", f"http://{peer}{TRANSFER_PATH}/{tid}", headers=self._auth(authorization)
@@ -310,7 +336,8 @@ class KVTransfer:
                 if resp.status_code != 200:
                     raise TransferFailed("pull_refused", f"HTTP {resp.status_code}")
                 frames = _Frames(resp.aiter_raw())
-                head = json.loads(await frames.line(1 << 24))
+                head_line = await frames.line(1 << 24)
+                head = json.loads(head_line)
                 theirs = [int(h) for h in head["block_hashes"]]
                 size = int(head["block_bytes"])
                 if head.get("layout") != self.layout:
@@ -324,35 +351,38 @@ class KVTransfer:
                     raise TransferFailed("no_match", "the producer's blocks are not this prompt's")
                 plan = await self.engine.call(lambda llm: core.reserve_import(llm, ours[:matched]))
                 runner = self.engine.engine.runner
-                simulated = bool(self.layout and self.layout.get("simulated"))
+                tag = self._tagger(tid, head_line)
                 pending_ids: list[int] = []
                 pending: list[bytes] = []
-                for i in range(len(plan.hashes)):
+                # Every frame is read (the tag covers them all); only planned blocks are written,
+                # into blocks nobody can find until the tag has been checked.
+                for i in range(len(theirs)):
                     digest = await frames.exactly(DIGEST_BYTES)
                     data = await frames.exactly(size)
                     received += DIGEST_BYTES + size
                     if _digest(data) != digest:
-                        log.warning(
-                            "KV transfer %s: block %d fails its checksum; the rest is computed here", tid, i
-                        )
-                        break
-                    if plan.fresh[i]:
+                        raise TransferFailed("bad_data", f"block {i} fails its checksum")
+                    tag.update(digest)
+                    if i < len(plan.hashes) and plan.fresh[i]:
                         pending_ids.append(plan.block_ids[i])
                         pending.append(data)
                     if len(pending) >= _READ_CHUNK_BLOCKS:
                         await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)  # type: ignore[attr-defined]
                         pending_ids, pending = [], []
-                    verified = i + 1
                 if pending:
                     await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)  # type: ignore[attr-defined]
-                if simulated:
-                    moved = sum(plan.fresh[:verified])
-                    await asyncio.sleep(runner.transfer_seconds(moved))  # type: ignore[attr-defined]
+                if not hmac.compare_digest(await frames.exactly(TAG_BYTES), tag.digest()):
+                    raise TransferFailed(
+                        "unauthenticated", "the transfer's tag does not match (another secret?)"
+                    )
+                if self.layout and self.layout.get("simulated"):
+                    await asyncio.sleep(runner.transfer_seconds(sum(plan.fresh)))  # type: ignore[attr-defined]
+        except TransferFailed:
+            await self._abandon(plan)
+            raise
         except httpx.HTTPError as exc:
-            if plan is None or verified == 0:
-                await self._abandon(plan)
-                raise TransferFailed("pull_failed", f"{type(exc).__name__}: {exc}") from None
-            log.warning("KV transfer %s broke after %d blocks; the rest is computed here", tid, verified)
+            await self._abandon(plan)
+            raise TransferFailed("pull_failed", f"{type(exc).__name__}: {exc}") from None
         except (ValueError, KeyError, TypeError) as exc:
             await self._abandon(plan)
             raise TransferFailed("bad_data", str(exc)) from None
@@ -361,15 +391,27 @@ class KVTransfer:
             raise
         finally:
             self._count("bytes", {"direction": "received"}, received)
-        if plan is None:
-            raise TransferFailed("no_match")
         final = plan
         kept = await self.engine.call(
-            lambda llm: core.commit_import(llm, final, verified, prompt_ids, lora_id)
+            lambda llm: core.commit_import(llm, final, len(final.hashes), prompt_ids, lora_id)
         )
-        if kept == 0:
-            raise TransferFailed("bad_data", "no block arrived intact")
         return Imported(final.pin, kept * self.block_size)
+
+    def _check_trusted(self, peer: str) -> None:
+        if self.settings.secret is None and not _loopback(peer):
+            # Pulled blocks join the prefix cache every request shares: without a secret to
+            # authenticate the producer, only this machine's engines are believed.
+            raise TransferFailed(
+                "untrusted_peer",
+                f"{peer}: set KVGATE_KV_TRANSFER_SECRET (or --api-key) on the pool's engines",
+            )
+
+    def _tagger(self, tid: str, head_line: bytes) -> Any:
+        """HMAC-SHA256 over the transfer id, its head line and every block digest, keyed with
+        the pool's shared secret (none: a constant, and only loopback peers are believed)."""
+        mac = hmac.new(self.settings.secret or b"", digestmod=hashlib.sha256)
+        mac.update(tid.encode() + b"\n" + head_line + b"\n")
+        return mac
 
     async def _abandon(self, plan: core.ImportPlan | None) -> None:
         if plan is not None:

@@ -257,6 +257,8 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
                     engine_id=f"{model_name}@{host}:{adv_port}",
                     pin_timeout=options.kv_pin_timeout,
                     timeout=options.kv_transfer_timeout,
+                    secret=(os.environ.get("KVGATE_KV_TRANSFER_SECRET") or options.api_key or "").encode()
+                    or None,
                 ),
                 metrics,
                 options.api_key,

@@ -4,11 +4,13 @@ answers the request, with the producer's blocks freed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import httpx
 import pytest
@@ -134,6 +136,14 @@ def test_a_failed_hand_off_prefills_locally(pair, peer) -> None:
         assert _metric(consumer, "kvgate:kv_transfer_fallbacks_total") == fallbacks0 + 1
 
 
+def test_without_a_secret_only_local_producers_are_believed(pair) -> None:
+    _, consumer = pair  # no KVGATE_KV_TRANSFER_SECRET, no --api-key
+    before = _metric(consumer, "kvgate:kv_transfer_fallbacks_total", reason="untrusted_peer")
+    resp = _complete(consumer, _prompt("far"), {"x-prefiller-host-port": "10.255.255.1:9"})
+    assert resp.status_code == 200 and resp.elapsed.total_seconds() < 2  # not even asked
+    assert _metric(consumer, "kvgate:kv_transfer_fallbacks_total", reason="untrusted_peer") == before + 1
+
+
 def test_a_frozen_producer_costs_the_timeout_not_the_request(tmp_path) -> None:
     producer = harness.start_engine(tmp_path, "--kv-role", "producer", *FAST)
     consumer = harness.start_engine(tmp_path, "--kv-role", "consumer", "--kv-transfer-timeout", "1.5", *FAST)
@@ -169,6 +179,70 @@ def test_a_frozen_producer_costs_the_timeout_not_the_request(tmp_path) -> None:
             )
     finally:
         harness.stop_all(producer.proc, consumer.proc)
+
+
+def test_forged_blocks_never_reach_the_cache(tmp_path) -> None:
+    """Cache poisoning: a peer that knows the hash scheme serves the prompt's true block hashes
+    with made-up KV and intact digests. Without the pool's secret its tag cannot check out, so
+    nothing it sent becomes findable; the request is computed here and answers normally."""
+    from kvgate.api.tokenizer import load_tokenizer
+    from kvgate.engine.kv_transfer import prompt_block_hashes
+
+    prompt = _prompt("poison")
+    ids = load_tokenizer("default").encode(prompt)
+    _Poisoner.hashes = prompt_block_hashes(ids, 16, None)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Poisoner)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    os.environ["KVGATE_KV_TRANSFER_SECRET"] = "pool-secret"
+    try:
+        consumer = harness.start_engine(tmp_path, "--kv-role", "consumer", *FAST)
+    finally:
+        del os.environ["KVGATE_KV_TRANSFER_SECRET"]
+    try:
+        consumer.wait_ready()
+        peer = f"127.0.0.1:{server.server_address[1]}"
+        resp = _complete(consumer, prompt, {"x-prefiller-host-port": peer}, max_tokens=1)
+        assert resp.status_code == 200
+        assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert _metric(consumer, "vllm:external_prefix_cache_hits_total") == 0
+        assert _metric(consumer, "kvgate:kv_transfer_fallbacks_total", reason="unauthenticated") == 1
+    finally:
+        harness.stop_all(consumer.proc)
+        server.shutdown()
+
+
+class _Poisoner(BaseHTTPRequestHandler):
+    hashes: ClassVar[list[int]] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        port = self.server.server_address[1]
+        params = {
+            "do_remote_prefill": True,
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "transfer_id": "poisoned0001",
+        }
+        _send(self, json.dumps({"kv_transfer_params": params}).encode(), "application/json")
+
+    def do_GET(self) -> None:
+        import hashlib
+
+        layout = {"simulated": True, "block_size": 16, "bytes_per_block": 2097152}
+        head = json.dumps({"layout": layout, "block_hashes": self.hashes, "block_bytes": 0}).encode()
+        digest = hashlib.blake2b(b"", digest_size=8).digest()
+        _send(self, head + b"\n" + digest * len(self.hashes) + b"\x00" * 32, "application/octet-stream")
+
+
+def _send(handler: BaseHTTPRequestHandler, body: bytes, kind: str) -> None:
+    handler.send_response(200)
+    handler.send_header("content-type", kind)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 class _Forger(BaseHTTPRequestHandler):
