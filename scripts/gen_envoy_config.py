@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from kvgate.epp.envoy_config import GatewayLimits, build_bootstrap
+from kvgate.epp.envoy_config import GatewayLimits, PoolGateway, build_bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "charts" / "kvgate" / "files" / "envoy.yaml"
@@ -47,7 +47,7 @@ SUBSTITUTIONS = {
 }
 
 
-def _wrap_tls(text: str) -> str:
+def _wrap_tls(text: str, values: str = V) -> str:
     """The EPP cluster's transport_socket block only when envoyGateway.eppTLS is set."""
     lines = text.splitlines()
     out: list[str] = []
@@ -61,7 +61,7 @@ def _wrap_tls(text: str) -> str:
             while i < len(lines) and len(lines[i]) - len(lines[i].lstrip()) > indent:
                 block.append(lines[i])
                 i += 1
-            out += [f"{{{{- if {V}.eppTLS }}}}", *block, "{{- end }}"]
+            out += [f"{{{{- if {values}.eppTLS }}}}", *block, "{{- end }}"]
             continue
         out.append(line)
         i += 1
@@ -88,19 +88,113 @@ def rendered() -> str:
     return HEADER + _wrap_tls(text)
 
 
+# The several-pools gateway (envoyGateway.pools): the builder's output for one sentinel pool,
+# whose clusters and routes are wrapped in a Helm `range` over the pools, so N pools render
+# exactly what build_bootstrap(pools=[...N]) builds. `$` (the chart root) works inside the range.
+POOLS_TARGET = ROOT / "charts" / "kvgate" / "files" / "envoy-pools.yaml"
+PV = "$.Values.envoyGateway"
+POOL_LABEL = "kvgatepoolsentinel"
+P_EPP_HOST, P_EPP_PORT = "kvgate-pools-epp-host.sentinel.invalid", 31012
+P_ENGINE_HOST, P_ENGINE_PORT = "kvgate-pools-engine-host.sentinel.invalid", 31014
+ROUTER_HOST, ROUTER_PORT = "kvgate-model-router-host.sentinel.invalid", 31015
+PER_POOL_LISTS = ("clusters:", "routes:")
+POOL_SUBSTITUTIONS = {
+    # default: the chart's headless Service of the pool's EPP pods (every replica a host)
+    P_EPP_HOST: '{{ $p.eppAddress | default (printf "%s.%s.svc" ($p.eppService | default (printf '
+    '"%s-epp-replicas" $p.name)) $.Release.Namespace) }}',
+    # default: the chart's headless Service of the pool's engine pods
+    P_ENGINE_HOST: '{{ $p.engineAddress | default (printf "%s-engines.%s.svc" $p.name $.Release.Namespace) }}',
+    f"port_value: {P_EPP_PORT}": f"port_value: {{{{ $p.eppPort | default {PV}.eppPort }}}}",
+    f"port_value: {P_ENGINE_PORT}": f"port_value: {{{{ $p.enginePort | default {PV}.enginePort }}}}",
+    # default: the chart's headless Service of the model router pods
+    ROUTER_HOST: f'{{{{ {PV}.modelRouter.address | default (printf "%s-model-router.%s.svc" '
+    f'(include "kvgate.fullname" $) $.Release.Namespace) }}}}',
+    f"port_value: {ROUTER_PORT}": f"port_value: {{{{ {PV}.modelRouter.grpcPort }}}}",
+    f"port_value: {LISTEN_PORT}": f"port_value: {{{{ {PV}.port }}}}",
+    f"'{MAX_BODY + 1}'": f"'{{{{ add1 (int64 {PV}.maxRequestBodyBytes) }}}}'",
+    f"larger than {MAX_BODY} bytes": f"larger than {{{{ int64 {PV}.maxRequestBodyBytes }}}} bytes",
+    f"request_body_buffer_limit: '{MAX_BODY}'": f"request_body_buffer_limit: '{{{{ int64 {PV}.maxRequestBodyBytes }}}}'",
+    "failure_mode_allow: true": f'failure_mode_allow: {{{{ eq {PV}.failureMode "FailOpen" }}}}',
+}
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _range_over_pools(text: str) -> str:
+    """Wraps each run of sentinel-pool items of the clusters and routes lists in a Helm range
+    over envoyGateway.pools; the sentinel becomes the pool's name there, and the first pool's
+    elsewhere (the EPP filter's default cluster, which every pool route overrides)."""
+    lines = text.splitlines()
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        run: list[str] = []
+        while i < len(lines) and lines[i].lstrip().startswith("- "):
+            indent = _indent(lines[i])
+            # the list's key: PyYAML writes block lists at their key's indentation
+            keys = (
+                o for o in reversed(out) if _indent(o) == indent and not o.lstrip().startswith(("- ", "{{"))
+            )
+            parent = next(keys, "").strip()
+            end = i + 1
+            while end < len(lines) and _indent(lines[end]) > indent:
+                end += 1
+            block = lines[i:end]
+            if parent not in PER_POOL_LISTS or not any(POOL_LABEL in b for b in block):
+                break
+            run += block
+            i = end
+        if run:
+            body = "\n".join(run).replace(f"exact: {POOL_LABEL}", "exact: {{ $p.name | quote }}")
+            out += [
+                f"{{{{- range $p := {PV}.pools }}}}",
+                body.replace(POOL_LABEL, "{{ $p.name }}"),
+                "{{- end }}",
+            ]
+            continue
+        out.append(lines[i])
+        i += 1
+    joined = "\n".join(out).replace(POOL_LABEL, f"{{{{ (first {PV}.pools).name }}}}")
+    return joined + "\n"
+
+
+def rendered_pools() -> str:
+    boot = build_bootstrap(
+        listen_port=LISTEN_PORT,
+        epp_host=P_EPP_HOST,  # unused with pools: each pool names its own EPP
+        epp_port=P_EPP_PORT,
+        failure_mode="FailOpen",
+        admin_port=19000,
+        epp_tls=True,
+        listen_host="0.0.0.0",
+        limits=GatewayLimits(max_request_body_bytes=MAX_BODY),
+        pools=[PoolGateway(POOL_LABEL, [f"{P_EPP_HOST}:{P_EPP_PORT}"], [f"{P_ENGINE_HOST}:{P_ENGINE_PORT}"])],
+        model_router_addresses=[f"{ROUTER_HOST}:{ROUTER_PORT}"],
+    )
+    text = _range_over_pools(yaml.safe_dump(boot, sort_keys=False, width=10_000))
+    for sentinel, expression in POOL_SUBSTITUTIONS.items():
+        if sentinel not in text:
+            raise SystemExit(f"gen_envoy_config: sentinel {sentinel!r} not found; update POOL_SUBSTITUTIONS")
+        text = text.replace(sentinel, expression)
+    return HEADER + _wrap_tls(text, PV)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 if the chart's file is stale")
     args = p.parse_args()
-    text = rendered()
-    if args.check:
-        if not TARGET.is_file() or TARGET.read_text() != text:
-            print(f"{TARGET} is stale: run scripts/gen_envoy_config.py", file=sys.stderr)
-            return 1
-        return 0
-    TARGET.write_text(text)
-    print(f"wrote {TARGET.relative_to(ROOT)}")
-    return 0
+    stale = False
+    for target, text in ((TARGET, rendered()), (POOLS_TARGET, rendered_pools())):
+        if args.check:
+            if not target.is_file() or target.read_text() != text:
+                print(f"{target} is stale: run scripts/gen_envoy_config.py", file=sys.stderr)
+                stale = True
+            continue
+        target.write_text(text)
+        print(f"wrote {target.relative_to(ROOT)}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,12 @@ OPERATOR_PEER = {
     "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate-operator"}},
 }
 
+# The chart's model router pods (charts/kvgate/templates/model-router.yaml), any namespace.
+MODEL_ROUTER_PEER = {
+    "namespaceSelector": {"matchLabels": {}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate-model-router"}},
+}
+
 
 def _peers(peers: list[NetworkPeer]) -> list[dict[str, Any]]:
     return [p.wire() for p in peers]
@@ -53,7 +59,8 @@ def network_policies(
     epp_rules: list[dict[str, Any]] = [{"from": gateway, "ports": _tcp(EPP_GRPC_PORT, EPP_HEALTH_PORT)}]
     eng = spec.engine
     engine_rules: list[dict[str, Any]] = [
-        {"from": gateway, "ports": _tcp(eng.port)},
+        # The chart's model router (several pools behind one gateway) lists the engines' models.
+        {"from": [*gateway, MODEL_ROUTER_PEER], "ports": _tcp(eng.port)},
         # The picker scrapes /metrics on the serving port and subscribes to KV events.
         {
             "from": [{"podSelector": {"matchLabels": epp_pods}}],

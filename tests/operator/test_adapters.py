@@ -27,6 +27,7 @@ from kvgate.operator.resources import (
     DEPLOYMENTS,
     EVENTS,
     MODEL_DEPLOYMENTS,
+    NETWORK_POLICIES,
     PODS,
     SECRETS,
 )
@@ -190,6 +191,18 @@ async def test_adapters_load_and_unload_at_run_time_without_restarting_engines(
         "16",
     ]
     assert not any("lora-modules" in x or "sql" in x for x in args)
+    # The operator reaches the engines' serving port through their NetworkPolicy.
+    policy = cluster.objects(NETWORK_POLICIES)["smol"]
+    operator_rule = {
+        "from": [
+            {
+                "namespaceSelector": {"matchLabels": {}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate-operator"}},
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": engines.port}],
+    }
+    assert operator_rule in policy["spec"]["ingress"]
     config_map = cluster.objects(CONFIG_MAPS)["smol-adapters"]
     listed = json.loads(config_map["data"]["hf-adapters.json"])
     assert listed == [{"repo": "acme/chat-lora", "revision": "v1", "dir": "acme--chat-lora@v1"}]

@@ -336,7 +336,15 @@ async def test_network_policies_admit_only_the_gateway_the_picker_and_scrapers(
     engine = policies["smol"]
     assert engine["spec"]["podSelector"] == cluster.objects(DEPLOYMENTS)["smol"]["spec"]["selector"]
     epp_pods = [{"podSelector": epp["spec"]["podSelector"]}]
-    assert rules(engine) == [(gateway, [8000]), (epp_pods, [5557, 5558, 8000]), ([prometheus], [8000])]
+    router = {
+        "namespaceSelector": {"matchLabels": {}},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kvgate-model-router"}},
+    }
+    assert rules(engine) == [
+        ([*gateway, router], [8000]),
+        (epp_pods, [5557, 5558, 8000]),
+        ([prometheus], [8000]),
+    ]
 
     # Opting out removes them; the rest of the children stay.
     await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"networkPolicy": {"enabled": False}}})

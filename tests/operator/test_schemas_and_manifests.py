@@ -35,6 +35,7 @@ VALUES_FILES = [
     CHART / "examples" / "values-gpu.yaml",
     CHART / "examples" / "values-envoy-gateway.yaml",
     CHART / "examples" / "values-monitoring.yaml",
+    CHART / "examples" / "values-model-router.yaml",
 ]
 
 
@@ -491,6 +492,27 @@ def test_every_rendered_template_is_valid(
     }
     gpu = [d for d in rendered_chart["values-gpu.yaml"] if d["kind"] == "ModelDeployment"]
     assert gpu and ModelDeploymentSpec.model_validate(gpu[0]["spec"])
+
+
+def test_model_router_values_render_the_router_and_every_pool(
+    rendered_chart: dict[str, list[dict[str, Any]]],
+) -> None:
+    docs = rendered_chart["values-model-router.yaml"]  # each validated above
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    router = by_name[("Deployment", "kvgate-model-router")]["spec"]["template"]["spec"]["containers"][0]
+    pools = [router["args"][i + 1] for i, a in enumerate(router["args"]) if a == "--pool"]
+    assert pools == [
+        "smollm2=smollm2-engines.kvgate-system.svc:8000",
+        "qwen=qwen-engines.kvgate-system.svc:8000",
+    ]
+    assert ("Service", "kvgate-model-router") in by_name
+    for pool in ("smollm2", "qwen"):
+        assert ("Service", f"{pool}-engines") in by_name and ("Service", f"{pool}-epp-replicas") in by_name
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "envoy.yaml" in d.get("data", {})]
+    clusters = {c["name"] for c in yaml.safe_load(cm["data"]["envoy.yaml"])["static_resources"]["clusters"]}
+    assert {"epp-smollm2", "pool-smollm2", "epp-qwen", "pool-qwen", "model_router"} <= clusters
+    for md in (d for d in docs if d["kind"] == "ModelDeployment"):
+        ModelDeploymentSpec.model_validate(md["spec"])
 
 
 def test_monitoring_values_render_valid_prometheus_operator_objects_and_dashboards(
