@@ -119,25 +119,32 @@ def test_bad_bodies_are_openai_errors(stack: UpProcess) -> None:
         assert resp.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_an_adapter_loaded_at_run_time_is_routed_to_its_pool(stack: UpProcess, tmp_path) -> None:
-    alpha = stack.stack["pools"]["alpha"]["engine_urls"]  # simulated: any existing folder is an adapter
-    for engine in alpha:
-        resp = httpx.post(
-            engine + "/v1/load_lora_adapter",
-            json={"lora_name": "alpha-sql", "lora_path": str(tmp_path)},
-            timeout=10,
-        )
-        assert resp.status_code == 200, resp.text
+def test_adapters_loaded_at_run_time_are_listed_and_routed_to_their_pools(stack: UpProcess, tmp_path) -> None:
+    # simulated engines: any existing folder is an adapter
+    adapters = {"alpha": "alpha-sql", "beta": "beta-chat"}
+    for pool, adapter in adapters.items():
+        for engine in stack.stack["pools"][pool]["engine_urls"]:
+            resp = httpx.post(
+                engine + "/v1/load_lora_adapter",
+                json={"lora_name": adapter, "lora_path": str(tmp_path)},
+                timeout=10,
+            )
+            assert resp.status_code == 200, resp.text
     client = _client(stack)
+    want = {"alpha", "beta", *adapters.values()}
     eventually(
-        lambda: "alpha-sql" in {m.id for m in client.models.list()}, 15, "the router lists the adapter"
+        lambda: {m.id for m in client.models.list()} == want, 15, "the router lists both pools' adapters"
     )
-    card = client.models.retrieve("alpha-sql")
-    assert card.model_extra and card.model_extra.get("parent") == "alpha"
-    for _ in range(3):
-        raw = client.completions.with_raw_response.create(model="alpha-sql", prompt="select", max_tokens=2)
-        assert raw.headers[UPSTREAM] in _engines(stack, "alpha")
-        assert raw.parse().model == "alpha-sql"
+    for pool, adapter in adapters.items():
+        card = client.models.retrieve(adapter)
+        assert card.model_extra and card.model_extra.get("parent") == pool
+        for _ in range(3):
+            raw = client.completions.with_raw_response.create(model=adapter, prompt="select", max_tokens=2)
+            assert raw.headers[UPSTREAM] in _engines(stack, pool)
+            assert raw.parse().model == adapter
+    # the adapter ran on its pool's engines: vLLM's LoRA gauge names it as running or done there
+    info = httpx.get(stack.stack["pools"]["beta"]["engine_urls"][0] + "/metrics", timeout=5).text
+    assert "vllm:lora_requests_info" in info
 
 
 def _requests_seen(up: UpProcess) -> float:
