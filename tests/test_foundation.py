@@ -137,6 +137,18 @@ def test_cli_help_lists_every_subcommand() -> None:
         assert leaf in sub.stdout
 
 
+def test_every_command_help_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse %-formats help text: one stray '%' in any flag's help crashes --help."""
+    from kvgate.cli import build_parser
+
+    for path in COMMANDS:
+        parser = build_parser([*path])
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([*path, "--help"])
+        assert exit_.value.code == 0, path
+        assert "usage: kvgate " + " ".join(path) in capsys.readouterr().out
+
+
 def test_cli_without_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "usage: kvgate" in capsys.readouterr().out

@@ -101,7 +101,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         choices=sorted(PRESETS),
         default=None,
         help="a named benchmark shape; fills the flags you leave at their defaults: "
-        + "; ".join(f"{name}: {preset.summary}" for name, preset in sorted(PRESETS.items())),
+        # argparse %-formats help text: a summary's "30%" would crash --help
+        + "; ".join(f"{name}: {preset.summary}" for name, preset in sorted(PRESETS.items())).replace(
+            "%", "%%"
+        ),
     )
     w.add_argument("--workload", choices=WORKLOAD_KINDS, default="shared-prefix", help="request shape")
     w.add_argument("--seed", type=int, default=0, help="seed for prompts, group choice and arrivals")
