@@ -43,6 +43,7 @@ class EngineStats:
     # LoRA adapter names with a running / a waiting request (vllm:lora_requests_info)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    lora_loads_total: int = 0  # adapters put into a device slot (the load cost LoRA routing avoids)
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -375,6 +376,7 @@ class LLMEngine:
             prefill_tokens_pending=self.scheduler.pending_prefill_tokens(),
             running_loras=self._lora_names(self.scheduler.running_lora_ids()),
             waiting_loras=self._lora_names(self.scheduler.waiting_lora_ids()),
+            lora_loads_total=int(getattr(self.runner, "lora_loads_total", 0)),
         )
 
     def _lora_names(self, ids: set[int]) -> tuple[str, ...]:

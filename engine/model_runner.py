@@ -276,6 +276,10 @@ class TorchModelRunner:
     def remove_lora(self, lora_id: int) -> None:
         self._lora_manager().remove(lora_id)
 
+    @property
+    def lora_loads_total(self) -> int:
+        return self.lora.slot_loads_total if self.lora is not None else 0
+
     # -- KV transfer (prefill/decode disaggregation) ----------------------------------------------
 
     def kv_layout(self) -> dict[str, Any]:

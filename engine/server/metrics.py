@@ -186,6 +186,7 @@ class StatsSnapshot:
     prefill_tokens_pending: int = 0
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    lora_loads_total: int = 0
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -201,6 +202,7 @@ class StatsSnapshot:
             prefill_tokens_pending=int(getattr(stats, "prefill_tokens_pending", 0)),
             running_loras=tuple(getattr(stats, "running_loras", ())),
             waiting_loras=tuple(getattr(stats, "waiting_loras", ())),
+            lora_loads_total=int(getattr(stats, "lora_loads_total", 0)),
         )
 
 
@@ -342,6 +344,11 @@ class EngineMetrics:
             "kvgate:kv_transfer_seconds",
             "Consumer hand-off time: the prefill call and the pull.",
             (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
+        self.lora_loads = scalar(
+            "kvgate:lora_adapter_loads_total",
+            "counter",
+            "LoRA adapters put into a device slot (each costs a weight copy; LoRA-aware routing avoids them).",
         )
         self.kv_transfer_pinned = scalar(
             "kvgate:kv_transfer_pinned_blocks", "gauge", "KV blocks a producer holds for pulls not made yet."
@@ -491,6 +498,7 @@ class EngineMetrics:
             (self.prefix_queries, snap.prefix_cache_queries_total, last.prefix_cache_queries_total),
             (self.prefix_hits, snap.prefix_cache_hits_total, last.prefix_cache_hits_total),
             (self.preemptions, snap.num_preemptions_total, last.num_preemptions_total),
+            (self.lora_loads, snap.lora_loads_total, last.lora_loads_total),
         ):
             if new > old:
                 counter.inc(new - old)
