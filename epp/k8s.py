@@ -57,6 +57,9 @@ def matches(pod: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(have.get(k) == v for k, v in labels.items())
 
 
+_warned_roles: set[tuple[str, str]] = set()
+
+
 def pod_role(pod: dict[str, Any]) -> str:
     """The pod's ``kvgate.dev/role`` label; absent: both. An unknown value (a typo) also counts as
     both, with a warning: taking the pod out of the pool would be a worse surprise."""
@@ -65,9 +68,13 @@ def pod_role(pod: dict[str, Any]) -> str:
     if role is None:
         return ROLE_BOTH
     if role not in ROLES:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        if (name, role) in _warned_roles:  # once per pod and value: the list is rebuilt per pod event
+            return ROLE_BOTH
+        _warned_roles.add((name, role))
         log.warning(
             "pod %s: label %s=%r is not one of %s; serving it as both",
-            (pod.get("metadata") or {}).get("name", "?"),
+            name,
             ROLE_LABEL,
             role,
             ", ".join(ROLES),

@@ -59,14 +59,16 @@ PRESETS: dict[str, Preset] = {
     # prefill stalls every decode running beside it, mixed with short chats that feel it.
     "pd-long-prompt": Preset(
         "30% unique 4,000-8,000-token prompts, 70% short chats of 32-256 tokens, 128-token answers; "
-        "1 prefill + 3 decode simulated engines vs 4 aggregated; 4,096 KV blocks each; 1 req/s, 60 requests",
+        "2 prefill + 2 decode simulated engines vs 4 aggregated; 4,096 KV blocks each; 1 req/s, 60 requests",
         {
             "workload": "long-prompt",
             "long_fraction": 0.3,
             "min_long_tokens": 4000,
             "max_long_tokens": 8000,
             "output_tokens": 128,
-            "pd": (1, 3),
+            # the prompts' prefill work (~1.1 engines' worth at 1 req/s) needs two prefill engines:
+            # with one (--pd 1:3) it queues and TTFT p90 is 6x the aggregated run's
+            "pd": (2, 2),
             "sim_kv_blocks": 4096,
             "request_rate": "1",
             "num_requests": 60,
