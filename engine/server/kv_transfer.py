@@ -198,6 +198,8 @@ class KVTransfer:
         runner = self.engine.engine.runner
         layout = self.layout or {}
         size = int(0 if layout.get("simulated") else layout.get("bytes_per_block", 0))
+        # a simulated engine moves no bytes but counts the ones its model stands for
+        modelled = int(layout.get("bytes_per_block", 0)) if layout.get("simulated") else 0
 
         async def body() -> AsyncIterator[bytes]:
             sent = 0
@@ -216,7 +218,7 @@ class KVTransfer:
                         tag.update(digest)
                         yield digest
                         yield bytes(blob)
-                        sent += DIGEST_BYTES + len(blob)
+                        sent += DIGEST_BYTES + len(blob) + modelled
                 yield tag.digest()
             finally:
                 self._count("bytes", {"direction": "sent"}, sent)
@@ -344,6 +346,8 @@ class KVTransfer:
                     raise TransferFailed("layout_mismatch", f"{head.get('layout')} vs {self.layout}")
                 if not theirs:
                     raise TransferFailed("no_full_block", "the prompt fills no whole block")
+                ours_layout = self.layout or {}
+                modelled = int(ours_layout.get("bytes_per_block", 0)) if ours_layout.get("simulated") else 0
                 matched = 0
                 while matched < min(len(theirs), len(ours)) and theirs[matched] == ours[matched]:
                     matched += 1
@@ -359,7 +363,7 @@ class KVTransfer:
                 for i in range(len(theirs)):
                     digest = await frames.exactly(DIGEST_BYTES)
                     data = await frames.exactly(size)
-                    received += DIGEST_BYTES + size
+                    received += DIGEST_BYTES + size + modelled
                     if _digest(data) != digest:
                         raise TransferFailed("bad_data", f"block {i} fails its checksum")
                     tag.update(digest)
