@@ -8,6 +8,10 @@ one whose folder changed (`load_inplace`), and unloads adapters the operator loa
 loaded are left alone. Every call is idempotent against what the pod reports, so a missed or
 failed pass is repaired by the next one. The engines' pod template never changes for this.
 
+With LoRA on, the pod template carries a readiness gate (kvgate.dev/lora-adapters): a pod whose
+engine is up is loaded here, and its gate set once it has every adapter, or once
+lora.loadTimeoutSeconds have passed (a broken adapter must not keep pods out of service).
+
 The API key: the engines' `KVGATE_API_KEY` env entry (a literal, or a Secret key) or an
 `--api-key` in spec.engine.args, sent as a bearer token like any client.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import logging
 from dataclasses import dataclass, field
@@ -25,8 +30,8 @@ import aiohttp
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
-from kvgate.operator.conditions import Cond
-from kvgate.operator.kube import KubeClient
+from kvgate.operator.conditions import Cond, now_rfc3339
+from kvgate.operator.kube import ApiError, KubeClient
 from kvgate.operator.resources import PODS, SECRETS
 
 log = logging.getLogger("kvgate.operator.adapters")
@@ -40,6 +45,9 @@ MAX_MESSAGE = 400
 class EnginePod:
     name: str
     url: str  # http://ip:port
+    gated: bool = False  # the adapters readiness gate is already True
+    up_since: str | None = None  # when its containers turned ready (RFC 3339)
+    conditions: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -58,7 +66,8 @@ class AdapterReport:
 
 
 def ready_engine_pods(pods: list[dict[str, Any]], selector: dict[str, str], port: int) -> list[EnginePod]:
-    """The pods of the engine selector that are Ready, have an IP and are not terminating."""
+    """The pods of the engine selector whose engine is up (its containers ready: the pod itself
+    waits on our readiness gate), with an IP and not terminating."""
     out = []
     for pod in pods:
         meta = pod.get("metadata") or {}
@@ -66,12 +75,74 @@ def ready_engine_pods(pods: list[dict[str, Any]], selector: dict[str, str], port
         status = pod.get("status") or {}
         if any(labels.get(k) != v for k, v in selector.items()) or meta.get("deletionTimestamp"):
             continue
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        conds = {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, dict)}
+        up = next(
+            (conds[t] for t in ("ContainersReady", "Ready") if conds.get(t, {}).get("status") == "True"), None
         )
-        if ready and status.get("podIP"):
-            out.append(EnginePod(meta["name"], f"http://{_host(status['podIP'])}:{port}"))
+        if up is not None and status.get("podIP"):
+            out.append(
+                EnginePod(
+                    meta["name"],
+                    f"http://{_host(status['podIP'])}:{port}",
+                    gated=conds.get(ch.ADAPTERS_GATE, {}).get("status") == "True",
+                    up_since=up.get("lastTransitionTime"),
+                    conditions=tuple(conds.values()),
+                )
+            )
     return sorted(out, key=lambda p: p.name)
+
+
+def _age_s(stamp: str | None) -> float | None:
+    if not stamp:
+        return None
+    try:
+        when = datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (datetime.datetime.now(datetime.UTC) - when).total_seconds()
+
+
+def gate_decision(pod: EnginePod, result: PodResult, want: dict[str, str], timeout_s: int) -> Cond | None:
+    """The readiness-gate condition to set on a pod now, or None (already set, or keep waiting)."""
+    if pod.gated:
+        return None
+    if (
+        result.unreachable is None
+        and not result.errors
+        and all(result.loaded.get(n) == p for n, p in want.items())
+    ):
+        return Cond(ch.ADAPTERS_GATE, "True", "AdaptersLoaded", f"{len(want)} LoRA adapter(s) loaded.")
+    age = _age_s(pod.up_since)
+    if age is not None and age >= timeout_s:
+        missing = sorted(n for n, p in want.items() if result.loaded.get(n) != p)
+        msg = f"Serving after {timeout_s}s (lora.loadTimeoutSeconds) without: {', '.join(missing) or 'none'}."
+        return Cond(ch.ADAPTERS_GATE, "True", "LoadTimeout", msg)
+    return None
+
+
+async def open_gate(client: KubeClient, namespace: str, pod: EnginePod, cond: Cond) -> None:
+    """Sets the pod's readiness gate condition. A strategic merge patch merges conditions by
+    type on a real API server; the whole list is sent so a merge patch keeps the others too."""
+    entry = {
+        "type": cond.type,
+        "status": cond.status,
+        "reason": cond.reason,
+        "message": cond.message,
+        "lastTransitionTime": now_rfc3339(),
+    }
+    conditions = [c for c in pod.conditions if c.get("type") != cond.type] + [entry]
+    try:
+        await client.patch(
+            PODS,
+            namespace,
+            pod.name,
+            {"status": {"conditions": conditions}},
+            "status",
+            content_type="application/strategic-merge-patch+json",
+        )
+        log.info("pod %s/%s ready for traffic: %s", namespace, pod.name, cond.message)
+    except ApiError as exc:  # gone meanwhile, or not ours to patch: the next pass sees
+        log.warning("could not set %s on pod %s/%s: %s", cond.type, namespace, pod.name, exc)
 
 
 def _host(ip: str) -> str:
@@ -239,7 +310,7 @@ async def sync_adapters(
     managed_before = {str(e["name"]) for e in previous or [] if isinstance(e, dict) and e.get("name")}
     paths = {a.name: ch.adapter_path(spec, a) for a in spec.adapters}
     drop = {n for n in managed_before if n not in paths}
-    if not spec.adapters and not drop:
+    if not spec.adapters and not drop and not spec.lora_enabled():
         return None
     try:
         key = await engine_api_key(client, namespace, spec)
@@ -252,4 +323,10 @@ async def sync_adapters(
     pods = ready_engine_pods(await client.list(PODS, namespace, label_selector), selector, spec.engine.port)
     async with aiohttp.ClientSession() as session:
         results = await AdapterSync(session, key).sync(pods, paths, drop)
+    if spec.lora_enabled():
+        timeout = spec.lora_settings().load_timeout_seconds
+        for pod in pods:
+            cond = gate_decision(pod, results[pod.name], paths, timeout)
+            if cond is not None:
+                await open_gate(client, namespace, pod, cond)
     return report(spec, paths, drop, results)

@@ -161,12 +161,13 @@ class KubeClient:
         name: str,
         body: dict[str, Any],
         subresource: str | None = None,
+        content_type: str = "application/merge-patch+json",
     ) -> dict[str, Any]:
         return await self._request(
             "PATCH",
             res.path(namespace, name, subresource),
             data=json.dumps(body),
-            headers={"Content-Type": "application/merge-patch+json"},
+            headers={"Content-Type": content_type},
         )
 
     async def delete(self, res: Resource, namespace: str | None, name: str) -> bool:

@@ -648,6 +648,17 @@ class LoRASpec(K8sModel):
         ge=1,
         description="Parsed adapters kept in CPU memory (`--max-cpu-loras`); maxLoras when unset.",
     )
+    load_timeout_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=86400,
+        description=(
+            "An engine pod turns Ready (readiness gate kvgate.dev/lora-adapters) once the operator "
+            "has loaded every adapter into it, or this long after its engine came up, whichever is "
+            "first: a new pod gets no traffic before its adapters, and a broken adapter cannot keep "
+            "pods out of service forever."
+        ),
+    )
     claims: list[Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_LABEL_PATTERN)]] = Field(
         default_factory=list,
         max_length=8,

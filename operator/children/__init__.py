@@ -13,12 +13,14 @@ write `from kvgate.operator import children as ch` and `ch.engine_deployment(...
 """
 
 from kvgate.operator.children.adapters import (
+    ADAPTERS_GATE,
     adapter_fetcher,
     adapter_path,
     adapters_config_map,
     adapters_config_map_name,
     hf_adapter_list,
     lora_args,
+    readiness_gates,
 )
 from kvgate.operator.children.autoscaling import (
     autoscaler_kind,
@@ -73,6 +75,7 @@ from kvgate.operator.children.pool import inference_pool
 from kvgate.operator.children.route import http_route
 
 __all__ = [
+    "ADAPTERS_GATE",
     "ANNOTATION_EPP",
     "ANNOTATION_TOKENIZER",
     "API_KEY_ENV",
@@ -125,6 +128,7 @@ __all__ = [
     "pod_security",
     "pool_gauge",
     "pool_owner",
+    "readiness_gates",
     "scaled_object",
     "standard_labels",
     "tokenizer_source",

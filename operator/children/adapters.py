@@ -30,6 +30,8 @@ from kvgate.operator.children.common import (
 )
 from kvgate.operator.config import OperatorConfig
 
+# The engine pods' readiness gate: the operator sets it once the pod has its adapters.
+ADAPTERS_GATE = "kvgate.dev/lora-adapters"
 ADAPTER_LIST_DIR = "/etc/kvgate/adapters"
 ADAPTER_LIST_KEY = "hf-adapters.json"
 FETCH_INTERVAL_S = 10
@@ -86,6 +88,11 @@ def adapter_volumes(
         volumes.append({"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": vol, "mountPath": f"{ADAPTER_CLAIMS_DIR}/{claim}", "readOnly": True})
     return volumes, mounts
+
+
+def readiness_gates(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
+    """With LoRA on, a pod is Ready only once the operator says its adapters are loaded."""
+    return [{"conditionType": ADAPTERS_GATE}] if spec.lora_enabled() else []
 
 
 def adapter_fetcher(spec: ModelDeploymentSpec, config: OperatorConfig) -> dict[str, Any] | None:

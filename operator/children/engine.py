@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
-from kvgate.operator.children.adapters import adapter_fetcher, adapter_volumes, lora_args
+from kvgate.operator.children.adapters import adapter_fetcher, adapter_volumes, lora_args, readiness_gates
 from kvgate.operator.children.common import (
     MODEL_DIR,
     Owner,
@@ -196,6 +196,9 @@ def engine_deployment(
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    gates = readiness_gates(spec)
+    if gates:
+        pod_spec["readinessGates"] = gates
     if eng.node_selector:
         pod_spec["nodeSelector"] = dict(eng.node_selector)
     tolerations = list(eng.tolerations or [])

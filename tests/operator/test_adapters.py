@@ -21,7 +21,7 @@ import pytest
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
-from kvgate.operator.conditions import find
+from kvgate.operator.conditions import find, now_rfc3339
 from kvgate.operator.resources import (
     CONFIG_MAPS,
     DEPLOYMENTS,
@@ -105,9 +105,17 @@ def pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "labels": ch.engine_selector("smol")},
         "spec": {"containers": [{"name": "engine", "image": "ghcr.io/kvgate/engine:test"}]},
+        # The engine is up (containers ready); the pod waits on the operator's readiness gate.
         "status": {
             "podIP": ip,
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            "conditions": [
+                {
+                    "type": "ContainersReady",
+                    "status": "True" if ready else "False",
+                    "lastTransitionTime": now_rfc3339(),
+                },
+                {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"},
+            ],
         },
     }
 
@@ -145,6 +153,11 @@ def adapters_status(cluster: Any) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in status(cluster).get("adapters") or []}
 
 
+def gate(cluster: Any, pod_name: str) -> dict[str, Any] | None:
+    pod = cluster.objects(PODS).get(pod_name) or {}
+    return find((pod.get("status") or {}).get("conditions"), "kvgate.dev/lora-adapters")
+
+
 def condition(cluster: Any, type_: str = "Adapters") -> dict[str, Any]:
     return find(status(cluster).get("conditions"), type_) or {}
 
@@ -177,6 +190,15 @@ async def test_adapters_load_and_unload_at_run_time_without_restarting_engines(
         "chat": {"name": "chat", "source": "hf://acme/chat-lora@v1", "state": "Loaded", "pods": ["smol-a", "smol-b"]},
     }  # fmt: skip
     validator.check(cluster.objects(MODEL_DEPLOYMENTS)["smol"])  # status fits the CRD schema
+    # Each pod's readiness gate opens once its adapters are loaded (the EPP routes Ready pods only).
+    pods = ("smol-a", "smol-b")
+    gates = await cluster.eventually(
+        lambda: all(gate(cluster, p) for p in pods) and [gate(cluster, p) for p in pods],
+        what="readiness gates",
+    )
+    assert [(g["status"], g["reason"]) for g in gates] == [("True", "AdaptersLoaded")] * 2
+    conditions = {c["type"] for c in cluster.objects(PODS)["smol-a"]["status"]["conditions"]}
+    assert {"ContainersReady", "Ready", "kvgate.dev/lora-adapters"} <= conditions  # the others kept
 
     # The engines run with LoRA on and no adapter in their command line; the sidecar's list
     # names the hf:// adapter.
@@ -191,6 +213,7 @@ async def test_adapters_load_and_unload_at_run_time_without_restarting_engines(
         "16",
     ]
     assert not any("lora-modules" in x or "sql" in x for x in args)
+    assert template["spec"]["readinessGates"] == [{"conditionType": "kvgate.dev/lora-adapters"}]
     # The operator reaches the engines' serving port through their NetworkPolicy.
     policy = cluster.objects(NETWORK_POLICIES)["smol"]
     operator_rule = {
@@ -234,6 +257,10 @@ async def test_adapters_load_and_unload_at_run_time_without_restarting_engines(
     assert cond["status"] == "False" and "smol-c" in cond["message"] and "HTTP 404" in cond["message"]
     assert adapters_status(cluster)["chat"]["state"] == "Failed"
     assert adapters_status(cluster)["chat"]["pods"] == ["smol-a", "smol-b"]
+    assert gate(cluster, "smol-c") is None  # no traffic for a pod without its adapters...
+    await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "smol", {"spec": {"lora": {"loadTimeoutSeconds": 1}}})
+    late = await cluster.eventually(lambda: gate(cluster, "smol-c"), what="gate after the timeout")
+    assert late["reason"] == "LoadTimeout" and "without: chat, code" in late["message"]  # ...not forever
     await cluster.client.delete(PODS, NS, "smol-c")
     await cluster.eventually(lambda: condition(cluster).get("status") == "True", what="Adapters=True again")
 
