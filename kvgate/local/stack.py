@@ -227,10 +227,11 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         "serve",
         "--endpoints",
         ",".join(f"{LOOPBACK}:{p.engines[i]}" + _role_suffix(cfg, i) for i in pool.engines),
+        # (none planned: the EPP runs without KV events, on its approximate index alone)
         "--kv-events-endpoints",
-        ",".join(f"tcp://{LOOPBACK}:{p.kv_events[i]}" for i in pool.engines),
+        ",".join(f"tcp://{LOOPBACK}:{p.kv_events[i]}" for i in pool.engines if i < len(p.kv_events)),
         "--kv-replay-endpoints",
-        ",".join(f"tcp://{LOOPBACK}:{p.kv_replay[i]}" for i in pool.engines),
+        ",".join(f"tcp://{LOOPBACK}:{p.kv_replay[i]}" for i in pool.engines if i < len(p.kv_replay)),
         "--grpc-port",
         str(ports.grpc),
         "--grpc-health-port",
