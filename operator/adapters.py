@@ -92,6 +92,15 @@ def ready_engine_pods(pods: list[dict[str, Any]], selector: dict[str, str], port
     return sorted(out, key=lambda p: p.name)
 
 
+def adapters_gate_pending(pod: dict[str, Any]) -> bool:
+    """Whether a pod has our readiness gate, not yet set, and its containers are ready."""
+    gates = (pod.get("spec") or {}).get("readinessGates") or []
+    if not any(g.get("conditionType") == ch.ADAPTERS_GATE for g in gates if isinstance(g, dict)):
+        return False
+    conds = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return conds.get("ContainersReady") == "True" and conds.get(ch.ADAPTERS_GATE) != "True"
+
+
 def _age_s(stamp: str | None) -> float | None:
     if not stamp:
         return None

@@ -13,11 +13,12 @@ from typing import Any
 
 import kopf
 
-from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED, LABEL_MD, MANAGED_BY
+from kvgate.operator.adapters import adapters_gate_pending
+from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED, LABEL_MD, LABEL_ROLE, MANAGED_BY
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import ApiError, Credentials, KubeClient
 from kvgate.operator.reconcile import Event, OwnerGone, Reconciler
-from kvgate.operator.resources import DEPLOYMENTS, INFERENCE_POOLS, MODEL_DEPLOYMENTS
+from kvgate.operator.resources import DEPLOYMENTS, INFERENCE_POOLS, MODEL_DEPLOYMENTS, PODS
 from kvgate.operator.signals import SignalReader
 
 LoginFn = Callable[..., Any]
@@ -155,6 +156,21 @@ class Operator:
                         return
                     raise
             self._post(body, outcome.events)
+
+        async def engine_pod_changed(event: dict[str, Any], **_: Any) -> None:
+            # A LoRA engine pod whose engine just came up waits on our readiness gate: load its
+            # adapters now rather than at the next resync (its Deployment's status has not moved).
+            if adapters_gate_pending(event.get("object") or {}):
+                await child_changed(event)
+
+        kopf.on.event(
+            registry=reg,
+            group=PODS.group,
+            version=PODS.version,
+            plural=PODS.plural,
+            labels={LABEL_MD: kopf.PRESENT, LABEL_ROLE: "engine"},
+            id="engine-pods",
+        )(engine_pod_changed)
 
         for child in (DEPLOYMENTS, INFERENCE_POOLS):
             kopf.on.event(

@@ -104,7 +104,10 @@ def pod(name: str, ip: str, ready: bool = True) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "namespace": NS, "labels": ch.engine_selector("smol")},
-        "spec": {"containers": [{"name": "engine", "image": "ghcr.io/kvgate/engine:test"}]},
+        "spec": {
+            "containers": [{"name": "engine", "image": "ghcr.io/kvgate/engine:test"}],
+            "readinessGates": [{"conditionType": "kvgate.dev/lora-adapters"}],
+        },
         # The engine is up (containers ready); the pod waits on the operator's readiness gate.
         "status": {
             "podIP": ip,
@@ -153,6 +156,12 @@ def adapters_status(cluster: Any) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in status(cluster).get("adapters") or []}
 
 
+async def create_key_secret(cluster: Any) -> None:
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "engine-key", "namespace": NS},
+              "data": {"key": base64.b64encode(API_KEY.encode()).decode()}}  # fmt: skip
+    await cluster.client.create(SECRETS, NS, secret)
+
+
 def gate(cluster: Any, pod_name: str) -> dict[str, Any] | None:
     pod = cluster.objects(PODS).get(pod_name) or {}
     return find((pod.get("status") or {}).get("conditions"), "kvgate.dev/lora-adapters")
@@ -173,9 +182,7 @@ async def test_adapters_load_and_unload_at_run_time_without_restarting_engines(
     # The engines get the LoRA flags the operator writes into the pod template.
     lora = ch.lora_args(ModelDeploymentSpec.model_validate(md["spec"]))
     a, b = engines.start("127.0.0.2", *lora), engines.start("127.0.0.3", *lora)
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "engine-key", "namespace": NS},
-              "data": {"key": base64.b64encode(API_KEY.encode()).decode()}}  # fmt: skip
-    await cluster.client.create(SECRETS, NS, secret)
+    await create_key_secret(cluster)
     for name, ip in (("smol-a", a), ("smol-b", b)):
         await cluster.client.create(PODS, NS, pod(name, ip))
     await cluster.client.create(MODEL_DEPLOYMENTS, NS, md)
@@ -299,3 +306,45 @@ async def test_invalid_adapters_get_a_condition_and_no_children(cluster: Any, op
     assert "adapters[4].rank: 64 is above lora.maxLoraRank 16" in message
     assert [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "InvalidSpec"]
     assert cluster.children(UID) == {}
+
+
+async def test_a_new_pod_gets_its_adapters_without_waiting_for_resync(
+    cluster: Any, operator_config: Any, engines: Engines
+) -> None:
+    """With a 30 s resync, a pod whose engine comes up is loaded and let into service at once:
+    the operator watches engine pods waiting on its readiness gate."""
+    import asyncio
+    import dataclasses
+    import threading
+
+    import kopf
+
+    from kvgate.operator.handlers import Operator
+
+    config = dataclasses.replace(operator_config, resync_seconds=30.0)
+    op = Operator(config, login=lambda **_: kopf.ConnectionInfo(server=cluster.url))
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=lambda: asyncio.run(op.run(stop_flag=stop, ready_flag=ready)), daemon=True
+    )
+    thread.start()
+    await asyncio.to_thread(ready.wait, 10)
+    await cluster.watched("modeldeployments", "deployments", "pods")
+    try:
+        md = model_deployment(engines.port, [{"name": "sql", "source": "/opt/adapters/sql"}])
+        await create_key_secret(cluster)
+        await cluster.client.create(MODEL_DEPLOYMENTS, NS, md)
+        await cluster.eventually(
+            lambda: condition(cluster).get("reason") == "NoReadyEngines", what="first pass, no pods yet"
+        )
+        lora = ch.lora_args(ModelDeploymentSpec.model_validate(md["spec"]))
+        ip = engines.start("127.0.0.2", *lora)
+        await asyncio.sleep(
+            2
+        )  # the passes the children's creation set off are over: only the pod's event is left
+        await cluster.client.create(PODS, NS, pod("smol-new", ip))
+        await cluster.eventually(lambda: gate(cluster, "smol-new"), within=8, what="gate opened promptly")
+        assert engines.adapters(ip) == {"sql": "/opt/adapters/sql"}
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
