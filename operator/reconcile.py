@@ -29,6 +29,12 @@ from kvgate.operator import children as ch
 from kvgate.operator.adapters import sync_adapters
 from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
+from kvgate.operator.disaggregation import (
+    disaggregated_status,
+    ensure_kv_transfer_secret,
+    existing_roles,
+    name_problem,
+)
 from kvgate.operator.kube import ApiError, KubeClient
 from kvgate.operator.resources import (
     BY_KIND,
@@ -163,9 +169,13 @@ def parse_spec(name: str, raw_spec: dict[str, Any] | None) -> ModelDeploymentSpe
     if len(name) > ch.MAX_MD_NAME:
         raise SpecError(f"metadata.name: at most {ch.MAX_MD_NAME} characters (the EPP Service adds '-epp')")
     try:
-        return ModelDeploymentSpec.model_validate(raw_spec or {})
+        spec = ModelDeploymentSpec.model_validate(raw_spec or {})
     except ValidationError as exc:
         raise SpecError(problems(exc, "spec")) from None
+    problem = name_problem(name, spec)
+    if problem:
+        raise SpecError(problem)
+    return spec
 
 
 class Reconciler:
@@ -275,10 +285,13 @@ class Reconciler:
         owner = ch.model_deployment_owner(name, namespace, uid)
         caps = await self.capabilities()
         engine_live = await self.client.get(DEPLOYMENTS, namespace, name)
+        roles = await existing_roles(self.client, namespace, name, spec)
         manifests = ch.model_deployment_children(
-            name, owner, spec, self.config, caps, engine_exists=engine_live is not None
+            name, owner, spec, self.config, caps, engine_exists=engine_live is not None, existing_roles=roles
         )
         try:
+            # Before the engines that read it (spec.disaggregation); made once, never rewritten.
+            await ensure_kv_transfer_secret(self.client, owner, spec, self.config)
             live = await self.apply_all(manifests, uid)
             keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
             await self.prune(namespace, name, keep, uid, caps)
@@ -286,15 +299,18 @@ class Reconciler:
             msg = f"applying children failed: {exc}"
             return _failure(old_conditions, generation, "ApplyFailed", msg, msg)
 
-        report = model_deployment_status(
-            name,
-            spec,
-            caps,
-            engine=live[f"Deployment/{name}"],
-            epp=live[f"Deployment/{ch.epp_name(name)}"],
-            pool=live[f"InferencePool/{name}"],
-            old_conditions=old_conditions,
-        )
+        if spec.disaggregation is not None:
+            report = disaggregated_status(name, spec, caps, live, old_conditions)
+        else:
+            report = model_deployment_status(
+                name,
+                spec,
+                caps,
+                engine=live[f"Deployment/{name}"],
+                epp=live[f"Deployment/{ch.epp_name(name)}"],
+                pool=live[f"InferencePool/{name}"],
+                old_conditions=old_conditions,
+            )
         status: dict[str, Any] = {"observedGeneration": generation, **report.fields}
         conds = report.conditions
         if self.signals is not None:

@@ -670,6 +670,63 @@ class LoRASpec(K8sModel):
     )
 
 
+# Prefill/decode disaggregation: `kvgate up --pd-threshold`'s default, in uncached prompt tokens.
+DEFAULT_PD_THRESHOLD = 512
+
+
+class DisaggregationRoleSpec(K8sModel):
+    replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description=(
+            "Engines of this role. Autoscaling off: the count (default 1, at least 1). Autoscaling on: "
+            "unset leaves the count to this role's autoscaler (started at its minReplicas)."
+        ),
+    )
+    min_replicas: int | None = Field(
+        default=None,
+        ge=0,
+        le=1000,
+        description="This role's autoscaler floor; spec.autoscaling's when unset.",
+    )
+    max_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        le=1000,
+        description="This role's autoscaler ceiling; spec.autoscaling's when unset.",
+    )
+    resources: ResourceRequirements | None = Field(
+        default=None, description="This role's engine resources; spec.engine.resources when unset."
+    )
+    args: list[str] = Field(
+        default_factory=list,
+        description="`kvgate engine serve` arguments after spec.engine.args, for this role's engines only.",
+    )
+
+
+class DisaggregationSpec(K8sModel):
+    prefill: DisaggregationRoleSpec = Field(
+        default_factory=DisaggregationRoleSpec,
+        description="Prefill engines (`--kv-role producer`, pod label kvgate.dev/role=prefill): never a destination.",
+    )
+    decode: DisaggregationRoleSpec = Field(
+        default_factory=DisaggregationRoleSpec,
+        description=(
+            "Decode engines (`--kv-role consumer`, kvgate.dev/role=decode): every request's destination; "
+            "they pull a long prompt's KV from the prefill engine the picker names."
+        ),
+    )
+    threshold: int = Field(
+        default=DEFAULT_PD_THRESHOLD,
+        ge=0,
+        description=(
+            "The picker's --pd-threshold: a prompt with more uncached tokens than this at the chosen decode "
+            "engine is prefilled on a prefill engine; shorter ones are served by the decode engine alone."
+        ),
+    )
+
+
 class ModelDeploymentSpec(K8sModel):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -699,6 +756,14 @@ class ModelDeploymentSpec(K8sModel):
             "LoRA adapters served as models next to the base model. Loaded into every ready engine at "
             "run time (POST /v1/load_lora_adapter) by the operator: adding or removing one never "
             "restarts engines. status.adapters says which pods have each one loaded."
+        ),
+    )
+
+    disaggregation: DisaggregationSpec | None = Field(
+        default=None,
+        description=(
+            "Prefill/decode disaggregation: two engine Deployments, <name>-prefill and <name>-decode, in "
+            "one InferencePool; replaces replicas (each role has its own count and autoscaler)."
         ),
     )
 
@@ -753,6 +818,45 @@ class ModelDeploymentSpec(K8sModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _disaggregation_is_servable(self) -> ModelDeploymentSpec:
+        # Kept out of the CRD schema like the checks above: a condition says what to change.
+        pd = self.disaggregation
+        if pd is None:
+            return self
+        errors: list[str] = []
+        if self.replicas is not None:
+            errors.append(
+                "replicas: not used with disaggregation (set disaggregation.prefill.replicas and "
+                "disaggregation.decode.replicas)"
+            )
+        scaling = self.autoscaling
+        for role, rs in (("prefill", pd.prefill), ("decode", pd.decode)):
+            where = f"disaggregation.{role}"
+            if scaling.backend == "off" and rs.replicas is not None and rs.replicas < 1:
+                errors.append(
+                    f"{where}.replicas: must be at least 1 with autoscaling off (got {rs.replicas})"
+                )
+            low = scaling.min_replicas if rs.min_replicas is None else rs.min_replicas
+            high = scaling.max_replicas if rs.max_replicas is None else rs.max_replicas
+            if low > high:
+                errors.append(f"{where}: minReplicas {low} exceeds maxReplicas {high}")
+        if scaling.backend != "off" and scaling.metric != "queue-size":
+            errors.append(
+                f"autoscaling.metric: {scaling.metric} is pool-wide; with disaggregation each role scales on "
+                "its own engines' queue, so use queue-size"
+            )
+        if self.lora_enabled():
+            errors.append("lora/adapters: not supported with disaggregation yet")
+        if self.model.kind() == "path" and self.routing.tokenizer is None:
+            errors.append(
+                "routing.tokenizer: required with disaggregation when model.source is a path inside the "
+                "engine image (the picker counts a prompt's uncached tokens, so it needs the tokenizer)"
+            )
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
 
 class AutoscalerStatus(K8sModel):
     kind: str | None = Field(default=None, description="ScaledObject, HorizontalPodAutoscaler or none.")
@@ -800,7 +904,7 @@ class ModelDeploymentStatus(K8sModel):
         description="Each adapter and the ready engine pods that have it loaded (read from their /v1/models).",
     )
     conditions: list[Condition] | None = _conditions_field(
-        "Ready, Progressing, Degraded, Autoscaling, Routed, GatewayAccepted, Metrics, Adapters."
+        "Ready, Progressing, Degraded, Autoscaling, Routed, GatewayAccepted, Metrics, Adapters, Disaggregation (never with Adapters)."
     )
 
 

@@ -96,6 +96,8 @@ class EPPTarget:
     # The engines' KVGATE_API_KEY env entry (value or secretKeyRef), so the EPP can scrape engines
     # whose /metrics requires the key (`kvgate engine serve --metrics-require-api-key`).
     api_key_env: dict[str, Any] | None = None
+    # Prefill/decode disaggregation (spec.disaggregation): the picker's --pd-threshold.
+    pd_threshold: int | None = None
 
 
 def epp_target_for_md(
@@ -143,6 +145,8 @@ def epp_args(target: EPPTarget) -> list[str]:
         args += ["--kv-replay-port", str(target.kv_replay_port)]
     if not target.routing.secure_serving:
         args.append("--secure-serving=false")
+    if target.pd_threshold is not None:
+        args += ["--pd-threshold", str(target.pd_threshold)]
     if target.tokenizer:
         args += ["--tokenizer", target.tokenizer.arg]
         if target.tokenizer.revision:

@@ -13,6 +13,11 @@ from kvgate.operator.children.autoscaling import (
     scaled_object,
 )
 from kvgate.operator.children.common import Capabilities, Owner
+from kvgate.operator.children.disaggregation import (
+    AGGREGATED_CHILDREN,
+    DISAGGREGATED_CHILDREN,
+    disaggregated_children,
+)
 from kvgate.operator.children.engine import engine_deployment, engine_pdb
 from kvgate.operator.children.epp import epp_objects, epp_target_for_md
 from kvgate.operator.children.network import network_policies
@@ -28,8 +33,12 @@ def model_deployment_children(
     config: OperatorConfig,
     caps: Capabilities,
     engine_exists: bool = False,
+    existing_roles: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Every child a ModelDeployment should have right now, in creation order."""
+    """Every child a ModelDeployment should have right now, in creation order. `existing_roles`:
+    the disaggregated roles whose engine Deployment exists (spec.disaggregation)."""
+    if spec.disaggregation is not None:
+        return disaggregated_children(name, owner, spec, config, caps, existing_roles)
     scaler = autoscaler_kind(spec.autoscaling, caps)
     children = [
         *epp_objects(epp_target_for_md(name, owner, spec, config), config),
@@ -60,4 +69,6 @@ OPTIONAL_CHILDREN = (
     ("NetworkPolicy", ""),
     ("NetworkPolicy", "-epp"),
     ("ConfigMap", "-adapters"),
+    *AGGREGATED_CHILDREN,
+    *DISAGGREGATED_CHILDREN,
 )

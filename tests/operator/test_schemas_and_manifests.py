@@ -302,6 +302,19 @@ SPECS: dict[str, dict[str, Any]] = {
         "engine": {"accelerator": "none", "drainSeconds": 0},
         "replicas": 3,
     },
+    "disaggregated": {
+        "model": {"source": "hf://Qwen/Qwen3-8B"},
+        "disaggregation": {
+            "prefill": {
+                "replicas": 2,
+                "resources": {"limits": {"memory": "80Gi"}},
+                "args": ["--max-num-seqs", "8"],
+            },
+            "decode": {"minReplicas": 2, "maxReplicas": 8},
+            "threshold": 1024,
+        },
+        "autoscaling": {"backend": "keda"},
+    },
     "lora-adapters": {
         "model": {"source": "pvc://models/llama-3-8b", "servedName": "llama"},
         "lora": {"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 8, "claims": ["loras"]},
