@@ -538,3 +538,74 @@ def test_the_operators_rbac_can_make_the_transfer_secret() -> None:
     rules = [r for d in docs if d and d["kind"] in ("ClusterRole", "Role") for r in d.get("rules", [])]
     verbs = {v for r in rules if "secrets" in r.get("resources", []) for v in r["verbs"]}
     assert {"get", "create", "patch"} <= verbs and not {"list", "watch"} & verbs
+
+
+def _engines_service(*args: str, values: str | None = None, tmp: Any = None) -> tuple[int, Any]:
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).parents[2]
+    cmd = [str(root / ".tools" / "bin" / "helm"), "template", "kvgate", str(root / "charts" / "kvgate")]
+    if values is not None:
+        path = tmp / "values.yaml"
+        path.write_text(values)
+        cmd += ["-f", str(path)]
+    for item in args:
+        cmd += ["--set", item]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        return out.returncode, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return 0, {
+        d["metadata"]["name"]: d
+        for d in docs
+        if d["kind"] == "Service" and d["metadata"]["name"].endswith("-engines")
+    }
+
+
+def test_the_charts_gateway_sends_a_disaggregated_pool_only_to_decode_engines(
+    tmp_path: Any, validator: Any
+) -> None:
+    """The chart's Envoy reaches engines through the headless <pool>-engines Service (its
+    FailOpen and retry hosts): for a disaggregated pool it selects the decode engines only."""
+    split = """
+envoyGateway: {enabled: true, pool: chat}
+models:
+  - name: chat
+    spec: {model: {source: "hf://Qwen/Qwen3-8B"}, disaggregation: {threshold: 512}}
+"""
+    rc, services = _engines_service(values=split, tmp=tmp_path)
+    assert rc == 0, services
+    svc = services["chat-engines"]
+    validator.check(svc)
+    decode = pd.role_selector("chat", "decode")
+    assert svc["spec"]["selector"] == decode
+    # The operator's decode pods carry exactly that; its prefill pods do not.
+    spec = ModelDeploymentSpec.model_validate(
+        {"model": {"source": "hf://Qwen/Qwen3-8B"}, "disaggregation": {}}
+    )
+    owner = ch.model_deployment_owner("chat", NS, UID)
+    by = kids_by_key(ch.model_deployment_children("chat", owner, spec, OperatorConfig(), ch.Capabilities()))
+    for role, selected in (("decode", True), ("prefill", False)):
+        labels = by[("Deployment", f"chat-{role}")]["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()) is selected
+
+    # An aggregated pool (or one the chart does not deploy) keeps the engine role; explicit wins.
+    rc, services = _engines_service("envoyGateway.enabled=true", "envoyGateway.pool=smol")
+    assert services["smol-engines"]["spec"]["selector"] == ch.engine_selector("smol")
+    rc, services = _engines_service("envoyGateway.engineRole=engine", values=split, tmp=tmp_path)
+    assert services["chat-engines"]["spec"]["selector"] == ch.engine_selector("chat")
+    rc, services = _engines_service(
+        "envoyGateway.enabled=true",
+        "envoyGateway.pools[0].name=a",
+        "envoyGateway.pools[1].name=b",
+        "envoyGateway.pools[1].engineRole=decode",
+    )
+    assert services["a-engines"]["spec"]["selector"][ROLE_LABEL] == "engine"
+    assert services["b-engines"]["spec"]["selector"][ROLE_LABEL] == "decode"
+    rc, err = _engines_service(
+        "envoyGateway.enabled=true", "envoyGateway.pool=x", "envoyGateway.engineRole=prefill"
+    )
+    assert rc != 0 and "engineRole" in err
