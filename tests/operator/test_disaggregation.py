@@ -609,3 +609,23 @@ models:
         "envoyGateway.enabled=true", "envoyGateway.pool=x", "envoyGateway.engineRole=prefill"
     )
     assert rc != 0 and "engineRole" in err
+
+
+def test_the_example_is_valid_and_splits(validator: Any) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load(
+        (
+            Path(__file__).parents[2] / "manifests" / "examples" / "modeldeployment-disaggregated.yaml"
+        ).read_text()
+    )
+    validator.check(doc)
+    spec = parse_spec(doc["metadata"]["name"], doc["spec"])
+    owner = ch.model_deployment_owner(doc["metadata"]["name"], NS, UID)
+    by = kids_by_key(
+        ch.model_deployment_children("qwen3-pd", owner, spec, OperatorConfig(), ch.Capabilities())
+    )
+    assert by[("Deployment", "qwen3-pd-prefill")]["spec"]["replicas"] == 1
+    assert by[("Deployment", "qwen3-pd-decode")]["spec"]["replicas"] == 3
