@@ -841,6 +841,11 @@ class ModelDeploymentSpec(K8sModel):
             high = scaling.max_replicas if rs.max_replicas is None else rs.max_replicas
             if low > high:
                 errors.append(f"{where}: minReplicas {low} exceeds maxReplicas {high}")
+            if scaling.backend != "off" and low < 1:
+                errors.append(
+                    f"{where}: minReplicas must be at least 1 (this role's autoscaler reads its own engines' "
+                    "queue, which has no samples at zero engines, so it could never scale back up)"
+                )
         if scaling.backend != "off" and scaling.metric != "queue-size":
             errors.append(
                 f"autoscaling.metric: {scaling.metric} is pool-wide; with disaggregation each role scales on "

@@ -61,7 +61,7 @@ def container(dep: dict[str, Any]) -> dict[str, Any]:
     "extra",
     [
         {},
-        {"autoscaling": {"backend": "keda", "minReplicas": 0, "maxReplicas": 6}},
+        {"autoscaling": {"backend": "keda", "minReplicas": 2, "maxReplicas": 6}},
         {"autoscaling": {"backend": "hpa"}, "networkPolicy": {"enabled": False}},
         {"httpRoute": {"parentRefs": [{"name": "gw"}]}, "engine": {"accelerator": "none"}},
     ],
@@ -231,6 +231,14 @@ def test_own_transfer_secret_in_engine_env_is_used_as_is() -> None:
         (
             {"disaggregation": {"prefill": {"minReplicas": 5}}, "autoscaling": {"backend": "keda"}},
             "disaggregation.prefill: minReplicas 5 exceeds maxReplicas 4",
+        ),
+        (
+            {"disaggregation": {"prefill": {"minReplicas": 0}}, "autoscaling": {"backend": "keda"}},
+            "disaggregation.prefill: minReplicas must be at least 1",
+        ),
+        (
+            {"disaggregation": {}, "autoscaling": {"backend": "hpa", "minReplicas": 0}},
+            "disaggregation.decode: minReplicas must be at least 1",
         ),
         (
             {"disaggregation": {}, "autoscaling": {"backend": "keda", "metric": "saturation", "target": "1"}},
