@@ -102,6 +102,13 @@ def immediate(
     )
 
 
+def body_too_large(limit: int, request_id: str = "") -> ep.ProcessingResponse:
+    """The 413 for a body that outgrew `limit` while it streamed in (chunked: no length said)."""
+    return immediate(
+        413, f"request body larger than {limit} bytes", request_id=request_id, code="body_too_large"
+    )
+
+
 def streamed_request_body(payload: bytes) -> list[ep.ProcessingResponse]:
     """A held request body handed back to Envoy (FULL_DUPLEX_STREAMED), in chunks that fit its
     gRPC frames; an empty body is one empty end-of-stream chunk."""
@@ -233,14 +240,7 @@ class EndpointPickerHandler:
         """Buffer a body chunk; refuse (413) as soon as the body outgrows the limit."""
         if len(x.body) + len(msg.body) > self.max_body_bytes:
             self._count_error(x, "", "", 413)
-            return [
-                immediate(
-                    413,
-                    f"request body larger than {self.max_body_bytes} bytes",
-                    request_id=x.request_id,
-                    code="body_too_large",
-                )
-            ]
+            return [body_too_large(self.max_body_bytes, x.request_id)]
         x.body += msg.body
         return []
 

@@ -35,6 +35,7 @@ from kvgate.epp.extproc import (
     DEFAULT_MAX_BODY_BYTES,
     INLINE_BODY_BYTES,
     _header,
+    body_too_large,
     immediate,
     streamed_request_body,
 )
@@ -215,14 +216,7 @@ class ModelRouterHandler:
 
     def on_request_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if len(x.body) + len(msg.body) > self.max_body_bytes:
-            return [
-                immediate(
-                    413,
-                    f"request body larger than {self.max_body_bytes} bytes",
-                    request_id=x.request_id,
-                    code="body_too_large",
-                )
-            ]
+            return [body_too_large(self.max_body_bytes, x.request_id)]
         x.body += msg.body
         return []
 
@@ -369,16 +363,10 @@ class ModelRouterServer:
 
 
 async def serve_forever(settings: RouterSettings) -> None:
-    import contextlib
-    import signal
+    from kvgate.epp.server import until_signalled
 
     server = ModelRouterServer(settings)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_signalled()
     log.info("model router stopping")
     await server.stop()

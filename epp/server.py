@@ -192,15 +192,20 @@ class EppServer:
             self._http.shutdown()
 
 
-async def serve_forever(settings: ServerSettings) -> None:
-    server = EppServer(settings)
-    await server.start()
+async def until_signalled() -> None:
+    """Returns at the first SIGTERM or SIGINT (a pod's stop, Ctrl-C)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def serve_forever(settings: ServerSettings) -> None:
+    server = EppServer(settings)
+    await server.start()
+    await until_signalled()
     log.info("EPP stopping")
     await server.stop()
     server.tracer.shutdown()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
@@ -282,37 +282,32 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
     # Envoy connects only to engines a request may be sent to: a P/D stack's prefill engines are
     # reached by the decode engines themselves, never through the gateway.
     destinations = [f"{LOOPBACK}:{p.engines[i]}" for i in cfg.decode_engine_indices()]
+    common: dict[str, Any] = {
+        "listen_port": p.gateway,
+        "epp_host": LOOPBACK,
+        "epp_port": p.epp_grpc,
+        "admin_port": p.envoy_admin,
+        "listen_host": LOOPBACK,
+        "epp_tls": False,
+        "expose_upstream_header": cfg.expose_upstream_header,
+        "failure_mode": cfg.failure_mode,
+    }
+    fail_open = cfg.failure_mode == "FailOpen"
     if cfg.pools:
         assert p.router is not None
+        pools = []
+        for pool in cfg.layout():
+            engines = [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines]
+            epps = [f"{LOOPBACK}:{p.epps[r].grpc}" for r in pool.epps]
+            pools.append(PoolGateway(str(pool.name), epps, engines, engines if fail_open else None))
         return build_bootstrap(
-            listen_port=p.gateway,
-            epp_host=LOOPBACK,
-            epp_port=p.epp_grpc,
-            admin_port=p.envoy_admin,
-            listen_host=LOOPBACK,
-            epp_health_check=cfg.epp_replicas > len(cfg.pools),
-            expose_upstream_header=cfg.expose_upstream_header,
-            failure_mode=cfg.failure_mode,
-            pools=[
-                PoolGateway(
-                    str(pool.name),
-                    [f"{LOOPBACK}:{p.epps[r].grpc}" for r in pool.epps],
-                    [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines],
-                    [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines]
-                    if cfg.failure_mode == "FailOpen"
-                    else None,
-                )
-                for pool in cfg.layout()
-            ],
+            **common,
+            epp_health_check=cfg.epp_replicas > len(cfg.pools),  # as below, per pool
+            pools=pools,
             model_router_addresses=[f"{LOOPBACK}:{p.router[0]}"],
         )
     return build_bootstrap(
-        listen_port=p.gateway,
-        epp_host=LOOPBACK,
-        epp_port=p.epp_grpc,
-        admin_port=p.envoy_admin,
-        listen_host=LOOPBACK,
-        epp_tls=False,
+        **common,
         epp_addresses=[f"{LOOPBACK}:{e.grpc}" for e in p.epps],
         # Several replicas: health checks and outlier ejection take a dead or frozen one out of
         # rotation. One replica: they could only fail over to nothing, and on a busy laptop a
@@ -321,10 +316,8 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         # the engines are known: a request that fails before its first byte is retried once on
         # the EPP's next choice
         pool_endpoints=destinations,
-        expose_upstream_header=cfg.expose_upstream_header,
-        failure_mode=cfg.failure_mode,
         # with FailOpen, requests no EPP replica could see go round-robin to the engines
-        fallback_endpoints=destinations if cfg.failure_mode == "FailOpen" else None,
+        fallback_endpoints=destinations if fail_open else None,
     )
 
 
