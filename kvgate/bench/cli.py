@@ -132,6 +132,22 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--min-long-tokens", type=int, default=4000, help="long-prompt: shortest long prompt")
     w.add_argument("--max-long-tokens", type=int, default=8000, help="long-prompt: longest long prompt")
+    w.add_argument(
+        "--adapters", type=int, default=12, help="lora: adapters, every engine serving all of them"
+    )
+    w.add_argument(
+        "--adapter-zipf", type=float, default=1.1, help="lora: popularity skew (adapter i weighs 1/(i+1)^s)"
+    )
+    w.add_argument(
+        "--base-fraction", type=float, default=0.1, help="lora: share of requests for the base model"
+    )
+    w.add_argument(
+        "--max-loras",
+        type=int,
+        default=2,
+        help="lora: adapter slots per engine (fewer than --adapters: an adapter not in a slot is loaded, "
+        "at --sim-lora-load-time)",
+    )
     w.add_argument("--min-output-tokens", type=int, default=16, help="random: shortest answer")
     w.add_argument("--max-output-tokens", type=int, default=64, help="random: longest answer")
 
@@ -216,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     from kvgate.bench.stats import Slo
     from kvgate.bench.workloads import (
         LongPromptSpec,
+        LoRASpec,
         MultiTurnSpec,
         RandomSpec,
         SharedPrefixSpec,
@@ -251,6 +268,14 @@ def run(args: argparse.Namespace) -> int:
                 long_fraction=args.long_fraction,
                 min_long_tokens=args.min_long_tokens,
                 max_long_tokens=args.max_long_tokens,
+                output_tokens=args.output_tokens,
+            ),
+            lora=LoRASpec(
+                adapters=args.adapters,
+                zipf=args.adapter_zipf,
+                base_fraction=args.base_fraction,
+                prefix_tokens=args.prefix_tokens,
+                suffix_tokens=args.suffix_tokens,
                 output_tokens=args.output_tokens,
             ),
         )

@@ -17,7 +17,9 @@ COUNTERS = (
     m.PROMPT_TOKENS_TOTAL,
     m.GENERATION_TOKENS_TOTAL,
     m.NUM_PREEMPTIONS_TOTAL,
+    "kvgate:lora_adapter_loads_total",  # LoRA adapters put into a slot (the cost LoRA routing saves)
 )
+LORA_LOADS = "kvgate:lora_adapter_loads_total"
 
 
 # Prefill/decode hand-offs, counted once each (the consumer's side): KV bytes the decode engines

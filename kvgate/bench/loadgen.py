@@ -67,7 +67,7 @@ ProgressHook = Callable[[RequestResult], None]
 
 def chat_payload(req: BenchRequest, target: Target) -> dict[str, object]:
     payload: dict[str, object] = {
-        "model": target.model,
+        "model": req.model or target.model,
         "messages": req.payload_messages(),
         "max_tokens": req.max_tokens,
         "stream": True,

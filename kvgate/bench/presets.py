@@ -75,6 +75,29 @@ PRESETS: dict[str, Preset] = {
             "warmup_requests": 0,
         },
     ),
+    # Many fine-tuned variants of one base model on few adapter slots (GIE's LoRA-affinity home
+    # ground): a router that keeps each adapter where it is loaded saves the loads and the
+    # adapter's system prompt stays cached there too.
+    "lora": Preset(
+        "12 LoRA adapters with Zipf(1.1) popularity (10% of requests for the base model), each with "
+        "its own 512-token system prompt, 128-token questions, 64-token answers; 8 simulated "
+        "engines with 2 adapter slots each, 50 ms per adapter load; 4 and 8 req/s",
+        {
+            "workload": "lora",
+            "adapters": 12,
+            "adapter_zipf": 1.1,
+            "base_fraction": 0.1,
+            "max_loras": 2,
+            "prefix_tokens": 512,
+            "suffix_tokens": 128,
+            "output_tokens": 64,
+            "engines": 8,
+            "sim_lora_load_time": 0.05,
+            "request_rate": "4,8",
+            "num_requests": 200,
+            "warmup_requests": 32,
+        },
+    ),
 }
 
 

@@ -25,6 +25,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("prefix hit", "prefix_hit_rate", "%"),
     ("ideal hit", "ideal_prefix_hit_rate", "%"),
     ("KV pulled", "kv_transfer_bytes", "bytes"),
+    ("LoRA loads", "lora_loads", "d"),
 )
 
 

@@ -154,6 +154,8 @@ def measure(
         summary.kv_transfers = int(deltas[engine_metrics.KV_TRANSFERS])
         summary.kv_transfer_fallbacks = int(deltas[engine_metrics.KV_TRANSFER_FALLBACKS])
         summary.kv_transfer_seconds = deltas[engine_metrics.KV_TRANSFER_SECONDS]
+    if any(r.model for r in requests):
+        summary.lora_loads = int(deltas.get(engine_metrics.LORA_LOADS, 0))
     return RunOutcome(label, results, summary, deltas, load)
 
 

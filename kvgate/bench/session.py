@@ -62,6 +62,8 @@ def _settings(
         "first_turn_tokens user_turn_tokens request_rate concurrency num_requests duration simulate engines "
         "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks sim_time_scale max_num_seqs engine_model url"
     ).split()
+    if args.workload == "lora":
+        keys += "adapters adapter_zipf base_fraction max_loras sim_lora_load_time".split()
     out = {k: getattr(args, k, None) for k in keys}
     out["warmup_requests"] = loads[0].warmup_requests if loads else 0
     out["slo_ttft_s"] = slo.ttft_s
@@ -162,6 +164,14 @@ def on_local_stacks(
         expose_upstream_header=True,  # per-engine figures come from x-kvgate-upstream
         ready_timeout_s=args.ready_timeout,
     )
+    if args.workload == "lora":
+        # every engine serves every adapter (a simulated engine reads no adapter files) on
+        # --max-loras slots: an adapter not in one is loaded, at --sim-lora-load-time
+        base = replace(
+            base,
+            lora_modules=tuple((name, f"/adapters/{name}") for name in workload.lora.names()),
+            engine_args=(*base.engine_args, "--max-loras", str(args.max_loras)),
+        )
     template = StackTemplate(base)
     _say(f"component logs under {log_root}")
     try:

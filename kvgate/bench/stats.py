@@ -109,6 +109,8 @@ class Summary:
     kv_transfers: int | None = None
     kv_transfer_fallbacks: int | None = None
     kv_transfer_seconds: float | None = None  # summed over the hand-offs
+    # LoRA runs: adapters the engines put into a slot (each a weight load); None: no adapter ran
+    lora_loads: int | None = None
 
     def as_record(self) -> dict[str, object]:
         return dict(self.__dict__)

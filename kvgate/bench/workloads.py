@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-WorkloadKind = Literal["shared-prefix", "multi-turn", "random", "long-prompt"]
-WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("shared-prefix", "multi-turn", "random", "long-prompt")
+WorkloadKind = Literal["shared-prefix", "multi-turn", "random", "long-prompt", "lora"]
+WORKLOAD_KINDS: tuple[WorkloadKind, ...] = ("shared-prefix", "multi-turn", "random", "long-prompt", "lora")
 
 # Each is a single token (with its leading space) in the SmolLM2 / Llama BPE vocabulary.
 WORDS: tuple[str, ...] = tuple(
@@ -58,6 +58,7 @@ class BenchRequest:
     depends_on: int | None = None  # index of a request that must finish before this is sent
     # The prompt as a word sequence, for the nominal (pre-tokenization) ideal-hit-rate estimate.
     nominal_words: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    model: str | None = None  # a LoRA adapter to run (None: the stack's model)
 
     def payload_messages(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]
@@ -100,6 +101,26 @@ class LongPromptSpec:
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """Many adapters on few slots: requests name adapter i with Zipf popularity (a few hot ones,
+    a long tail), each adapter's users share its system prompt."""
+
+    adapters: int = 12
+    zipf: float = 1.1  # popularity exponent: adapter i is chosen with weight 1 / (i + 1) ** zipf
+    base_fraction: float = 0.1  # share of requests for the base model itself
+    prefix_tokens: int = 512  # the adapter's system prompt
+    suffix_tokens: int = 128
+    output_tokens: int = 64
+
+    def names(self) -> list[str]:
+        return [adapter_name(i) for i in range(self.adapters)]
+
+
+def adapter_name(i: int) -> str:
+    return f"adapter-{i:02d}"
+
+
+@dataclass(frozen=True)
 class WorkloadSpec:
     kind: WorkloadKind = "shared-prefix"
     seed: int = 0
@@ -107,6 +128,7 @@ class WorkloadSpec:
     multi_turn: MultiTurnSpec = field(default_factory=MultiTurnSpec)
     random: RandomSpec = field(default_factory=RandomSpec)
     long_prompt: LongPromptSpec = field(default_factory=LongPromptSpec)
+    lora: LoRASpec = field(default_factory=LoRASpec)
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for impossible sizes."""
@@ -135,6 +157,9 @@ class WorkloadSpec:
             ),
             (1 <= lp.min_short_tokens <= lp.max_short_tokens, "short chat lengths: need 1 <= min <= max"),
             (lp.output_tokens >= 1, "--output-tokens must be at least 1"),
+            (1 <= self.lora.adapters <= 1000, "--adapters must be between 1 and 1000"),
+            (self.lora.zipf >= 0, "--adapter-zipf must be >= 0"),
+            (0.0 <= self.lora.base_fraction < 1.0, "--base-fraction must be in [0, 1)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -167,6 +192,8 @@ def generate(spec: WorkloadSpec) -> Iterator[BenchRequest]:
         return _random(spec.random, spec.seed)
     if spec.kind == "long-prompt":
         return _long_prompt(spec.long_prompt, spec.seed)
+    if spec.kind == "lora":
+        return _lora(spec.lora, spec.seed)
     raise ValueError(f"unknown workload {spec.kind!r}; choose one of {', '.join(WORKLOAD_KINDS)}")
 
 
@@ -279,5 +306,27 @@ def _long_prompt(spec: LongPromptSpec, seed: int) -> Iterator[BenchRequest]:
             max_tokens=spec.output_tokens,
             group=f"{'long' if long else 'short'}-{index}",
             nominal_words=tuple(words),
+        )
+        index += 1
+
+
+def _lora(spec: LoRASpec, seed: int) -> Iterator[BenchRequest]:
+    rng = random.Random(f"{seed}:lora")
+    names = spec.names()
+    weights = [1.0 / (i + 1) ** spec.zipf for i in range(spec.adapters)]
+    prefixes = {name: _words(random.Random(f"{seed}:lora:{name}"), spec.prefix_tokens) for name in names}
+    base = _words(random.Random(f"{seed}:lora:base"), spec.prefix_tokens)
+    index = 0
+    while True:
+        adapter = None if rng.random() < spec.base_fraction else rng.choices(names, weights)[0]
+        prefix = base if adapter is None else prefixes[adapter]
+        question = _unique_words(index, spec.suffix_tokens, rng)
+        yield BenchRequest(
+            index=index,
+            messages=(ChatMessage("system", _text(prefix)), ChatMessage("user", _text(question))),
+            max_tokens=spec.output_tokens,
+            group=adapter or "base",
+            nominal_words=tuple(prefix + question),
+            model=adapter,
         )
         index += 1

@@ -88,4 +88,4 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
     applied = apply_preset(args, "llm-d-shared-prefix", defaults)
     assert args.groups == 64 and args.prefix_tokens == 4096 and args.engines == 16
     assert args.request_rate == "4,8,16,24" and "--prefix-tokens 6000" not in applied
-    assert set(PRESETS) == {"llm-d-shared-prefix", "multi-turn-chat", "pd-long-prompt"}
+    assert set(PRESETS) == {"llm-d-shared-prefix", "multi-turn-chat", "pd-long-prompt", "lora"}
