@@ -136,6 +136,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     # what a pick costs the pool (see epp/scheduling/latency.py).
     "precise-prefix": {
         "plugins": [
+            {"type": "lora-affinity-filter", "parameters": {"loadedOnly": False}},
             {"type": "predicted-latency-scorer"},
             {"type": "lora-affinity-scorer"},
             {"type": "max-score-picker"},
@@ -144,6 +145,8 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {
                 "name": "precise-prefix",
                 "plugins": [
+                    # an adapter request never waits for a slot where another engine has one
+                    {"pluginRef": "lora-affinity-filter"},
                     {"pluginRef": "predicted-latency-scorer", "weight": 1},
                     # Neutral for base-model requests; for an adapter, a pick that needs no
                     # adapter load (or no eviction) wins unless it is predicted ~1.5-2x slower.

@@ -64,10 +64,16 @@ class LeastKVCacheFilter:
 @dataclass
 class LoraAffinityFilter:
     """For a request naming an adapter: the endpoints that run (or queue) it, else those with a
-    free adapter slot, else all. Base-model requests pass through."""
+    free adapter slot, else all. Base-model requests pass through.
+
+    ``loaded_only`` false (kvgate's profile): the endpoints that run it *and* those with a free
+    slot, so scorers may still spread a hot adapter; only engines where it would wait for a slot
+    (every slot busy with other adapters' running requests) are dropped, unless nothing else is
+    left."""
 
     type_name: ClassVar[str] = "lora-affinity-filter"
     name: str = type_name
+    loaded_only: bool = True
 
     def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
         adapter = request_adapter(ctx)
@@ -76,10 +82,10 @@ class LoraAffinityFilter:
         loaded = [
             e for e in endpoints if adapter in e.metrics.running_loras or adapter in e.metrics.waiting_loras
         ]
-        if loaded:
-            return loaded
-        free = [e for e in endpoints if len(e.metrics.running_loras) < e.metrics.max_lora]
-        return free or endpoints
+        free = [e for e in endpoints if e not in loaded and len(e.metrics.running_loras) < e.metrics.max_lora]
+        if self.loaded_only:
+            return loaded or free or endpoints
+        return loaded + free or endpoints
 
 
 def _lowest_band(endpoints: list[EndpointState], values: list[float]) -> list[EndpointState]:

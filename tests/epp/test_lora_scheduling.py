@@ -86,6 +86,27 @@ def test_affinity_filter_passes_base_requests(pool: Datastore, req) -> None:
     assert [e.address for e in f.filter(ctx(pool, req, "a"), pool.all())] == [c]
 
 
+def test_kvgates_filter_drops_only_engines_where_the_adapter_waits_for_a_slot(pool: Datastore, req) -> None:
+    a, b, c = (s.address for s in pool.all())
+    lora_state(pool, a, 2, running=["a"])  # runs it
+    lora_state(pool, b, 2, running=["x"])  # a free slot: may take it (a hot adapter spreads)
+    lora_state(pool, c, 2, running=["x", "y"])  # every slot busy: it would wait there
+    spread = filters.LoraAffinityFilter(loaded_only=False)
+    assert [e.address for e in spread.filter(ctx(pool, req, "a"), pool.all())] == [a, b]
+    assert [e.address for e in filters.LoraAffinityFilter().filter(ctx(pool, req, "a"), pool.all())] == [a]
+    lora_state(pool, a, 2, running=["x", "y"])
+    lora_state(pool, b, 2, running=["x", "y"])  # nowhere to go without a wait: all stay
+    assert len(spread.filter(ctx(pool, req, "a"), pool.all())) == 3
+    # the built-in precise-prefix profile runs it: an adapter never lands where it would wait
+    lora_state(pool, a, 2, running=["x", "y"])
+    lora_state(pool, b, 2, running=["x"])
+    lora_state(pool, c, 2, running=["x", "y"])
+    (profile,) = build_profiles(load_config(None, "precise-prefix"))
+    for i in range(5):
+        result = profile.run(ctx(pool, req, "a", f"{i} {PROMPT}"), pool.all())
+        assert result.targets[0].address == b, result.scores
+
+
 @pytest.mark.parametrize("profile_name", ["default", "precise-prefix"])
 def test_builtin_profiles_send_an_adapter_where_it_runs(pool: Datastore, req, profile_name: str) -> None:
     a, b, c = (s.address for s in pool.all())
