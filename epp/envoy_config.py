@@ -54,6 +54,10 @@ import envoy.type.v3.http_status_pb2 as http_status_pb2
 import envoy.type.v3.range_pb2 as range_pb2
 from google.protobuf import any_pb2, duration_pb2, json_format, struct_pb2, wrappers_pb2
 
+# Set by the model router and the EPP respectively, never by a client (internal-only below).
+from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
+from kvgate.api.contracts.model_routing import POOL_HEADER
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 DIRECT_ROUTE_HEADER = "x-kvgate-route"
@@ -62,7 +66,6 @@ EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EPP_CLUSTER = "epp"
 MODEL_ROUTER_FILTER = "kvgate.model_router"  # a second ext_proc filter, ahead of the EPP's
 MODEL_ROUTER_CLUSTER = "model_router"
-POOL_HEADER = "x-kvgate-pool"  # set by the model router (kvgate.epp.model_router); internal-only
 ROUTED_CLUSTER = "original_destination"
 FALLBACK_CLUSTER = "pool_fallback"
 POOL_CLUSTER = "pool"
@@ -74,8 +77,6 @@ INTERNAL_REQUEST_HEADERS = ["x-kvgate-inject-failure"]
 INTERNAL_PATHS = ["/metrics", "/tokenize", "/detokenize", "/openapi.json", "/docs", "/redoc"]
 INTERNAL_V1_PATHS = ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 INTERNAL_V1_PREFIXES = ["/v1/kv_transfer/"]  # an engine's pinned KV blocks (prefill/decode)
-# Set by the EPP for the decode engine (prefill/decode disaggregation); never by a client.
-PREFILLER_HEADER = "x-prefiller-host-port"
 MiB = 1024 * 1024
 
 

@@ -31,6 +31,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 
+from kvgate.api.contracts import model_routing
 from kvgate.epp.extproc import (
     DEFAULT_MAX_BODY_BYTES,
     INLINE_BODY_BYTES,
@@ -44,8 +45,9 @@ from kvgate.epp.request import BadRequest, parse_body
 
 log = logging.getLogger("kvgate.epp.model_router")
 
-MODEL_NAME_HEADER = "x-gateway-model-name"  # GIE's body-based routing header
-POOL_HEADER = "x-kvgate-pool"  # the pool the router chose; internal-only at the gateway
+# Envoy's header mutations take lower-case names
+MODEL_NAME_HEADER = model_routing.MODEL_NAME_HEADER.lower()
+POOL_HEADER = model_routing.POOL_HEADER
 MODELS_PATH = "/v1/models"
 
 

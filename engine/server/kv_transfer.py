@@ -39,7 +39,6 @@ from kvgate.engine.server.metrics import EngineMetrics
 
 log = logging.getLogger("kvgate.engine.kv_transfer")
 
-PREFILLER_HEADER = "x-prefiller-host-port"  # llm-d's: where the EPP wants the prompt prefilled
 TRANSFER_PATH = "/v1/kv_transfer"
 ROLES = ("none", "producer", "consumer", "both")
 DIGEST_BYTES = 8

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvgate.api.contracts.model_routing import MODEL_NAME_HEADER  # GIE's body-based routing header
 from kvgate.api.k8s.crds import POOL_GROUP, ModelDeploymentSpec
 from kvgate.operator.children.common import LABEL_MD, Owner, object_meta, standard_labels
 from kvgate.operator.config import OperatorConfig
 
-# GIE's body-based routing header: the model router (kvgate router serve) sets it from the body.
-MODEL_NAME_HEADER = "X-Gateway-Model-Name"
 MATCHES_PER_RULE = 64  # Gateway API's limit on matches in one HTTPRoute rule
 
 
