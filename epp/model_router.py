@@ -147,13 +147,12 @@ def _placeholder(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "kvgate"}
 
 
-def not_found(model: str, request_id: str = "") -> ep.ProcessingResponse:
+def not_found(model: str) -> ep.ProcessingResponse:
     """vLLM's answer to an unknown model, from the gateway."""
     return immediate(
         404,
         f"The model `{model}` does not exist.",
         error_type="NotFoundError",
-        request_id=request_id,
         param="model",
         code=404,
     )
@@ -174,7 +173,6 @@ def _json_reply(status: int, payload: dict[str, Any]) -> ep.ProcessingResponse:
 class _Exchange:
     method: str = ""
     path: str = ""
-    request_id: str = ""
     body: bytearray = field(default_factory=bytearray)
     done: bool = False
 
@@ -218,7 +216,7 @@ class ModelRouterHandler:
 
     def on_request_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if len(x.body) + len(msg.body) > self.max_body_bytes:
-            return [body_too_large(self.max_body_bytes, x.request_id)]
+            return [body_too_large(self.max_body_bytes)]
         x.body += msg.body
         return []
 
@@ -228,11 +226,11 @@ class ModelRouterHandler:
         try:
             model = parse_body(bytes(x.body))["model"]
         except BadRequest as exc:
-            return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
+            return [immediate(400, str(exc), param=exc.param, code=exc.code)]
         pool = self.table.pool_for(model)
         if pool is None:
             log.info("model %r: no pool serves it (404)", model[:200])
-            return [not_found(model, x.request_id)]
+            return [not_found(model)]
         headers = [
             _header(MODEL_NAME_HEADER, model),
             _header(POOL_HEADER, pool),

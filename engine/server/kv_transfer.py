@@ -27,7 +27,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -236,33 +236,28 @@ class KVTransfer:
         authorization: str | None,
     ) -> Imported | None:
         """Have `prefiller` compute the prompt, then pull its KV. None: do it here instead."""
-        t0 = time.monotonic()
-        self._count("requests", {"role": "consumer"})
-        try:
+
+        async def handoff() -> Imported:
             self._check_trusted(prefiller)
-            async with asyncio.timeout(self.settings.timeout):
-                params = await self._ask_prefill(prefiller, path, body, authorization)
-                got = await self._pull(params, prompt_ids, lora_id, authorization)
-        except TransferFailed as exc:
-            self._fallback(exc.reason, str(exc), prefiller)
-            return None
-        except TimeoutError:
-            self._fallback("timeout", f"over {self.settings.timeout:.0f}s", prefiller)
-            return None
-        got.seconds = time.monotonic() - t0
-        self._observe(got.seconds)
-        return got
+            params = await self._ask_prefill(prefiller, path, body, authorization)
+            return await self._pull(params, prompt_ids, lora_id, authorization)
+
+        return await self._bounded(prefiller, handoff)
 
     async def pull(
         self, params: dict[str, Any], prompt_ids: list[int], lora_id: int | None, authorization: str | None
     ) -> Imported | None:
         """A request that came with a producer's `kv_transfer_params` (vLLM's proxy flow)."""
+        peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
+        return await self._bounded(peer, lambda: self._pull(params, prompt_ids, lora_id, authorization))
+
+    async def _bounded(self, peer: str, handoff: Callable[[], Awaitable[Imported]]) -> Imported | None:
+        """One consumer hand-off within --kv-transfer-timeout, counted; None when it failed."""
         t0 = time.monotonic()
         self._count("requests", {"role": "consumer"})
-        peer = f"{params.get('remote_host')}:{params.get('remote_port')}"
         try:
             async with asyncio.timeout(self.settings.timeout):
-                got = await self._pull(params, prompt_ids, lora_id, authorization)
+                got = await handoff()
         except TransferFailed as exc:
             self._fallback(exc.reason, str(exc), peer)
             return None
