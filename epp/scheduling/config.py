@@ -25,6 +25,7 @@ PLUGIN_TYPES: dict[str, type] = {
         filters.LeastQueueFilter,
         filters.LeastKVCacheFilter,
         filters.LoraAffinityFilter,
+        filters.ModelServedFilter,
         scorers.QueueScorer,
         scorers.KVCacheUtilizationScorer,
         scorers.LoadAwareScorer,
@@ -109,9 +110,12 @@ def parse_duration(text: str) -> float:
 
 
 # GIE's default profile (queue 2, kv-cache 2, approximate prefix 3, LoRA affinity 2) and kvgate's own.
+# Each starts with model-served-filter: never an engine that does not serve the request's model
+# (an adapter loaded on some engines only); where every engine serves it, it keeps them all.
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "plugins": [
+            {"type": "model-served-filter"},
             {"type": "queue-scorer"},
             {"type": "kv-cache-utilization-scorer"},
             {"type": "prefix-cache-scorer"},
@@ -122,6 +126,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {
                 "name": "default",
                 "plugins": [
+                    {"pluginRef": "model-served-filter"},
                     {"pluginRef": "queue-scorer", "weight": 2},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
                     {"pluginRef": "prefix-cache-scorer", "weight": 3},
@@ -136,6 +141,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     # what a pick costs the pool (see epp/scheduling/latency.py).
     "precise-prefix": {
         "plugins": [
+            {"type": "model-served-filter"},
             {"type": "lora-affinity-filter", "parameters": {"loadedOnly": False}},
             {"type": "predicted-latency-scorer"},
             {"type": "lora-affinity-scorer"},
@@ -145,6 +151,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {
                 "name": "precise-prefix",
                 "plugins": [
+                    {"pluginRef": "model-served-filter"},
                     # an adapter request never waits for a slot where another engine has one
                     {"pluginRef": "lora-affinity-filter"},
                     {"pluginRef": "predicted-latency-scorer", "weight": 1},
@@ -160,6 +167,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     # load with fixed weights, so a holder loses once it is clearly busier than its peers.
     "precise-prefix-weights": {
         "plugins": [
+            {"type": "model-served-filter"},
             {"type": "precise-prefix-cache-scorer"},
             {"type": "load-aware-scorer", "parameters": {"threshold": 16}},
             {"type": "kv-cache-utilization-scorer"},
@@ -169,6 +177,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {
                 "name": "precise-prefix-weights",
                 "plugins": [
+                    {"pluginRef": "model-served-filter"},
                     {"pluginRef": "precise-prefix-cache-scorer", "weight": 3},
                     {"pluginRef": "load-aware-scorer", "weight": 4},
                     {"pluginRef": "kv-cache-utilization-scorer", "weight": 1},
@@ -178,12 +187,22 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         ],
     },
     "round-robin": {
-        "plugins": [{"type": "round-robin-picker"}],
-        "schedulingProfiles": [{"name": "round-robin", "plugins": [{"pluginRef": "round-robin-picker"}]}],
+        "plugins": [{"type": "model-served-filter"}, {"type": "round-robin-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "round-robin",
+                "plugins": [{"pluginRef": "model-served-filter"}, {"pluginRef": "round-robin-picker"}],
+            }
+        ],
     },
     "random": {
-        "plugins": [{"type": "random-picker"}],
-        "schedulingProfiles": [{"name": "random", "plugins": [{"pluginRef": "random-picker"}]}],
+        "plugins": [{"type": "model-served-filter"}, {"type": "random-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": "random",
+                "plugins": [{"pluginRef": "model-served-filter"}, {"pluginRef": "random-picker"}],
+            }
+        ],
     },
 }
 DEFAULT_PROFILE = "precise-prefix"

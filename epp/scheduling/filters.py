@@ -88,6 +88,38 @@ class LoraAffinityFilter:
         return loaded + free or endpoints
 
 
+@dataclass
+class ModelServedFilter:
+    """Keeps the endpoints that serve the request's target model (base model or adapter), as
+    their GET /v1/models lists it (polled every ``MODELS_REFRESH_S``, epp/scraper.py) or as
+    vllm:lora_requests_info shows it running there (every scrape).
+
+    Correctness, not preference: an adapter loaded at run time on some engines only must not
+    be sent to one that answers 404. An endpoint that has not reported its model list yet is
+    kept (unknown is not absent). When no endpoint is known to serve the model, everything
+    passes, so the engine's own 404 answers a model served nowhere (or one loaded too recently
+    for the poll to have seen). When every engine serves every model it changes nothing."""
+
+    type_name: ClassVar[str] = "model-served-filter"
+    name: str = type_name
+
+    def filter(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[EndpointState]:
+        model = ctx.request.target_model
+        if not model:
+            return endpoints
+        serving = [e for e in endpoints if _serves(e, model)]
+        if not serving:
+            return endpoints
+        if len(serving) == len(endpoints):
+            return endpoints  # the common case: the same list back, nothing rebuilt
+        return [e for e in endpoints if not e.served_models or _serves(e, model)]
+
+
+def _serves(e: EndpointState, model: str) -> bool:
+    m = e.metrics
+    return model in e.served_models or model in m.running_loras or model in m.waiting_loras
+
+
 def _lowest_band(endpoints: list[EndpointState], values: list[float]) -> list[EndpointState]:
     """The endpoints whose value lies within (max - min) / n of the minimum (GIE's band)."""
     if not endpoints:

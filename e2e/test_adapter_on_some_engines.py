@@ -1,0 +1,70 @@
+"""An adapter loaded at run time on one engine only (as the operator loads adapters, pod by pod):
+through real Envoy and the EPP over gRPC, every request for it lands on that engine, none on
+the other engine, which would answer 404. The EPP learns it from the engines' GET /v1/models
+(model-served-filter); before the filter about half of these requests were 404s."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from kvgate.testing import processes as harness
+from kvgate.testing.polling import eventually
+
+pytestmark = pytest.mark.timeout(90)
+UPSTREAM = "x-kvgate-upstream"
+ADAPTER = "late-lora"
+REQUESTS = 16
+
+
+def _model_polls(engine: harness.Engine) -> float:
+    """GET /v1/models answered by the engine: only the EPP's scraper asks it here."""
+    text = harness.http_get(f"http://{engine.address}/metrics")[1]
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("http_requests_total{")
+        and 'handler="/v1/models"' in line
+        and 'method="GET"' in line
+    )
+
+
+def test_an_adapter_on_one_engine_is_only_routed_there(tmp_path) -> None:
+    with harness.gateway_stack(tmp_path, engines=2, engine_args=("--enable-lora",)) as (engines, _, envoy):
+        holder, other = engines
+        polls = _model_polls(holder)
+        # simulated engines: any existing folder is an adapter
+        resp = httpx.post(
+            f"http://{holder.address}/v1/load_lora_adapter",
+            json={"lora_name": ADAPTER, "lora_path": str(tmp_path)},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        # the EPP's next poll of the holder's model list (every 10 s) tells it; a moment to parse it
+        eventually(lambda: _model_polls(holder) > polls, 15, "the EPP polls the holder's models again")
+        time.sleep(0.3)
+        with httpx.Client(base_url=envoy.url, timeout=20) as client:
+            answers = []
+            for i in range(REQUESTS):
+                r = client.post(
+                    "/v1/completions",
+                    # different prompts: no prefix pulls them all to one engine by itself
+                    json={"model": ADAPTER, "prompt": f"question {i}: " + "why " * (i + 1), "max_tokens": 2},
+                )
+                answers.append((r.status_code, r.headers.get(UPSTREAM)))
+        assert [s for s, _ in answers] == [200] * REQUESTS, answers
+        assert {u for _, u in answers} == {holder.address}
+        # the base model still spreads over both engines (every engine serves it)
+        with httpx.Client(base_url=envoy.url, timeout=20) as client:
+            cards = client.get("/v1/models").json()["data"]
+            base = next(m["id"] for m in cards if m.get("parent") is None)
+            seen = set()
+            for i in range(REQUESTS):
+                r = client.post(
+                    "/v1/completions", json={"model": base, "prompt": f"base {i} " * (i + 1), "max_tokens": 2}
+                )
+                assert r.status_code == 200, r.text
+                seen.add(r.headers.get(UPSTREAM))
+        assert seen == {holder.address, other.address}
