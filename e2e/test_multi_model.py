@@ -15,12 +15,14 @@ from kvgate.testing.local_up import UpProcess, start_up, stop_up
 
 pytestmark = pytest.mark.timeout(180)
 UPSTREAM = "x-kvgate-upstream"
+BETA_ADAPTER = "beta-sum"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    logs = tmp_path_factory.mktemp("pools")
     up = start_up(
-        tmp_path_factory.mktemp("pools"),
+        logs,
         "--simulate",
         "--pool",
         "alpha=default:2",
@@ -31,6 +33,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
         "--expose-upstream-header",
         # every engine may load adapters at run time (the router must find them)
         "--engine-arg=--enable-lora",
+        # an adapter given at start to one pool only (simulated engines: any folder is an adapter)
+        "--lora-modules",
+        f"beta/{BETA_ADAPTER}={logs}",
     )
     try:
         up.wait_for_line(r"^curl ")
@@ -56,12 +61,15 @@ def test_stack_json_and_progress_name_every_pool(stack: UpProcess) -> None:
     for part in ("engine-alpha-0 ready", "engine-alpha-1 ready", "engine-beta-0 ready", "epp-alpha ready"):
         assert part in text
     assert "router ready" in text and "models 'alpha', 'beta'" in text
+    assert f"beta (1 x default, adapters {BETA_ADAPTER})" in text
 
 
 def test_models_lists_every_pool(stack: UpProcess) -> None:
     client = _client(stack)
-    assert {m.id for m in client.models.list()} == {"alpha", "beta"}
+    assert {m.id for m in client.models.list()} == {"alpha", "beta", BETA_ADAPTER}
     assert client.models.retrieve("beta").id == "beta"
+    card = client.models.retrieve(BETA_ADAPTER)  # listed under its pool's model
+    assert card.model_extra and card.model_extra.get("parent") == "beta"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gamma")
 
@@ -76,6 +84,19 @@ def test_each_model_is_served_by_its_own_pool(stack: UpProcess) -> None:
         assert raw.parse().model == model
     stream = client.completions.create(model="beta", prompt="count with me", max_tokens=4, stream=True)
     assert len([c for c in stream if c.choices]) >= 1
+
+
+def test_a_pools_startup_adapter_is_served_by_that_pool_only(stack: UpProcess) -> None:
+    client = _client(stack)
+    for i in range(3):
+        raw = client.completions.with_raw_response.create(model=BETA_ADAPTER, prompt=f"sum {i}", max_tokens=2)
+        assert raw.headers[UPSTREAM] in _engines(stack, "beta")
+        assert raw.parse().model == BETA_ADAPTER
+    # kvgate up gave it to beta's engines alone
+    for pool, listed in (("alpha", False), ("beta", True)):
+        for engine in stack.stack["pools"][pool]["engine_urls"]:
+            ids = {m["id"] for m in httpx.get(engine + "/v1/models", timeout=5).json()["data"]}
+            assert (BETA_ADAPTER in ids) is listed, (pool, ids)
 
 
 def test_unknown_model_is_404_from_the_gateway(stack: UpProcess) -> None:
@@ -131,7 +152,7 @@ def test_adapters_loaded_at_run_time_are_listed_and_routed_to_their_pools(stack:
             )
             assert resp.status_code == 200, resp.text
     client = _client(stack)
-    want = {"alpha", "beta", *adapters.values()}
+    want = {"alpha", "beta", BETA_ADAPTER, *adapters.values()}
     eventually(
         lambda: {m.id for m in client.models.list()} == want, 15, "the router lists both pools' adapters"
     )

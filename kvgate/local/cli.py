@@ -8,6 +8,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -166,9 +167,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=lora_modules,
         action="extend",
         default=[],
-        metavar="NAME=PATH[,NAME=PATH...]",
-        help="LoRA adapters every engine serves (PEFT folders; repeatable): the engines run with "
-        "--enable-lora and one --lora-modules NAME=PATH each, and requests name an adapter as their model",
+        metavar="[POOL/]NAME=PATH[,...]",
+        help="LoRA adapters (PEFT folders; repeatable): the engines run with --enable-lora and one "
+        "--lora-modules NAME=PATH each, and requests name an adapter as their model. One pool: every "
+        "engine serves them. With --pool, each entry names its pool, POOL/NAME=PATH, and only that "
+        "pool's engines serve it (GET /v1/models lists it under the pool's model)",
     )
     p.add_argument(
         "--expose-upstream-header",
@@ -199,8 +202,40 @@ def lora_modules(value: str) -> list[tuple[str, str]]:
     for item in value.split(","):
         name, sep, path = item.strip().partition("=")
         if not sep or not name.strip() or not path.strip():
-            raise argparse.ArgumentTypeError(f"expected NAME=PATH[,NAME=PATH...], got {item.strip()!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=PATH[,NAME=PATH...] (with --pool: POOL/NAME=PATH), got {item.strip()!r}"
+            )
         out.append((name.strip(), path.strip()))
+    return out
+
+
+def pool_lora_modules(pools: list[str], entries: list[tuple[str, str]]) -> dict[str, list[tuple[str, str]]]:
+    """--lora-modules with --pool: each POOL/NAME=PATH entry sorted to its pool. An adapter name
+    is a model name the router routes on, so it must be unique across pools and pool names.
+    ValueError: what is wrong, for the CLI's message."""
+    out: dict[str, list[tuple[str, str]]] = {p: [] for p in pools}
+    where: dict[str, str] = {}
+    for name, path in entries:
+        pool, slash, adapter = name.partition("/")
+        if not slash or not adapter.strip():
+            raise ValueError(
+                f"--lora-modules {name}={path}: with --pool each adapter names its pool, POOL/NAME=PATH "
+                f"(pools: {', '.join(pools)})"
+            )
+        if pool not in out:
+            raise ValueError(
+                f"--lora-modules {name}={path}: no --pool is named {pool!r} (pools: {', '.join(pools)})"
+            )
+        adapter = adapter.strip()
+        if adapter in out:
+            raise ValueError(f"--lora-modules {name}={path}: {adapter!r} is a pool's model name already")
+        if adapter in where:
+            what = "twice" if where[adapter] == pool else f"in pools {where[adapter]!r} and {pool!r}"
+            raise ValueError(
+                f"--lora-modules names adapter {adapter!r} {what}: a model name routes to one place"
+            )
+        where[adapter] = pool
+        out[pool].append((adapter, path))
     return out
 
 
@@ -218,18 +253,22 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")
-    names = [name for name, _ in args.lora_modules]
-    if dupes := sorted({n for n in names if names.count(n) > 1}):
-        return _fail(f"--lora-modules names an adapter more than once: {', '.join(dupes)}")
     pools = tuple(PoolConfig(name, model, engines) for name, model, engines in args.pool)
     if pools:
         if args.model is not None or args.engines is not None:
             return _fail("--pool sets each pool's model and engines: leave out --model and --engines")
-        if args.lora_modules:
-            return _fail("--lora-modules with --pool is not supported yet (adapters per pool)")
         pool_names = [p.name for p in pools]
         if dupes := sorted({n for n in pool_names if pool_names.count(n) > 1}):
             return _fail(f"--pool names a pool more than once: {', '.join(dupes)}")
+        try:
+            adapters = pool_lora_modules(pool_names, args.lora_modules)
+        except ValueError as exc:
+            return _fail(str(exc))
+        pools = tuple(replace(p, lora_modules=tuple(adapters[p.name])) for p in pools)
+    else:
+        names = [name for name, _ in args.lora_modules]
+        if dupes := sorted({n for n in names if names.count(n) > 1}):
+            return _fail(f"--lora-modules names an adapter more than once: {', '.join(dupes)}")
     pd = args.prefill_engines is not None or args.decode_engines is not None
     if pd:
         if args.prefill_engines is None or args.decode_engines is None:
@@ -267,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
         epp_config_file=args.epp_config,
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
-        lora_modules=tuple(args.lora_modules),
+        lora_modules=() if pools else tuple(args.lora_modules),  # several pools: each PoolConfig's
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),
         log_format=args.log_format,
@@ -294,7 +333,11 @@ def run(args: argparse.Namespace) -> int:
     stack = LocalStack(cfg, echo=sys.stdout, progress=say)
     kind = "simulated" if args.simulate else f"model {model}"
     if pools:
-        listed = ", ".join(f"{p.name} ({p.engines} x {p.model})" for p in pools)
+        listed = ", ".join(
+            f"{p.name} ({p.engines} x {p.model}"
+            + (f", adapters {', '.join(a for a, _ in p.lora_modules)})" if p.lora_modules else ")")
+            for p in pools
+        )
         say(
             f"starting {len(pools)} pools: {listed}{' simulated' if args.simulate else ''}, "
             f"{args.epp_replicas} EPP replica(s) each (profile {args.profile or 'precise-prefix'}), "

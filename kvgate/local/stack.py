@@ -48,6 +48,7 @@ class PoolConfig:
     name: str
     model: str = DEFAULT_MODEL
     engines: int = 1
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, path) this pool's engines serve
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class _PoolLayout:
     model: str
     engines: range
     epps: range
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class StackConfig:
     epp_config_file: str | None = None
     max_num_seqs: int | None = None
     max_queued_requests: int | None = None
-    lora_modules: tuple[tuple[str, str], ...] = ()  # (adapter name, path) every engine serves
+    # (adapter name, path) every engine of a one-pool stack serves; several pools: PoolConfig's
+    lora_modules: tuple[tuple[str, str], ...] = ()
     engine_args: tuple[str, ...] = ()  # passed through to every engine
     epp_args: tuple[str, ...] = ()  # passed through to the EPP
     envoy_bin: str | None = None
@@ -104,7 +107,11 @@ class StackConfig:
 
     def layout(self) -> list[_PoolLayout]:
         if not self.pools:
-            return [_PoolLayout(None, self.model, range(self.engines), range(self.epp_replicas))]
+            return [
+                _PoolLayout(
+                    None, self.model, range(self.engines), range(self.epp_replicas), self.lora_modules
+                )
+            ]
         per_pool = self.epp_replicas // len(self.pools)
         out, first = [], 0
         for k, pool in enumerate(self.pools):
@@ -114,6 +121,7 @@ class StackConfig:
                     pool.model,
                     range(first, first + pool.engines),
                     range(k * per_pool, (k + 1) * per_pool),
+                    pool.lora_modules,
                 )
             )
             first += pool.engines
@@ -198,9 +206,9 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv.append("--simulate")
         argv += cfg.sim.argv()
     argv += _observability_args(cfg)
-    if cfg.lora_modules:
+    if pool.lora_modules:
         argv.append("--enable-lora")
-        for name, path in cfg.lora_modules:
+        for name, path in pool.lora_modules:
             argv += ["--lora-modules", f"{name}={path}"]
     if pool.name is not None:
         argv += ["--served-model-name", pool.name]  # what clients name, and the router routes on
@@ -560,8 +568,11 @@ class LocalStack:
         self._progress(f"gateway ready ({time.monotonic() - t0:.1f}s)")
 
     def _wait_gateway(self, client: httpx.Client, deadline: float, cancel: threading.Event | None) -> None:
-        """The whole path answers: Envoy → EPP pick → an engine's /v1/models."""
+        """The whole path answers: Envoy → EPP pick → an engine's /v1/models. Several pools: the
+        model router's answer lists every pool and every adapter given at start (it polls the
+        engines; before that a request for one would be its 404)."""
         url = f"http://{LOOPBACK}:{self.cfg.ports.gateway}/v1/models"
+        want = {p.name for p in self.cfg.pools} | {a for p in self.cfg.pools for a, _ in p.lora_modules}
         last = ""
         while time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
@@ -569,8 +580,12 @@ class LocalStack:
             try:
                 resp = client.get(url)
                 if resp.status_code == 200:
-                    return
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                    missing = want - _listed_ids(resp)
+                    if not missing:
+                        return
+                    last = f"models not listed yet: {', '.join(sorted(missing))}"
+                else:
+                    last = f"HTTP {resp.status_code}: {resp.text[:200]}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             time.sleep(0.2)
@@ -604,6 +619,13 @@ class LocalStack:
             return str(data[0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             return self.cfg.model
+
+
+def _listed_ids(resp: httpx.Response) -> set[str]:
+    try:
+        return {str(m["id"]) for m in resp.json()["data"]}
+    except (ValueError, KeyError, TypeError):
+        return set()
 
 
 def _http_ok(url: str) -> Callable[[httpx.Client], bool]:
