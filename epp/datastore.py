@@ -49,6 +49,9 @@ class EndpointMetrics:
     prefix_hits_total: float | None = None  # vllm:prefix_cache_hits_total (tokens)
     itl_seconds_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
     itl_count: float | None = None  # vllm:inter_token_latency_seconds_count
+    # Successful runtime LoRA loads + unloads (http_requests_total of those two handlers, 2xx):
+    # when it moves, the engine's GET /v1/models changed. None: not exported.
+    adapter_changes: float | None = None
 
 
 # A pick shows in the engine's own counts only once Envoy has forwarded the request and the

@@ -76,6 +76,12 @@ _COUNTERS = (
     vllm.INTER_TOKEN_LATENCY_SECONDS + "_count",
 )
 
+# vLLM's API server counts every answered request (its FastAPI instrumentator) and kvgate's engine
+# likewise: http_requests_total{handler, method, status="2xx"}. A success on one of these two
+# handlers is a change of the engine's adapter list, seen on the next 50 ms scrape.
+_HTTP_REQUESTS = "http_requests_total"
+_ADAPTER_HANDLERS = ('handler="/v1/load_lora_adapter"', 'handler="/v1/unload_lora_adapter"')
+
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -101,7 +107,8 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
     prefill_pending: float | None = None
     counters: dict[str, float] = {}
     blocks_total: int | None = None
-    prefixes = (*wanted, vllm.CACHE_CONFIG_INFO)
+    adapter_changes: float | None = None
+    prefixes = (*wanted, vllm.CACHE_CONFIG_INFO, _HTTP_REQUESTS)
     for line in text.splitlines():
         if not line.startswith(prefixes):
             continue
@@ -111,6 +118,14 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         if m.group(1) == vllm.CACHE_CONFIG_INFO:
             found = re.search(r'num_gpu_blocks="(\d+)"', m.group(2) or "")
             blocks_total = int(found.group(1)) if found else blocks_total
+            continue
+        if m.group(1) == _HTTP_REQUESTS:
+            raw = m.group(2) or ""
+            if any(h in raw for h in _ADAPTER_HANDLERS) and 'status="2' in raw:
+                try:
+                    adapter_changes = (adapter_changes or 0.0) + float(m.group(3))
+                except ValueError:
+                    pass
             continue
         if m.group(1) not in wanted:
             continue
@@ -170,10 +185,14 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         prefix_hits_total=counters.get(vllm.PREFIX_CACHE_HITS_TOTAL),
         itl_seconds_sum=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_sum"),
         itl_count=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_count"),
+        adapter_changes=adapter_changes,
     )
 
 
 MODELS_REFRESH_S = 10.0  # how often GET /v1/models is asked again (served names, context)
+# ...and asked at once when a scrape shows the engine's adapters changed, but never more often
+# than this: an engine loading adapters every scrape costs one GET per this interval.
+MODELS_MIN_GAP_S = 0.5
 
 
 class MetricsScraper:
@@ -292,6 +311,10 @@ class MetricsScraper:
         # start-up that logs "unreachable" for every engine reads like a failure.
         was_ok: bool | None = None
         next_models = 0.0
+        last_models = 0.0
+        changes: float | None = None  # the engine's adapter load/unload count, last scrape
+        loras: frozenset[str] = frozenset()  # adapters running or waiting there, last scrape
+        stale = False  # the adapter list changed since the last GET /v1/models
         n = 0
         try:
             while True:
@@ -305,8 +328,19 @@ class MetricsScraper:
                     else:
                         log.info("endpoint %s %s", endpoint.address, "reachable" if ok else "unreachable")
                     was_ok = ok
-                if ok and time.monotonic() >= next_models:
-                    await self.fetch_models(endpoint, models)
+                state = self.datastore.get(endpoint.address) if ok else None
+                if state is not None:
+                    m = state.metrics
+                    # a load/unload answered (its series appears with the first one), or an adapter
+                    # with requests there its model list lacks (loaded another way: a vLLM resolver)
+                    new_loras = m.running_loras | m.waiting_loras
+                    stale |= m.adapter_changes != changes
+                    stale |= bool(state.served_models and new_loras - state.served_models - loras)
+                    changes, loras = m.adapter_changes, new_loras
+                now = time.monotonic()
+                if ok and (now >= next_models or (stale and now >= last_models + MODELS_MIN_GAP_S)):
+                    await self.fetch_models(endpoint, models)  # awaited: one in flight at most
+                    last_models, stale = now, False
                     next_models = time.monotonic() + MODELS_REFRESH_S
                 await asyncio.sleep(self.interval if ok else max(self.interval, 0.2))
         finally:

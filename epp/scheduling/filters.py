@@ -91,14 +91,15 @@ class LoraAffinityFilter:
 @dataclass
 class ModelServedFilter:
     """Keeps the endpoints that serve the request's target model (base model or adapter), as
-    their GET /v1/models lists it (polled every ``MODELS_REFRESH_S``, epp/scraper.py) or as
+    their GET /v1/models lists it (polled every ``MODELS_REFRESH_S``, and within a scrape of a
+    runtime adapter load/unload: epp/scraper.py) or as
     vllm:lora_requests_info shows it running there (every scrape).
 
     Correctness, not preference: an adapter loaded at run time on some engines only must not
     be sent to one that answers 404. An endpoint that has not reported its model list yet is
     kept (unknown is not absent). When no endpoint is known to serve the model, everything
     passes, so the engine's own 404 answers a model served nowhere (or one loaded too recently
-    for the poll to have seen). When every engine serves every model it changes nothing."""
+    for the scraper to have seen). When every engine serves every model it changes nothing."""
 
     type_name: ClassVar[str] = "model-served-filter"
     name: str = type_name
