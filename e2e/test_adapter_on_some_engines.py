@@ -1,7 +1,9 @@
 """An adapter loaded at run time on one engine only (as the operator loads adapters, pod by pod):
 through real Envoy and the EPP over gRPC, every request for it lands on that engine, none on
 the other engine, which would answer 404. The EPP learns it from the engines' GET /v1/models
-(model-served-filter); before the filter about half of these requests were 404s."""
+(model-served-filter); before the filter about half of these requests were 404s. The EPP asks
+an engine's list again within a scrape of a load or unload there (epp/scraper.py), so moving
+the adapter to the other engine is followed within a second, not at the 10 s poll."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.timeout(90)
 UPSTREAM = "x-kvgate-upstream"
 ADAPTER = "late-lora"
 REQUESTS = 16
+SETTLE_S = 1.0  # the EPP follows a load/unload within 0.5 s (its list poll: every 10 s)
 
 
 def _model_polls(engine: harness.Engine) -> float:
@@ -31,6 +34,20 @@ def _model_polls(engine: harness.Engine) -> float:
     )
 
 
+def _adapter_requests(url: str, tag: str) -> list[tuple[int, str | None]]:
+    """REQUESTS completions for the adapter through the gateway: (status, engine) each."""
+    with httpx.Client(base_url=url, timeout=20) as client:
+        answers = []
+        for i in range(REQUESTS):
+            r = client.post(
+                "/v1/completions",
+                # different prompts: no prefix pulls them all to one engine by itself
+                json={"model": ADAPTER, "prompt": f"{tag} {i}: " + "why " * (i + 1), "max_tokens": 2},
+            )
+            answers.append((r.status_code, r.headers.get(UPSTREAM)))
+    return answers
+
+
 def test_an_adapter_on_one_engine_is_only_routed_there(tmp_path) -> None:
     with harness.gateway_stack(tmp_path, engines=2, engine_args=("--enable-lora",)) as (engines, _, envoy):
         holder, other = engines
@@ -42,20 +59,25 @@ def test_an_adapter_on_one_engine_is_only_routed_there(tmp_path) -> None:
             timeout=10,
         )
         assert resp.status_code == 200, resp.text
-        # the EPP's next poll of the holder's model list (every 10 s) tells it; a moment to parse it
-        eventually(lambda: _model_polls(holder) > polls, 15, "the EPP polls the holder's models again")
+        # the load shows on the holder's /metrics; the EPP asks its model list again at once
+        eventually(lambda: _model_polls(holder) > polls, SETTLE_S, "the EPP asks the holder's models again")
         time.sleep(0.3)
-        with httpx.Client(base_url=envoy.url, timeout=20) as client:
-            answers = []
-            for i in range(REQUESTS):
-                r = client.post(
-                    "/v1/completions",
-                    # different prompts: no prefix pulls them all to one engine by itself
-                    json={"model": ADAPTER, "prompt": f"question {i}: " + "why " * (i + 1), "max_tokens": 2},
-                )
-                answers.append((r.status_code, r.headers.get(UPSTREAM)))
+        answers = _adapter_requests(envoy.url, "question")
         assert [s for s, _ in answers] == [200] * REQUESTS, answers
         assert {u for _, u in answers} == {holder.address}
+        # the adapter moves: unloaded from the holder, loaded on the other engine
+        resp = httpx.post(f"http://{holder.address}/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
+        assert resp.status_code == 200, resp.text
+        resp = httpx.post(
+            f"http://{other.address}/v1/load_lora_adapter",
+            json={"lora_name": ADAPTER, "lora_path": str(tmp_path)},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        time.sleep(SETTLE_S)
+        answers = _adapter_requests(envoy.url, "moved")
+        assert [s for s, _ in answers] == [200] * REQUESTS, answers  # not one 404 from the old holder
+        assert {u for _, u in answers} == {other.address}
         # the base model still spreads over both engines (every engine serves it)
         with httpx.Client(base_url=envoy.url, timeout=20) as client:
             cards = client.get("/v1/models").json()["data"]
