@@ -7,6 +7,7 @@ the adapter to the other engine is followed within a second, not at the 10 s pol
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -32,6 +33,14 @@ def _model_polls(engine: harness.Engine) -> float:
         and 'handler="/v1/models"' in line
         and 'method="GET"' in line
     )
+
+
+def _running_adapters(engine: harness.Engine) -> set[str]:
+    """running_lora_adapters of the engine's vllm:lora_requests_info."""
+    text = harness.http_get(f"http://{engine.address}/metrics")[1]
+    line = next(x for x in text.splitlines() if x.startswith("vllm:lora_requests_info{"))
+    found = re.search(r'running_lora_adapters="([^"]*)"', line)
+    return {a for a in (found.group(1) if found else "").split(",") if a}
 
 
 def _adapter_requests(url: str, tag: str) -> list[tuple[int, str | None]]:
@@ -65,17 +74,34 @@ def test_an_adapter_on_one_engine_is_only_routed_there(tmp_path) -> None:
         answers = _adapter_requests(envoy.url, "question")
         assert [s for s, _ in answers] == [200] * REQUESTS, answers
         assert {u for _, u in answers} == {holder.address}
-        # the adapter moves: unloaded from the holder, loaded on the other engine
-        resp = httpx.post(f"http://{holder.address}/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
-        assert resp.status_code == 200, resp.text
-        resp = httpx.post(
-            f"http://{other.address}/v1/load_lora_adapter",
-            json={"lora_name": ADAPTER, "lora_path": str(tmp_path)},
-            timeout=10,
-        )
-        assert resp.status_code == 200, resp.text
-        time.sleep(SETTLE_S)
-        answers = _adapter_requests(envoy.url, "moved")
+        # the adapter moves (unloaded from the holder, loaded on the other engine) while a long
+        # request still runs under it on the holder: its lora_requests_info keeps showing it
+        # running there, yet the holder answers 404 to any new request for it
+        long_body = {
+            "model": ADAPTER,
+            "prompt": "a long one",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", f"http://{holder.address}/v1/completions", json=long_body, timeout=30
+        ) as long:
+            assert long.status_code == 200
+            lines = long.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)  # under way
+            resp = httpx.post(f"http://{holder.address}/v1/unload_lora_adapter", json={"lora_name": ADAPTER})
+            assert resp.status_code == 200, resp.text
+            resp = httpx.post(
+                f"http://{other.address}/v1/load_lora_adapter",
+                json={"lora_name": ADAPTER, "lora_path": str(tmp_path)},
+                timeout=10,
+            )
+            assert resp.status_code == 200, resp.text
+            time.sleep(SETTLE_S)
+            assert _running_adapters(holder) == {ADAPTER}  # the case this checks: still running there
+            answers = _adapter_requests(envoy.url, "moved")
+            assert _running_adapters(holder) == {ADAPTER}
         assert [s for s, _ in answers] == [200] * REQUESTS, answers  # not one 404 from the old holder
         assert {u for _, u in answers} == {other.address}
         # the base model still spreads over both engines (every engine serves it)

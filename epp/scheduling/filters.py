@@ -92,7 +92,7 @@ class LoraAffinityFilter:
 class ModelServedFilter:
     """Keeps the endpoints that serve the request's target model (base model or adapter), as
     their GET /v1/models lists it (polled every ``MODELS_REFRESH_S``, and within a scrape of a
-    runtime adapter load/unload: epp/scraper.py) or as
+    runtime adapter load/unload: epp/scraper.py) or, where no list has it yet, as
     vllm:lora_requests_info shows it running there (every scrape).
 
     Correctness, not preference: an adapter loaded at run time on some engines only must not
@@ -108,17 +108,17 @@ class ModelServedFilter:
         model = ctx.request.target_model
         if not model:
             return endpoints
-        serving = [e for e in endpoints if _serves(e, model)]
+        # A model list beats lora_requests_info: an adapter unloaded while requests still run
+        # under it shows running there, yet that engine answers 404 to every new one.
+        serving = [e for e in endpoints if model in e.served_models] or [
+            e for e in endpoints if model in e.metrics.running_loras or model in e.metrics.waiting_loras
+        ]
         if not serving:
             return endpoints
         if len(serving) == len(endpoints):
             return endpoints  # the common case: the same list back, nothing rebuilt
-        return [e for e in endpoints if not e.served_models or _serves(e, model)]
-
-
-def _serves(e: EndpointState, model: str) -> bool:
-    m = e.metrics
-    return model in e.served_models or model in m.running_loras or model in m.waiting_loras
+        keep = {e.address for e in serving}
+        return [e for e in endpoints if not e.served_models or e.address in keep]
 
 
 def _lowest_band(endpoints: list[EndpointState], values: list[float]) -> list[EndpointState]:

@@ -65,6 +65,17 @@ def test_an_adapter_running_there_counts_as_served(store: Datastore, req) -> Non
     assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b, c]
 
 
+def test_a_model_list_beats_a_running_label(store: Datastore, req) -> None:
+    # the adapter moved from a to b: a's list dropped it, but a request still runs under it
+    # there (lora_requests_info: running) and a answers 404 to any new one
+    a, b, _c = addresses(store.all())
+    serve(store, {"base"}, {"base", "x"}, {"base"})
+    store.update_metrics(
+        a, EndpointMetrics(updated_at=time.monotonic(), max_lora=2, running_loras=frozenset({"x"}))
+    )
+    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b]
+
+
 def test_it_filters_the_candidates_it_is_given(store: Datastore, req) -> None:
     a, b, c = addresses(store.all())
     serve(store, {"sql"}, {"base"}, {"sql"})
