@@ -15,7 +15,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -520,7 +520,39 @@ def _completes_large_body(handler: EndpointPickerHandler, x: _Exchange, msg: ep.
     return kind == "request_trailers" and not x.body_done and len(x.body) > INLINE_BODY_BYTES
 
 
+async def run_exchange(
+    handler: EndpointPickerHandler,
+    read: Callable[[], Awaitable[ep.ProcessingRequest | None]],
+    write: Callable[[ep.ProcessingResponse], Awaitable[None]],
+) -> None:
+    """One ext_proc stream, whatever gRPC server carries it: ``read`` gives the next message
+    (None at the end), ``write`` sends one answer."""
+    x = _Exchange()
+    try:
+        while True:
+            msg = await read()
+            if msg is None:
+                return
+            try:
+                if _completes_large_body(handler, x, msg):
+                    responses = await handler.finish_body_async(x, msg)
+                else:
+                    responses = handler.handle(x, msg)
+            except Exception:
+                log.exception("request %s: ext_proc handler failed", x.request_id)
+                await write(immediate(500, "internal error in the endpoint picker", request_id=x.request_id))
+                return
+            for resp in responses:
+                await write(resp)
+            if responses and responses[0].HasField("immediate_response"):
+                return
+    finally:
+        handler.finish(x)
+
+
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    """The ext_proc service on grpcio's asyncio server (``--grpc-server grpcio``)."""
+
     def __init__(self, handler: EndpointPickerHandler) -> None:
         self.handler = handler
 
@@ -528,31 +560,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> None:
         # context.read()/write() rather than an async generator: no generator wrapper per message
-        handler = self.handler
-        x = _Exchange()
         eof = grpc.aio.EOF
-        try:
-            while True:
-                msg = await context.read()
-                if msg is eof:
-                    return
-                try:
-                    if _completes_large_body(handler, x, msg):
-                        responses = await handler.finish_body_async(x, msg)
-                    else:
-                        responses = handler.handle(x, msg)
-                except Exception:
-                    log.exception("request %s: ext_proc handler failed", x.request_id)
-                    await context.write(
-                        immediate(500, "internal error in the endpoint picker", request_id=x.request_id)
-                    )
-                    return
-                for resp in responses:
-                    await context.write(resp)
-                if responses and responses[0].HasField("immediate_response"):
-                    return
-        finally:
-            handler.finish(x)
+
+        async def read() -> ep.ProcessingRequest | None:
+            msg = await context.read()
+            return None if msg is eof else msg
+
+        await run_exchange(self.handler, read, context.write)
 
 
 def _milliseconds(value: str | None) -> float | None:

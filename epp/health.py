@@ -23,11 +23,22 @@ class EppHealth:
         self.servicer = HealthServicer()
         self.datastore = datastore
         self._ready: bool | None = None
+        # the same statuses for a health service on another gRPC server (kvgate.epp.grpclib_server)
+        self.statuses: dict[str, int] = {}
+
+    async def _set(self, service: str, status: int) -> None:
+        self.statuses[service] = status
+        await self.servicer.set(service, status)
 
     async def start(self) -> None:
-        await self.servicer.set(LIVENESS, SERVING)
-        await self.servicer.set("", SERVING)
+        await self._set(LIVENESS, SERVING)
+        await self._set("", SERVING)
         await self.refresh()
+
+    async def shutdown(self) -> None:
+        """Every service NOT_SERVING: Envoy stops sending new streams before the server stops."""
+        self.statuses = dict.fromkeys(self.statuses, NOT_SERVING)
+        await self.servicer.enter_graceful_shutdown()
 
     def _synced(self) -> bool:
         """Endpoints known and each one's KV-event state replayed (or given up after the
@@ -47,8 +58,8 @@ class EppHealth:
         if ready != self._ready:
             self._ready = ready
             status = SERVING if ready else NOT_SERVING
-            await self.servicer.set(READINESS, status)
-            await self.servicer.set(EXT_PROC, status)
+            await self._set(READINESS, status)
+            await self._set(EXT_PROC, status)
 
     async def watch(self, interval: float = 0.2) -> None:
         while True:

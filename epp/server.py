@@ -19,6 +19,7 @@ from kvgate.api.tracing import Tracer
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
 from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
+from kvgate.epp.grpclib_server import GrpclibExtProcServer
 from kvgate.epp.health import EppHealth
 from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
@@ -54,6 +55,8 @@ class ServerSettings:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     otlp_endpoint: str | None = None  # traces (kvgate.api.tracing); None: off
     pd_threshold: int | None = None  # P/D above this many uncached tokens; None: the config's (off)
+    # which gRPC server carries ext_proc: grpclib (in the event loop, lower latency) or grpcio
+    grpc_server: str = "grpclib"
 
 
 def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
@@ -110,6 +113,7 @@ class EppServer:
         self.health_port = settings.grpc_health_port
         self.metrics_port = settings.metrics_port
         self._servers: list[grpc.aio.Server] = []
+        self._extproc: GrpclibExtProcServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: Any = None
         self.scraper: MetricsScraper | None = None
@@ -117,26 +121,38 @@ class EppServer:
 
     async def start(self) -> None:
         s = self.settings
-        options = [("grpc.max_concurrent_streams", 100_000), ("grpc.so_reuseport", 0)]
-        ext = grpc.aio.server(options=options)
-        ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.handler), ext)
-        # also on the ext_proc port, so Envoy's cluster health check shares its transport (TLS)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, ext)
-        target = f"{s.bind_host}:{s.grpc_port}"
+        self._servers = []
+        tls = None
         if s.secure_serving:
             from kvgate.epp.tls import self_signed_cert
 
-            cert, key = self_signed_cert()
-            self.grpc_port = ext.add_secure_port(target, grpc.ssl_server_credentials([(key, cert)]))
+            tls = self_signed_cert()
+        if s.grpc_server == "grpclib":
+            # also serves gRPC health, so Envoy's cluster health check shares its transport (TLS)
+            self._extproc = GrpclibExtProcServer(self.handler, self.health, s.bind_host, s.grpc_port, tls)
+            self.grpc_port = self._extproc.port
         else:
-            self.grpc_port = ext.add_insecure_port(target)
+            options = [("grpc.max_concurrent_streams", 100_000), ("grpc.so_reuseport", 0)]
+            ext = grpc.aio.server(options=options)
+            ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.handler), ext)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, ext)
+            target = f"{s.bind_host}:{s.grpc_port}"
+            if tls is not None:
+                cert, key = tls
+                self.grpc_port = ext.add_secure_port(target, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                self.grpc_port = ext.add_insecure_port(target)
+            self._servers.append(ext)
         health = grpc.aio.server()
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, health)
         self.health_port = health.add_insecure_port(f"{s.bind_host}:{s.grpc_health_port}")
         await self.health.start()
-        await ext.start()
+        for server in self._servers:
+            await server.start()
+        if self._extproc is not None:
+            await self._extproc.start()
         await health.start()
-        self._servers = [ext, health]
+        self._servers.append(health)
         self._http, _ = start_http_server(s.metrics_port, s.bind_host, registry=self.metrics.registry)
         self.metrics_port = self._http.server_port
         from kvgate.epp.scraper import MAPPINGS
@@ -173,6 +189,7 @@ class EppServer:
                 "profile": self.profile.name,
                 "pd_threshold": self.director.pd.threshold if self.director.pd else None,
                 "secure_serving": s.secure_serving,
+                "grpc_server": s.grpc_server,
                 "endpoints": len(self.datastore),
             },
         )
@@ -181,7 +198,9 @@ class EppServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.health.servicer.enter_graceful_shutdown()
+        await self.health.shutdown()
+        if self._extproc is not None:
+            await self._extproc.stop(grace=1.0)
         for server in self._servers:
             await server.stop(grace=1.0)
         if self.scraper:
