@@ -22,10 +22,10 @@ import time
 
 from kvgate.bench.presets import PRESETS
 from kvgate.bench.virtual_pool import PoolSpec, simulate
-from kvgate.bench.workloads import MultiTurnSpec, SharedPrefixSpec, WorkloadSpec
+from kvgate.bench.workloads import LoRASpec, MultiTurnSpec, SharedPrefixSpec, WorkloadSpec
 from kvgate.engine.config import SimulationConfig
 
-METRICS = ("ttft_p50", "ttft_p90", "output_tok_s", "prefix_hit")
+METRICS = ("ttft_p50", "ttft_p90", "output_tok_s", "prefix_hit", "lora_loads")
 
 
 def workload(preset: dict[str, object], seed: int) -> WorkloadSpec:
@@ -39,6 +39,19 @@ def workload(preset: dict[str, object], seed: int) -> WorkloadSpec:
                 turns=int(v["turns"]),  # type: ignore[call-overload]
                 first_turn_tokens=int(v["first_turn_tokens"]),  # type: ignore[call-overload]
                 user_turn_tokens=int(v["user_turn_tokens"]),  # type: ignore[call-overload]
+                output_tokens=int(v["output_tokens"]),  # type: ignore[call-overload]
+            ),
+        )
+    if v["workload"] == "lora":
+        return WorkloadSpec(
+            kind="lora",
+            seed=seed,
+            lora=LoRASpec(
+                adapters=int(v["adapters"]),  # type: ignore[call-overload]
+                zipf=float(v["adapter_zipf"]),  # type: ignore[arg-type]
+                base_fraction=float(v["base_fraction"]),  # type: ignore[arg-type]
+                prefix_tokens=int(v["prefix_tokens"]),  # type: ignore[call-overload]
+                suffix_tokens=int(v["suffix_tokens"]),  # type: ignore[call-overload]
                 output_tokens=int(v["output_tokens"]),  # type: ignore[call-overload]
             ),
         )
@@ -80,16 +93,27 @@ def main() -> None:
         engines=int(preset["engines"]),  # type: ignore[call-overload]
         kv_blocks=int(preset.get("sim_kv_blocks", 320)),  # type: ignore[call-overload]
         # kvgate bench's simulated timing (~70B on one accelerator)
-        sim=SimulationConfig(prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005),
+        sim=SimulationConfig(
+            prefill_time_per_token=0.0004,
+            itl_base=0.025,
+            itl_per_seq=0.0005,
+            lora_load_time=float(preset.get("sim_lora_load_time", 0.0)),  # type: ignore[arg-type]
+        ),
         epp_replicas=args.epp_replicas,
         announce_admissions=not args.no_admissions,
+        adapters=tuple(LoRASpec(adapters=int(preset["adapters"])).names())
+        if preset["workload"] == "lora"
+        else (),  # type: ignore[call-overload]
+        max_loras=int(preset.get("max_loras", 2)),  # type: ignore[call-overload]
     )
     count, warmup = int(preset["num_requests"]), int(preset["warmup_requests"])  # type: ignore[call-overload]
     print(
         f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)"
     )
     results: dict[tuple[float, str], dict[str, float]] = {}
-    print(f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit':>6}")
+    print(
+        f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit':>6}  {'loads':>6}"
+    )
     for rate in rates:
         for name in strategies:
             t0 = time.monotonic()
@@ -100,7 +124,8 @@ def main() -> None:
             results[(rate, name)] = avg
             print(
                 f"{rate:5g}  {name:18}  {avg['ttft_p50']:8.2f}  {avg['ttft_p90']:8.2f}  "
-                f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%   ({time.monotonic() - t0:.0f} s)",
+                f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%  {avg['lora_loads']:6.1f}"
+                f"   ({time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
     print(f"\n{candidate} as a multiple of each other strategy at the same rate")

@@ -145,6 +145,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {"type": "lora-affinity-filter", "parameters": {"loadedOnly": False}},
             {"type": "predicted-latency-scorer"},
             {"type": "lora-affinity-scorer"},
+            {"type": "load-aware-scorer", "parameters": {"threshold": 16}},
             {"type": "max-score-picker"},
         ],
         "schedulingProfiles": [
@@ -158,6 +159,10 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
                     # Neutral for base-model requests; for an adapter, a pick that needs no
                     # adapter load (or no eviction) wins unless it is predicted ~1.5-2x slower.
                     {"pluginRef": "lora-affinity-scorer", "weight": 0.5},
+                    # A tie-break, not a trade: among picks predicted alike (an adapter or prompt
+                    # cold everywhere, its first request) the less loaded engine wins, so hot
+                    # adapters and prefixes start out apart instead of sharing one engine.
+                    {"pluginRef": "load-aware-scorer", "weight": 0.1},
                     {"pluginRef": "max-score-picker"},
                 ],
             }

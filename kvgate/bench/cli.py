@@ -100,7 +100,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="a named benchmark shape; fills the flags you leave at their defaults: "
+        help="a named benchmark shape; fills the flags you do not give: "
         # argparse %-formats help text: a summary's "30%" would crash --help
         + "; ".join(f"{name}: {preset.summary}" for name, preset in sorted(PRESETS.items())).replace(
             "%", "%%"
@@ -190,6 +190,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     # What "left at its default" means for --preset.
     p.set_defaults(flag_defaults={a.dest: a.default for a in p._actions if a.dest != "help"})
+    from kvgate.bench.presets import record_explicit_flags
+
+    record_explicit_flags(p)
 
 
 def _fail(message: str) -> int:
@@ -240,9 +243,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     if args.preset:
-        from kvgate.bench.presets import apply_preset
+        from kvgate.bench.presets import EXPLICIT_DEST, apply_preset
 
-        applied = apply_preset(args, args.preset, args.flag_defaults)
+        explicit = frozenset(getattr(args, EXPLICIT_DEST, None) or ())
+        applied = apply_preset(args, args.preset, args.flag_defaults, explicit)
         print(
             f"[bench] preset {args.preset}: {' '.join(applied) or '(every flag given explicitly)'}",
             file=sys.stderr,

@@ -1,12 +1,14 @@
 """Named bench shapes: flag values that stand for a published benchmark, so a comparison can be
-reproduced by name. A preset only fills flags the command line leaves at their defaults.
+reproduced by name. A preset only fills the flags the command line does not give.
 
 Kept import-free so `kvgate --help` stays instant.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -77,17 +79,21 @@ PRESETS: dict[str, Preset] = {
     ),
     # Many fine-tuned variants of one base model on few adapter slots (GIE's LoRA-affinity home
     # ground): a router that keeps each adapter where it is loaded saves the loads and the
-    # adapter's system prompt stays cached there too.
+    # adapter's system prompt stays cached there too. One slot per engine is vLLM's default
+    # --max-loras; the pool then has fewer slots (8) than adapters (12), so where each adapter
+    # runs matters. With 2 slots each (16 >= 12) every adapter finds a home under any
+    # affinity-aware router and GIE's default ties kvgate's (`--max-loras 2`).
     "lora": Preset(
         "12 LoRA adapters with Zipf(1.1) popularity (10% of requests for the base model), each with "
         "its own 512-token system prompt, 128-token questions, 64-token answers; 8 simulated "
-        "engines with 2 adapter slots each, 50 ms per adapter load; 4 and 8 req/s",
+        "engines with 1 adapter slot each (vLLM's default --max-loras), 50 ms per adapter load; "
+        "4 and 8 req/s",
         {
             "workload": "lora",
             "adapters": 12,
             "adapter_zipf": 1.1,
             "base_fraction": 0.1,
-            "max_loras": 2,
+            "max_loras": 1,
             "prefix_tokens": 512,
             "suffix_tokens": 128,
             "output_tokens": 64,
@@ -101,13 +107,43 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def apply_preset(args: object, name: str, defaults: dict[str, object]) -> list[str]:
-    """Set the preset's values on `args` where the user kept the parser's default; returns the
-    flags it set (for the report)."""
+def apply_preset(
+    args: object, name: str, defaults: dict[str, object], explicit: frozenset[str] | None = None
+) -> list[str]:
+    """Set the preset's values on `args` for the flags the user did not give; returns the flags
+    it set (for the report). `explicit`: the flags given on the command line (by dest), so a
+    flag given at its default value (`--max-loras 2`) still wins; without it, a flag counts as
+    given when its value differs from the parser's default."""
     preset = PRESETS[name]
     applied = []
     for key, value in preset.values.items():
-        if getattr(args, key) == defaults.get(key):
+        given = key in explicit if explicit is not None else getattr(args, key) != defaults.get(key)
+        if not given:
             setattr(args, key, value)
             applied.append(f"--{key.replace('_', '-')} {value}")
     return applied
+
+
+class _Recording:
+    """Mixed into an argparse action: notes its dest as given on the command line."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, *rest: Any) -> None:
+        given: set[str] = getattr(namespace, EXPLICIT_DEST, None) or set()
+        given.add(self.dest)  # type: ignore[attr-defined]
+        setattr(namespace, EXPLICIT_DEST, given)
+        super().__call__(parser, namespace, *rest)  # type: ignore[misc]
+
+
+EXPLICIT_DEST = "_explicit_flags"
+
+
+def record_explicit_flags(parser: argparse.ArgumentParser) -> None:
+    """After this, `getattr(args, EXPLICIT_DEST)` holds the dests of the options the command line
+    named (a preset must not override them, even when given at their default value)."""
+    classes: dict[type, type] = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            base = type(action)
+            action.__class__ = classes.setdefault(
+                base, type(f"Recording{base.__name__}", (_Recording, base), {})
+            )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.api.contracts.admissions import Admission
+from kvgate.api.lora import lora_int_id
 from kvgate.bench.workloads import BenchRequest, WorkloadSpec, generate
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.llm_engine import LLMEngine
@@ -66,6 +67,10 @@ class PoolSpec:
     # this long after the pick; False models engines that do not (other routers, old engines).
     announce_admissions: bool = True
     admission_delay: float = 0.002
+    # LoRA: every engine registers these adapters (the bench's --lora-modules) on `max_loras`
+    # slots; putting one into a slot costs `sim.lora_load_time`. Empty: LoRA off.
+    adapters: tuple[str, ...] = ()
+    max_loras: int = 2
 
 
 @dataclass
@@ -80,6 +85,7 @@ class RequestRecord:
     first_token: float | None = None
     finished: float | None = None
     scheduled: float | None = None  # start of the step that first ran it (its queue time ends)
+    adapter: str | None = None
 
     @property
     def ttft(self) -> float:
@@ -95,6 +101,7 @@ class RunResult:
     duration: float  # first arrival to last finish, virtual seconds
     pick_seconds: list[float]
     preemptions: int = 0
+    lora_loads: int = 0  # adapters put into a slot, all engines (warm-up included)
 
     def done(self) -> list[RequestRecord]:
         return [r for r in self.records if r.finished is not None]
@@ -125,6 +132,7 @@ class RunResult:
             "prefix_hit": self.hit_rate,
             "pick_ms_p50": 1000 * statistics.median(self.pick_seconds) if self.pick_seconds else 0.0,
             "preemptions": self.preemptions,
+            "lora_loads": self.lora_loads,
         }
 
 
@@ -142,10 +150,14 @@ class _Engine:
             # no larger than the pool holds, so the engine does not warn that it caps it
             max_model_len=min(8192, pool.kv_blocks * pool.block_size),
             simulation=pool.sim,
+            enable_lora=bool(pool.adapters),
+            max_loras=pool.max_loras,
         )
         config.simulation.num_kv_blocks = pool.kv_blocks
         runner = SimulatedRunner(config, tokenizer, eos_token_id=None, sleep=self._sleep)
         self.engine = LLMEngine(config, runner=runner, tokenizer=tokenizer)
+        for name in pool.adapters:
+            self.engine.add_lora(name, self.engine.load_lora(name, f"/adapters/{name}"))
         self.busy = False
 
     def _sleep(self, seconds: float) -> None:
@@ -174,7 +186,8 @@ class VirtualPool:
             store.set_endpoints(endpoints)
             for state in store.all():
                 state.kv_events_live = True
-                state.served_models = frozenset({MODEL})
+                state.served_models = frozenset({MODEL, *pool.adapters})
+                state.served_adapters = frozenset(pool.adapters)
             profile = build_profiles(cfg)[0]
             self.replicas.append(
                 (store, Director(store, profile, saturation_detector(cfg), clock=self._clock))
@@ -201,6 +214,9 @@ class VirtualPool:
                         waiting=stats.num_waiting,
                         running=stats.num_running,
                         kv_usage=stats.kv_cache_usage,
+                        max_lora=self.pool.max_loras if self.pool.adapters else 0,
+                        running_loras=frozenset(stats.running_loras),
+                        waiting_loras=frozenset(stats.waiting_loras),
                         prefill_tokens_pending=stats.prefill_tokens_pending,
                         kv_blocks_total=stats.num_kv_blocks,
                         prompt_tokens_total=stats.prompt_tokens_total,
@@ -213,11 +229,12 @@ class VirtualPool:
     def _arrive(self, req: BenchRequest, tokens: list[int]) -> None:
         _, director = self.replicas[req.index % len(self.replicas)]
         text = " ".join(req.nominal_words)
-        body = {"model": MODEL, "prompt": text, "max_tokens": req.max_tokens}
+        model = req.model or MODEL
+        body = {"model": model, "prompt": text, "max_tokens": req.max_tokens}
         request = InferenceRequest(
             request_id=f"r{req.index}",
-            model=MODEL,
-            target_model=MODEL,
+            model=model,
+            target_model=model,
             body=body,
             _token_ids=tokens,
             _prompt_text=text,
@@ -228,7 +245,7 @@ class VirtualPool:
             raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
         address = decision.targets[0]
         self.records[request.request_id] = RequestRecord(
-            req.index, req.group, address, self.now, len(tokens), req.max_tokens
+            req.index, req.group, address, self.now, len(tokens), req.max_tokens, adapter=req.model
         )
         if self.pool.announce_admissions:
             picker = self.replicas[req.index % len(self.replicas)][0]
@@ -242,6 +259,7 @@ class VirtualPool:
             tokens,
             SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0),
             arrival_time=self.now,
+            lora_id=None if req.model is None else lora_int_id(req.model),
         )
         if not eng.busy:
             eng.busy = True
@@ -306,8 +324,12 @@ class VirtualPool:
                     self._at(self.now + self.pool.scrape_interval, "scrape")
         records = list(self.records.values())
         last = max((r.finished or 0.0) for r in records) if records else 0.0
-        preempted = sum(e.engine.get_stats().num_preemptions_total for e in self.engines.values())
-        return RunResult(self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted)
+        stats = [e.engine.get_stats() for e in self.engines.values()]
+        preempted = sum(s.num_preemptions_total for s in stats)
+        loads = sum(s.lora_loads_total for s in stats)
+        return RunResult(
+            self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted, loads
+        )
 
 
 def _parse(raw: dict[str, Any]) -> Any:
@@ -344,4 +366,12 @@ def simulate(
     counted = [r for r in result.records if r.index >= warmup]
     start = min((r.arrival for r in counted), default=0.0)
     end = max((r.finished or 0.0 for r in counted), default=0.0)
-    return RunResult(strategy, rate, counted, end - start, result.pick_seconds[warmup:], result.preemptions)
+    return RunResult(
+        strategy,
+        rate,
+        counted,
+        end - start,
+        result.pick_seconds[warmup:],
+        result.preemptions,
+        result.lora_loads,
+    )

@@ -89,3 +89,46 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
     assert args.groups == 64 and args.prefix_tokens == 4096 and args.engines == 16
     assert args.request_rate == "4,8,16,24" and "--prefix-tokens 6000" not in applied
     assert set(PRESETS) == {"llm-d-shared-prefix", "multi-turn-chat", "pd-long-prompt", "lora"}
+
+
+def test_lora_adapters_cost_slot_loads_that_affinity_routing_avoids() -> None:
+    from kvgate.bench.workloads import LoRASpec
+
+    spec = WorkloadSpec(
+        kind="lora", lora=LoRASpec(adapters=6, prefix_tokens=64, suffix_tokens=16, output_tokens=8)
+    )
+    pool = PoolSpec(
+        **{
+            **SMALL.__dict__,
+            "adapters": tuple(LoRASpec(adapters=6).names()),
+            "max_loras": 2,
+            "sim": SimulationConfig(prefill_time_per_token=0.0004, itl_base=0.025, lora_load_time=0.05),
+        }
+    )
+    aware = simulate("precise-prefix", spec, rate=8.0, count=60, warmup=8, pool=pool)
+    rr = simulate("round-robin", spec, rate=8.0, count=60, warmup=8, pool=pool)
+    assert len(aware.done()) == len(rr.done()) == 60
+    assert {r.adapter for r in aware.done()} > {None}  # adapter requests ran (and base ones)
+    # 6 adapters on 8 slots: affinity keeps each where it is loaded, round-robin reloads
+    assert rr.lora_loads > 3 * aware.lora_loads > 0
+    assert aware.ttft(0.9) < rr.ttft(0.9)
+
+
+def test_a_flag_given_at_its_default_value_still_beats_the_preset() -> None:
+    from kvgate.bench.presets import EXPLICIT_DEST
+    from kvgate.cli import build_parser
+
+    parser = build_parser(["bench"], only_selected=True)
+    args = parser.parse_args(["bench", "--preset", "lora", "--max-loras", "2", "--request-rate", "8"])
+    explicit = frozenset(getattr(args, EXPLICIT_DEST))
+    applied = apply_preset(args, "lora", args.flag_defaults, explicit)
+    # 2 and "8" are the parser's defaults, and the preset's are 1 and "4,8": the user's win
+    assert (args.max_loras, args.request_rate) == (2, "8")
+    assert "--adapters 12" in applied and not any(
+        a.startswith(("--max-loras", "--request-rate")) for a in applied
+    )
+    untouched = parser.parse_args(["bench", "--preset", "lora"])
+    apply_preset(
+        untouched, "lora", untouched.flag_defaults, frozenset(getattr(untouched, EXPLICIT_DEST, None) or ())
+    )
+    assert (untouched.max_loras, untouched.request_rate) == (1, "4,8")

@@ -141,3 +141,26 @@ def test_precise_prefix_is_keyed_per_adapter(pool: Datastore, req, char_tokenize
     assert scorer.score(ctx(pool, req, "a"), pool.all()) == [1.0, 0.0, 0.0]
     assert scorer.score(ctx(pool, req, "base"), pool.all()) == [0.0, 1.0, 0.0]
     assert scorer.score(ctx(pool, req, "b"), pool.all()) == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("model", ["a", "base"])
+def test_precise_prefix_starts_a_cold_model_on_the_least_loaded_engine(
+    pool: Datastore, req, model: str
+) -> None:
+    """A prompt cached nowhere costs the same prefill everywhere; the predicted latency ties, and
+    the load tie-break puts it (and so the prefix it seeds) where it disturbs least: hot adapters
+    start out on different engines instead of sharing one by chance."""
+    a, b, c = (s.address for s in pool.all())
+    now = time.monotonic()
+    for address, running in ((a, 6), (b, 0), (c, 3)):
+        pool.update_metrics(
+            address,
+            EndpointMetrics(
+                updated_at=now, running=running, max_lora=2, running_loras=frozenset({"x"} if running else ())
+            ),
+        )
+    (profile,) = build_profiles(load_config(None, "precise-prefix"))
+    picks = [
+        profile.run(ctx(pool, req, model, f"{i} {PROMPT}"), pool.all()).targets[0].address for i in range(12)
+    ]
+    assert picks == [b] * 12
