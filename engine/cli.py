@@ -136,6 +136,16 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         help="parsed adapters kept in CPU memory, LRU (None: --max-loras)",
     )
+    lo.add_argument(
+        "--lora-unload-grace",
+        type=_non_negative_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="after POST /v1/unload_lora_adapter the adapter leaves /v1/models at once (routers stop "
+        "sending) but is still served this long, so requests routed before they noticed succeed; then "
+        "new ones get 404 and running ones finish under it. A load of the name meanwhile cancels the "
+        "unload (0: refuse at once)",
+    )
 
     pd = p.add_argument_group("prefill/decode disaggregation (vLLM's kv_role)")
     pd.add_argument(
@@ -349,6 +359,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
         enable_lora=args.enable_lora,
         lora_modules=list(args.lora_modules),
+        lora_unload_grace=args.lora_unload_grace,
         kv_role=args.kv_role,
         kv_transfer_timeout=args.kv_transfer_timeout,
         kv_pin_timeout=args.kv_pin_timeout,

@@ -26,6 +26,15 @@ from kvgate.engine.structured.manager import StructuredOutputManager
 log = logging.getLogger(__name__)
 
 
+class LoRANotLoaded(ValueError):
+    """A request names an adapter the engine no longer (or never) had: a server that checked
+    the name before an unload landed answers it as an unknown model (404), not a bad request."""
+
+    def __init__(self, lora_id: int) -> None:
+        super().__init__(f"LoRA adapter id {lora_id} is not loaded")
+        self.lora_id = lora_id
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -166,7 +175,7 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora_id is not None and (lora_id not in self.loras or lora_id in self._unloading):
-            raise ValueError(f"LoRA adapter id {lora_id} is not loaded")
+            raise LoRANotLoaded(lora_id)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -205,12 +214,12 @@ class LLMEngine:
 
     def add_lora(self, name: str, loaded: Any) -> int:
         """Register what `load_lora` returned (between steps). A name already registered
-        gets the new weights. Returns the adapter's id (lora_int_id of its name)."""
+        gets the new weights; one still draining after an unload stays, with the new weights
+        (the load cancels the unload, as its caller means). Returns the adapter's id."""
         from kvgate.api.lora import lora_int_id
 
         lora_id = lora_int_id(name)
-        if lora_id in self._unloading:
-            raise ValueError(f"LoRA adapter {name!r} is still being unloaded; retry when its requests end")
+        self._unloading.discard(lora_id)
         self.runner.add_lora(lora_id, loaded)  # type: ignore[attr-defined]
         self.loras[lora_id] = name
         return lora_id

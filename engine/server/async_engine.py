@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.engine.llm_engine import LoRANotLoaded
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.errors import APIError
@@ -380,6 +381,10 @@ class AsyncEngine:
     def _apply_add(self, add: _Add) -> BaseException | None:
         try:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, lora_id=add.lora_id)
+        except LoRANotLoaded:
+            # the server checked the name before an unload reached the engine: an unknown model,
+            # as vLLM answers it (the server puts the model's name in; it is not known here)
+            return APIError(404, "The model does not exist.", param="model", code="model_not_found")
         except ValueError as exc:
             return APIError(400, str(exc), code="invalid_request")
         self._timings[add.request_id] = _Timing(

@@ -53,6 +53,7 @@ class ServerOptions:
     model_aliases: list[str] = field(default_factory=list)  # more names clients may send as `model`
     lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (adapter name, path)
     enable_lora: bool = False  # mirrors EngineConfig.enable_lora (the flags' checks read it here)
+    lora_unload_grace: float = 2.0  # an unloaded adapter is still served this long (unlisted)
     enable_failure_injection: bool = False
     trust_request_chat_template: bool = False
     enable_auto_tool_choice: bool = False  # vLLM's flag: serve tool_choice "auto"
@@ -285,7 +286,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         body_total_timeout=options.body_total_timeout or None,
         metrics_auth=options.metrics_require_api_key,
         tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
-        lora_admin=LoRAAdmin(async_engine, info) if config.enable_lora else None,
+        lora_admin=LoRAAdmin(async_engine, info, options.lora_unload_grace) if config.enable_lora else None,
         kv_transfer=kv_transfer,
     )
     app = build_app(state)

@@ -4,13 +4,19 @@ VLLM_ALLOW_RUNTIME_LORA_UPDATING; here the flag alone does) and guarded by --api
 
 A load reads and checks the adapter in a worker thread (steps go on), registers it with the
 engine between two steps, and only then lists it in /v1/models, so no request can name an
-adapter the engine does not know. An unload removes the name first (new requests get 404);
-requests already running finish under the adapter, whose weights go when the last one ends.
+adapter the engine does not know.
+
+An unload takes the name out of /v1/models at once (routers reading it stop sending there) but
+keeps serving it for --lora-unload-grace seconds, so requests a router sent before it noticed
+still land; then the engine refuses new ones (404), lets running ones finish under the adapter,
+and drops its weights when the last ends. A load of the same name during the grace or that drain
+cancels the unload (the adapter stays, with the new weights).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +25,8 @@ from pydantic import BaseModel, ConfigDict
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request
 from kvgate.engine.server.serving import ModelInfo
+
+log = logging.getLogger(__name__)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -35,10 +43,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 class LoRAAdmin:
-    def __init__(self, engine: AsyncEngine, model: ModelInfo) -> None:
+    def __init__(self, engine: AsyncEngine, model: ModelInfo, unload_grace_s: float = 0.0) -> None:
         self.engine = engine
         self.model = model
+        self.unload_grace_s = unload_grace_s
         self._busy: set[str] = set()  # names with a load or unload in progress
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # retiring name -> end of its grace
+        self._tasks: set[asyncio.Task[None]] = set()  # grace ends being carried out
 
     async def load(self, req: LoadLoRAAdapterRequest) -> str:
         name, path = req.lora_name.strip(), req.lora_path.strip()
@@ -49,20 +60,33 @@ class LoRAAdmin:
         if name in self.model.adapters and not req.load_inplace:
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         with self._claim(name):
+            timer = self._timers.pop(name, None)
+            if timer is not None:  # a retiring name stays served while it loads
+                timer.cancel()
             try:
-                loaded = await asyncio.to_thread(_read, self.engine.engine, name, path)
-                await self.engine.call(lambda engine: engine.add_lora(name, loaded))
-            except FileNotFoundError:
-                raise APIError(
-                    404,
-                    f"Loading lora {name} failed: No adapter found for {path}",
-                    param="lora_path",
-                    code="lora_not_found",
-                ) from None
-            except ValueError as exc:  # LoRAAdapterError included: one sentence on what is wrong
-                raise bad_request(str(exc), "lora_path", code="invalid_lora_adapter") from None
+                await self._read_and_add(name, path)
+            except BaseException:
+                if name in self.model.retiring:  # the unload it would have cancelled goes on
+                    self._retire_later(name)
+                raise
+            self.model.retiring.pop(name, None)  # its unload is cancelled
             self.model.adapters[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def _read_and_add(self, name: str, path: str) -> None:
+        try:
+            loaded = await asyncio.to_thread(_read, self.engine.engine, name, path)
+            # the engine drops a pending unload of this name (one still draining its requests)
+            await self.engine.call(lambda engine: engine.add_lora(name, loaded))
+        except FileNotFoundError:
+            raise APIError(
+                404,
+                f"Loading lora {name} failed: No adapter found for {path}",
+                param="lora_path",
+                code="lora_not_found",
+            ) from None
+        except ValueError as exc:  # LoRAAdapterError included: one sentence on what is wrong
+            raise bad_request(str(exc), "lora_path", code="invalid_lora_adapter") from None
 
     async def unload(self, req: UnloadLoRAAdapterRequest) -> str:
         name = req.lora_name.strip()
@@ -73,9 +97,32 @@ class LoRAAdmin:
                 404, f"The lora adapter '{name}' cannot be found.", param="lora_name", code="lora_not_found"
             )
         with self._claim(name):
-            del self.model.adapters[name]  # new requests naming it: 404 from now on
-            await self.engine.call(lambda engine: engine.remove_lora(name))
+            # out of /v1/models now: routers stop sending; still served through the grace
+            self.model.retiring[name] = self.model.adapters.pop(name)
+            if self.unload_grace_s > 0:
+                self._retire_later(name)
+            else:
+                await self._retire(name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    def _retire_later(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._timers[name] = loop.call_later(self.unload_grace_s, self._grace_over, name)
+
+    def _grace_over(self, name: str) -> None:
+        self._timers.pop(name, None)
+        task = asyncio.get_running_loop().create_task(self._retire(name))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retire(self, name: str) -> None:
+        """End of the grace: new requests naming it get 404; running ones finish under it."""
+        if self.model.retiring.pop(name, None) is None:
+            return  # loaded again meanwhile
+        try:
+            await self.engine.call(lambda engine: engine.remove_lora(name))
+        except APIError:  # the engine stopped: nothing left to unregister from
+            log.warning("adapter %s: the engine stopped before its unload", name)
 
     def _claim(self, name: str) -> _Claim:
         if name in self._busy:

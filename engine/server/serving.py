@@ -66,10 +66,17 @@ class ModelInfo:
     vocab_size: int
     created: int
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path
+    # Unloaded adapters in their grace period: no longer listed (routers stop sending), still
+    # served (requests a router sent before it noticed land); name -> path.
+    retiring: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.served_names[0]
+
+
+def _unknown_model(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 async def watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
@@ -126,15 +133,32 @@ class OpenAIServing:
 
     def _lora_id(self, model: str) -> int | None:
         # the adapter's stable id keys its prefix-cache blocks and KV events (the EPP hashes alike)
-        return lora_int_id(model) if model in self.model.adapters else None
+        if model in self.model.adapters or model in self.model.retiring:
+            return lora_int_id(model)
+        return None
+
+    async def _submit(
+        self,
+        rid: str,
+        items: list[tuple[list[int], SamplingParams]],
+        model: str,
+        lora_id: int | None,
+        picked_by: str | None,
+    ) -> RequestHandle:
+        try:
+            return await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+        except APIError as exc:
+            if exc.code == "model_not_found":  # its adapter went between check_model and the engine
+                raise _unknown_model(model) from None
+            raise
 
     # ---- validation shared by both endpoints ----------------------------------------------
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model.served_names:
             return self.model.name
-        if name in self.model.adapters:
+        if name in self.model.adapters or name in self.model.retiring:
             return name
-        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        raise _unknown_model(name)
 
     def _reject_unsupported(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
@@ -410,7 +434,7 @@ class OpenAIServing:
         lora_id = self._lora_id(model)
         imported = await self._kv_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
         try:
-            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+            handle = await self._submit(rid, items, model, lora_id, picked_by)
         except BaseException:
             await self._kv_release(imported)
             raise
@@ -533,7 +557,7 @@ class OpenAIServing:
         lora_id = self._lora_id(model)
         imported = await self._kv_in(req, handoff, ids, lora_id)
         try:
-            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+            handle = await self._submit(rid, items, model, lora_id, picked_by)
         except BaseException:
             await self._kv_release(imported)
             raise

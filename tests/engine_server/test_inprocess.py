@@ -4,6 +4,7 @@ injection switched off, and the Prometheus renderer's edge cases."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 
@@ -67,12 +68,15 @@ def _engine(tokenizer, runner_cls=SimulatedRunner, **kw) -> LLMEngine:  # type: 
 
 
 async def _server(  # type: ignore[no-untyped-def]
-    engine: LLMEngine, max_queued_requests: int | None = None, **state_kw
+    engine: LLMEngine,
+    max_queued_requests: int | None = None,
+    adapters: dict[str, str] | None = None,
+    **state_kw,
 ) -> AsyncIterator[tuple[httpx.AsyncClient, AsyncEngine]]:
     metrics = EngineMetrics("m", CacheConfigInfo(16, 64, True))
     async_engine = AsyncEngine(engine, metrics, max_queued_requests=max_queued_requests)
     async_engine.start(asyncio.get_running_loop())
-    info = ModelInfo(["m"], "m", engine.max_model_len, engine.vocab_size, 0)
+    info = ModelInfo(["m"], "m", engine.max_model_len, engine.vocab_size, 0, dict(adapters or {}))
     state = ServerState(
         OpenAIServing(async_engine, engine.tokenizer, info), async_engine, metrics, "test", **state_kw
     )
@@ -275,6 +279,37 @@ async def test_a_request_shows_as_waiting_while_the_engine_is_inside_a_step(toke
         for h in (first, second):
             h.close()
         await eventually_async(lambda: not engine.has_unfinished_requests(), 10, "the aborts", interval=0.01)
+
+
+async def test_an_adapter_unloaded_after_the_name_check_is_an_unknown_model(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The race an unload opens: a request naming the adapter passed the server's check, then
+    the unload reached the engine before the request did. The client gets what an unknown model
+    gets (vLLM's 404 model_not_found), not a 400 about an internal adapter id. The engine is held
+    inside a step so both wait for it together; it takes calls before new requests."""
+    engine = _engine(tokenizer, Stepper, enable_lora=True)
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a"))
+    prompt = tokenizer.encode("hello there")
+    async for client, async_engine in _server(engine, adapters={"a": "/adapters/a"}):
+        runner = engine.runner
+        assert isinstance(runner, Stepper)
+        first = await async_engine.submit("first", [(prompt, SamplingParams(max_tokens=100))])
+        body = {"model": "a", "prompt": "hi", "max_tokens": 2}
+        post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        await eventually_async(
+            lambda ae=async_engine: ae.num_in_flight == 2, 10, "a's request in", interval=0.01
+        )
+        unload = asyncio.ensure_future(async_engine.call(lambda e: e.remove_lora("a")))
+        await asyncio.sleep(0.05)
+        assert not post.done() and not unload.done()  # both wait for the held step
+        runner.run_free()
+        assert await unload is True
+        r = await post
+        assert r.status_code == 404, r.text
+        unknown = await client.post("/v1/completions", json={**body, "model": "nope"})
+        assert unknown.status_code == 404
+        assert r.json() == json.loads(unknown.text.replace("nope", "a"))
+        first.close()
+        await eventually_async(lambda: not engine.has_unfinished_requests(), 10, "idle", interval=0.01)
 
 
 def _gauges_now(async_engine: AsyncEngine) -> tuple[float, float]:

@@ -90,7 +90,9 @@ def _metric_line(c: httpx.Client) -> str:
 
 
 def test_runtime_load_and_unload(tmp_path) -> None:
-    eng = harness.start_engine(tmp_path, "--enable-lora", "--api-key", "k").wait_ready()
+    eng = harness.start_engine(
+        tmp_path, "--enable-lora", "--api-key", "k", "--lora-unload-grace", "0"
+    ).wait_ready()
     auth = {"Authorization": "Bearer k"}
     try:
         with httpx.Client(base_url=f"http://{eng.address}", timeout=20, headers=auth) as c:
@@ -131,6 +133,7 @@ def test_load_and_unload_under_load_fail_no_request(tmp_path) -> None:
     eng = harness.start_engine(
         tmp_path, "--enable-lora", "--max-loras", "2", "--lora-modules", "a=/adapters/a",
         "--sim-itl", "0.01", "--sim-time-scale", "1", "--sim-lora-load-time", "0.005",
+        "--lora-unload-grace", "0",
     ).wait_ready()  # fmt: skip
     url = f"http://{eng.address}"
     failures: list[str] = []
@@ -310,3 +313,88 @@ def test_real_model_serves_adapters_and_refuses_bad_ones(tmp_path: Path) -> None
             assert 'max_lora="2"' in _metric_line(c)
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_unloaded_adapter_is_served_through_the_grace_then_404(tmp_path) -> None:
+    """--lora-unload-grace: the unload answers at once and /v1/models drops the adapter at once
+    (routers stop sending), but a request sent 0.5 s later (one a router had already picked this
+    engine for) is served; after the grace it is an unknown model, vLLM's 404."""
+    grace = 1.5
+    eng = harness.start_engine(tmp_path, "--enable-lora", "--lora-unload-grace", str(grace)).wait_ready()
+    body = {"model": "g", "prompt": "hi", "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=f"http://{eng.address}", timeout=20) as c:
+            load = {"lora_name": "g", "lora_path": "/adapters/g"}
+            assert c.post("/v1/load_lora_adapter", json=load).status_code == 200
+            r = c.post("/v1/unload_lora_adapter", json={"lora_name": "g"})
+            answered = time.monotonic()
+            assert r.status_code == 200 and r.text == "Success: LoRA adapter 'g' removed successfully."
+            assert "g" not in [m["id"] for m in c.get("/v1/models").json()["data"]]
+            assert c.get("/v1/models/g").status_code == 404
+            again = c.post("/v1/unload_lora_adapter", json={"lora_name": "g"})
+            assert again.status_code == 404 and again.json()["error"]["code"] == "lora_not_found"
+
+            time.sleep(max(0.0, answered + 0.5 - time.monotonic()))
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["model"] == "g", r.text
+            assert time.monotonic() - answered < grace  # still within the grace
+
+            time.sleep(max(0.0, answered + grace + 0.3 - time.monotonic()))
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 404, r.text
+            unknown = c.post("/v1/completions", json={**body, "model": "nope"})
+            assert r.json() == json.loads(unknown.text.replace("nope", "g"))  # an unknown model's
+            # and nothing of it is left: the name loads again as new
+            assert c.post("/v1/load_lora_adapter", json=load).status_code == 200
+    finally:
+        harness.stop_all(eng.proc)
+
+
+def test_a_load_cancels_a_pending_unload(tmp_path) -> None:
+    """Loading a name again while its unload waits (in the grace, or for its last running
+    request) cancels the unload: the adapter stays, with the new path, and keeps serving."""
+    eng = harness.start_engine(
+        tmp_path, "--enable-lora", "--lora-unload-grace", "1",
+        "--sim-itl", "0.05", "--sim-time-scale", "1",
+    ).wait_ready()  # fmt: skip
+    url = f"http://{eng.address}"
+    body = {"model": "g", "prompt": "hi", "max_tokens": 2}
+    try:
+        with httpx.Client(base_url=url, timeout=30) as c:
+
+            def card() -> dict | None:
+                return next((m for m in c.get("/v1/models").json()["data"] if m["id"] == "g"), None)
+
+            assert (
+                c.post("/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": "/one"}).status_code
+                == 200
+            )
+            # in the grace
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "g"}).status_code == 200
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": "/two"})
+            assert r.status_code == 200, r.text
+            time.sleep(1.5)  # past where the grace would have ended
+            assert (card() or {}).get("root") == "/two"
+            assert c.post("/v1/completions", json=body).status_code == 200
+
+            # draining: the grace is over while a long request still runs under it
+            done: list[httpx.Response] = []
+            long = {"model": "g", "prompt": "long", "max_tokens": 60, "ignore_eos": True}
+            runner = threading.Thread(
+                target=lambda: done.append(httpx.post(f"{url}/v1/completions", json=long, timeout=30))
+            )
+            runner.start()
+            eventually(lambda: 'running_lora_adapters="g"' in _metric_line(c), 10, "g running")
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "g"}).status_code == 200
+            eventually(lambda: c.post("/v1/completions", json=body).status_code == 404, 5, "grace over: 404")
+            assert runner.is_alive()  # so the unload is still waiting for it
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": "/three"})
+            assert r.status_code == 200, r.text  # was 400: "still being unloaded"
+            assert c.post("/v1/completions", json=body).status_code == 200
+            runner.join()
+            assert done[0].status_code == 200 and done[0].json()["usage"]["completion_tokens"] == 60
+            time.sleep(1.2)  # no grace timer of the old unload is left to fire
+            assert (card() or {}).get("root") == "/three"
+            assert c.post("/v1/completions", json=body).status_code == 200
+    finally:
+        harness.stop_all(eng.proc)
