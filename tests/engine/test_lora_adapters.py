@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from kvgate.api.lora import lora_int_id
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.layers.lora import lora_delta
-from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.llm_engine import LLMEngine, LoRANotLoaded
 from kvgate.engine.loader.peft import LoRAAdapterError, load_peft_adapter
 from kvgate.engine.models.config import ModelConfig
 from kvgate.engine.sampling_params import SamplingParams
@@ -219,6 +219,26 @@ def test_unloading_waits_for_running_requests(tok: Any) -> None:
         engine.step()  # the running request ends under its adapter
     assert engine.loras == {}
     engine.add_lora("a", engine.load_lora("a", "/adapters/a"))  # and the name can come back
+
+
+def test_a_load_while_unloading_cancels_the_unload(tok: Any) -> None:
+    """Loading a name whose unload still waits for its running requests keeps the adapter
+    (with the new weights): new requests are admitted, and it stays after the running ones end.
+    Before, the load was refused ("still being unloaded")."""
+    cfg = EngineConfig(simulate=True, enable_lora=True, simulation=SimulationConfig(time_scale=0))
+    engine = LLMEngine(cfg, tokenizer=tok)
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a"))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7], params, lora_id=lora_int_id("a"))
+    engine.step()
+    assert engine.remove_lora("a")
+    with pytest.raises(LoRANotLoaded):
+        engine.add_request("s", [5], params, lora_id=lora_int_id("a"))
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a2"))
+    engine.add_request("s", [5], params, lora_id=lora_int_id("a"))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.loras == {lora_int_id("a"): "a"}
 
 
 def _tiny_manager(max_loras: int, max_cpu_loras: int | None = None) -> Any:
