@@ -46,6 +46,7 @@ class KVBlock:
     ref_cnt: int = 0
     block_hash: int | None = None  # set while the block is registered in the prefix cache
     hits: int = 0  # times a prefix lookup reused it since it was cached
+    lora_id: int | None = None  # the adapter its KV was computed with, while registered
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -102,6 +103,7 @@ class BlockPool:
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
                 block.block_hash = None
+                block.lora_id = None
             block.ref_cnt = 1
             out.append(block)
         if evicted:
@@ -156,6 +158,7 @@ class BlockPool:
             stored = block.block_hash is None and h not in self._cached
             if stored:
                 block.block_hash = h
+                block.lora_id = lora_id
                 self._cached[h] = block
                 if run_start < 0:
                     run_start, run_parent = i, prev
@@ -188,6 +191,7 @@ class BlockPool:
         """Forget every hash. Blocks in use stay with their requests, just no longer findable."""
         for block in self._cached.values():
             block.block_hash = None
+            block.lora_id = None
             block.hits = 0
         self._cached.clear()
         # Nothing is worth keeping any more: reuse these before the rest of the queue.
@@ -196,6 +200,29 @@ class BlockPool:
             self._free[block_id] = block
             self._free.move_to_end(block_id, last=False)
         self._events.append(AllBlocksCleared())
+
+    def forget_lora(self, lora_id: int) -> int:
+        """Make every block cached under this adapter unfindable (its weights changed, so that
+        KV is wrong for every later request) and record one BlockRemoved for them. Blocks that
+        requests still hold stay with them; free ones are reused before any cached block.
+        Returns how many blocks were forgotten."""
+        gone: list[int] = []
+        for block_hash, block in list(self._cached.items()):
+            if block.lora_id != lora_id:
+                continue
+            del self._cached[block_hash]
+            gone.append(block_hash)
+            block.block_hash = None
+            block.lora_id = None
+            block.hits = 0
+            if block.block_id in self._free_reused:
+                del self._free_reused[block.block_id]
+                self._free[block.block_id] = block
+            if block.block_id in self._free:
+                self._free.move_to_end(block.block_id, last=False)
+        if gone:
+            self._events.append(BlockRemoved(block_hashes=gone))
+        return len(gone)
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

@@ -9,6 +9,8 @@ means n > 1 samples or a burst of requests sharing a prompt compute it once, not
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvgate.engine.request import Request
@@ -24,6 +26,9 @@ class KVCacheManager:
         self._blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request have gone through `register` already.
         self._num_registered: dict[str, int] = {}
+        # Requests whose KV mixes an adapter's old weights with its new ones: their blocks are
+        # never made findable (until they are freed, e.g. preempted and recomputed).
+        self._uncacheable: set[str] = set()
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
 
@@ -139,7 +144,7 @@ class KVCacheManager:
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Make the request's full blocks among its first `num_tokens` tokens findable (their
         KV is computed by the end of the step being scheduled); emits BlockStored."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.request_id in self._uncacheable:
             return
         done = self._num_registered.get(request.request_id)
         if done is None or num_tokens < (done + 1) * self.block_size:
@@ -163,6 +168,7 @@ class KVCacheManager:
         """Return the request's blocks to the pool; cached ones stay findable until evicted."""
         blocks = self._blocks.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._uncacheable.discard(request.request_id)
         request.block_ids = []
         if blocks:
             self.pool.release(reversed(blocks))
@@ -178,6 +184,16 @@ class KVCacheManager:
         for rid in self._num_registered:
             self._num_registered[rid] = 0
         return True
+
+    def forget_lora(self, lora_id: int, request_ids: Iterable[str]) -> int:
+        """An adapter's weights changed: no later request may hit KV computed with the old ones.
+        Every block cached under it becomes unfindable (BlockRemoved), and the given requests
+        of that adapter that hold blocks now (computed with the old weights; they go on with
+        the new ones) never make theirs findable. Returns how many cached blocks went."""
+        for rid in request_ids:
+            if rid in self._blocks:
+                self._uncacheable.add(rid)
+        return self.pool.forget_lora(lora_id)
 
     def drain_events(self) -> list[KVEvent]:
         return self.pool.drain_events()

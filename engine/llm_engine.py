@@ -35,6 +35,14 @@ class LoRANotLoaded(ValueError):
         self.lora_id = lora_id
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedLoRA:
+    """An adapter read by `LLMEngine.load_lora`: where from, and the runner's weights."""
+
+    path: str
+    weights: Any
+
+
 @dataclass
 class EngineStats:
     num_running: int
@@ -123,6 +131,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.loras: dict[int, str] = {}  # registered LoRA adapters: id -> name
         self._unloading: set[int] = set()  # removed while requests still run them
+        # id -> path of the adapter weights its cached KV blocks were computed with; kept after
+        # an unload, as its blocks stay cached until evicted
+        self._lora_paths: dict[int, str] = {}
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         cfg = self.config
@@ -204,23 +215,35 @@ class LLMEngine:
         return self._byte_table
 
     # -- LoRA adapters -------------------------------------------------------------------
-    def load_lora(self, name: str, path: str) -> Any:
+    def load_lora(self, name: str, path: str) -> LoadedLoRA:
         """Read and check an adapter folder. Touches no engine state, so a server runs it in a
         worker thread while steps go on; `add_lora` then registers the result."""
         load = getattr(self.runner, "load_lora", None)
         if load is None or not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
-        return load(name, path)
+        return LoadedLoRA(path, load(name, path))
 
-    def add_lora(self, name: str, loaded: Any) -> int:
+    def add_lora(self, name: str, loaded: LoadedLoRA, *, inplace: bool = False) -> int:
         """Register what `load_lora` returned (between steps). A name already registered
         gets the new weights; one still draining after an unload stays, with the new weights
-        (the load cancels the unload, as its caller means). Returns the adapter's id."""
+        (the load cancels the unload, as its caller means). Returns the adapter's id.
+
+        New weights for a name whose KV the prefix cache may hold (another path than the last
+        load of it, or `inplace`: vLLM's load_inplace, the files replaced at the same path)
+        drop that KV: blocks keyed by the adapter's id become unfindable (BlockRemoved, so
+        routers drop them too), and requests running it (on with the new weights from the
+        next step, as in vLLM) never cache theirs. The same path again keeps the cache."""
         from kvgate.api.lora import lora_int_id
 
         lora_id = lora_int_id(name)
+        cached_path = self._lora_paths.get(lora_id)
+        if cached_path is not None and (inplace or cached_path != loaded.path):
+            holders = [r.request_id for r in self.scheduler.requests.values() if r.lora_id == lora_id]
+            dropped = self.kv.forget_lora(lora_id, holders)
+            log.info("adapter %s has new weights: %d cached KV blocks dropped", name, dropped)
+        self._lora_paths[lora_id] = loaded.path
         self._unloading.discard(lora_id)
-        self.runner.add_lora(lora_id, loaded)  # type: ignore[attr-defined]
+        self.runner.add_lora(lora_id, loaded.weights)  # type: ignore[attr-defined]
         self.loras[lora_id] = name
         return lora_id
 

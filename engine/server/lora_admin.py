@@ -11,6 +11,9 @@ keeps serving it for --lora-unload-grace seconds, so requests a router sent befo
 still land; then the engine refuses new ones (404), lets running ones finish under the adapter,
 and drops its weights when the last ends. A load of the same name during the grace or that drain
 cancels the unload (the adapter stays, with the new weights).
+
+New weights under a name (load_inplace, or a load cancelling an unload from another path) make
+the engine drop every prefix-cache block computed with the old ones (see LLMEngine.add_lora).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class LoRAAdmin:
             if timer is not None:  # a retiring name stays served while it loads
                 timer.cancel()
             try:
-                await self._read_and_add(name, path)
+                await self._read_and_add(name, path, req.load_inplace)
             except BaseException:
                 if name in self.model.retiring:  # the unload it would have cancelled goes on
                     self._retire_later(name)
@@ -73,11 +76,12 @@ class LoRAAdmin:
             self.model.adapters[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def _read_and_add(self, name: str, path: str) -> None:
+    async def _read_and_add(self, name: str, path: str, inplace: bool) -> None:
         try:
             loaded = await asyncio.to_thread(_read, self.engine.engine, name, path)
-            # the engine drops a pending unload of this name (one still draining its requests)
-            await self.engine.call(lambda engine: engine.add_lora(name, loaded))
+            # the engine drops a pending unload of this name (one still draining its requests),
+            # and the prefix cache's blocks of its old weights if these are new ones
+            await self.engine.call(lambda engine: engine.add_lora(name, loaded, inplace=inplace))
         except FileNotFoundError:
             raise APIError(
                 404,

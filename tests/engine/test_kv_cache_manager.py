@@ -128,6 +128,48 @@ def test_lora_ids_keep_caches_apart() -> None:
     assert kv.get_computed_blocks(_req("d", tokens, lora_id=1))[1] == 8
 
 
+def test_forget_lora_drops_only_that_adapters_blocks_and_reuses_them_first() -> None:
+    """An adapter's new weights: its cached blocks become unfindable (one BlockRemoved), held
+    ones stay with their request, free ones (reused ones too) are taken before any other
+    cached block is evicted, and a request holding old-weight blocks never stores more."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS)
+    tokens = list(range(9))
+    a = _req("a", tokens, lora_id=1)
+    _prefill(kv, a)
+    kv.free(a)
+    a2 = _req("a2", tokens, lora_id=1)
+    assert _prefill(kv, a2) == 8
+    kv.free(a2)  # a's two full blocks: free, in the reused tier
+    held = _req("held", [*range(50, 58), 1], lora_id=1)
+    _prefill(kv, held)
+    for r in (_req("other", tokens, lora_id=2), _req("base", tokens)):
+        _prefill(kv, r)
+        kv.free(r)
+    kv.drain_events()
+    assert kv.forget_lora(1, ["held", "a2", "not-there"]) == 4
+    (event,) = kv.drain_events()
+    assert isinstance(event, BlockRemoved)
+    assert sorted(event.block_hashes) == sorted(a.block_hashes + held.block_hashes)
+    assert kv.get_computed_blocks(_req("x", tokens, lora_id=1))[1] == 0
+    assert kv.get_computed_blocks(_req("y", tokens, lora_id=2))[1] == 8
+    assert kv.get_computed_blocks(_req("z", tokens))[1] == 8
+    # held goes on and fills its third block: not stored
+    for t in (2, 3, 4):
+        held.append_output_token(t)
+    assert kv.allocate(held, 3) is not None
+    held.num_computed_tokens = 12
+    kv.cache_full_blocks(held, 12)
+    assert kv.drain_events() == []
+    # 9 free: a's 2 forgotten blocks and 3 partial tails hold nothing; other's and base's
+    # 2 cached blocks each are evicted only after those
+    assert kv.allocate(_req("n", list(range(500, 520))), 20) is not None
+    assert kv.drain_events() == []
+    assert kv.allocate(_req("m", list(range(600, 604))), 4) is not None
+    assert [type(e) for e in kv.drain_events()] == [BlockRemoved]
+    kv.free(held)  # freed, a request may cache again (its recompute uses the new weights)
+    assert "held" not in kv._uncacheable
+
+
 def test_lru_evicts_least_recently_freed_and_tails_first() -> None:
     kv = KVCacheManager(num_blocks=6, block_size=BS)
     a = _req("a", [*range(8), 900])  # 2 full blocks + 1 partial

@@ -328,3 +328,106 @@ def test_kernel_equals_torch_path_on_manager_slots(tmp_path: Path, monkeypatch: 
         got = base.clone()
         kernels.lora_delta_triton(x, slots, weights.lora_a, weights.lora_b, scaling, out=got)
         assert torch.allclose(got, want, atol=1e-5), fused
+
+
+def _stored_and_removed(engine: LLMEngine, lora_id: int | None) -> tuple[list[int], list[int]]:
+    """The KV events since the last call: hashes stored under `lora_id`, hashes removed."""
+    from kvgate.api.contracts.kv_events import BlockRemoved, BlockStored
+
+    stored: list[int] = []
+    removed: list[int] = []
+    for ev in engine.drain_kv_events():
+        if isinstance(ev, BlockStored) and ev.lora_id == lora_id:
+            stored += ev.block_hashes
+        elif isinstance(ev, BlockRemoved):
+            removed += ev.block_hashes
+    return stored, removed
+
+
+def _cached_tokens(engine: LLMEngine, rid: str, prompt: list[int], lora: str | None) -> int:
+    """Run one request to its end; how many prompt tokens it found in the prefix cache."""
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request(rid, prompt, params, lora_id=lora_int_id(lora) if lora else None)
+    cached = -1
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                cached = out.num_cached_tokens
+    return cached
+
+
+def test_new_weights_under_a_name_drop_its_cached_blocks(tok: Any) -> None:
+    """A reload of an adapter name with other weights (another path, or vLLM's load_inplace)
+    must never let a request hit KV computed with the old ones: every block cached under it
+    goes (BlockRemoved for exactly those, so a router's index drops them too), other adapters'
+    and the base model's stay. The same path again is not a weight change: the hits stay.
+    Before the fix the reloaded adapter's requests hit the old blocks."""
+    cfg = EngineConfig(simulate=True, enable_lora=True, simulation=SimulationConfig(time_scale=0))
+    engine = LLMEngine(cfg, tokenizer=tok)
+    bs = engine.block_size
+    prompt = [(7 * i) % 90 + 3 for i in range(3 * bs + 5)]  # 3 full blocks before the tail
+    hit = 3 * bs
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a1"))
+    engine.add_lora("b", engine.load_lora("b", "/adapters/b"))
+    for lora in ("a", "b", None):
+        assert _cached_tokens(engine, f"warm-{lora}", prompt, lora) == 0
+    a_blocks, _ = _stored_and_removed(engine, lora_int_id("a"))
+    assert len(a_blocks) == 3
+    assert _cached_tokens(engine, "a-again", prompt, "a") == hit
+
+    # the same path, no load_inplace (e.g. a load that cancels a pending unload): same weights
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a1"))
+    assert _stored_and_removed(engine, lora_int_id("a")) == ([], [])
+    assert _cached_tokens(engine, "a-same-path", prompt, "a") == hit
+
+    # another path: new weights
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a2"))
+    assert sorted(_stored_and_removed(engine, lora_int_id("a"))[1]) == sorted(a_blocks)
+    assert _cached_tokens(engine, "a-new-path", prompt, "a") == 0
+    assert _cached_tokens(engine, "b-kept", prompt, "b") == hit
+    assert _cached_tokens(engine, "base-kept", prompt, None) == hit
+    a_blocks, _ = _stored_and_removed(engine, lora_int_id("a"))
+    assert len(a_blocks) == 3  # the new weights' blocks are cached again, same hashes
+    assert _cached_tokens(engine, "a-new-again", prompt, "a") == hit
+
+    # load_inplace at the same path: the files there were replaced
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a2"), inplace=True)
+    assert sorted(_stored_and_removed(engine, lora_int_id("a"))[1]) == sorted(a_blocks)
+    assert _cached_tokens(engine, "a-inplace", prompt, "a") == 0
+
+    # unloaded for good (its blocks stay cached), then loaded from another path
+    _stored_and_removed(engine, lora_int_id("a"))
+    assert engine.remove_lora("a") and engine.loras.get(lora_int_id("a")) is None
+    assert _cached_tokens(engine, "b-between", prompt, "b") == hit
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a3"))
+    assert len(_stored_and_removed(engine, lora_int_id("a"))[1]) == 3
+    assert _cached_tokens(engine, "a-after-unload", prompt, "a") == 0
+
+
+def test_requests_running_through_a_weight_change_never_cache_their_blocks(tok: Any) -> None:
+    """A request that computed KV with the old weights goes on (with the new ones, as in vLLM)
+    but its blocks, old or filled after the change, never become findable: a new request with
+    its prompt gets no hit while it runs or after it ends, and no BlockStored names them."""
+    cfg = EngineConfig(simulate=True, enable_lora=True, simulation=SimulationConfig(time_scale=0))
+    engine = LLMEngine(cfg, tokenizer=tok)
+    bs = engine.block_size
+    prompt = [(5 * i) % 90 + 3 for i in range(2 * bs + 1)]
+    lid = lora_int_id("a")
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a1"))
+    engine.add_request("old", prompt, SamplingParams(max_tokens=2 * bs, ignore_eos=True), lora_id=lid)
+    engine.step()  # the prefill: 2 blocks cached under the old weights
+    stored, _ = _stored_and_removed(engine, lid)
+    assert len(stored) == 2
+    engine.add_lora("a", engine.load_lora("a", "/adapters/a2"))
+    assert sorted(_stored_and_removed(engine, lid)[1]) == sorted(stored)
+    old_tokens: list[int] = []
+    for _ in range(bs + 2):  # decode past a block boundary: a block fills under mixed weights
+        for out in engine.step():
+            old_tokens = out.token_ids
+    assert _stored_and_removed(engine, lid)[0] == []
+    # a new request extending the old one's sequence (its filled decode block included) misses
+    assert engine.has_unfinished_requests()
+    longer = [*prompt, *old_tokens, 1]
+    assert _cached_tokens(engine, "new", longer, "a") == 0
+    assert _stored_and_removed(engine, lid)[0]  # the new request's own blocks are cached
+    assert _cached_tokens(engine, "new-again", longer, "a") == (len(longer) - 1) // bs * bs
