@@ -398,3 +398,36 @@ def test_a_load_cancels_a_pending_unload(tmp_path) -> None:
             assert c.post("/v1/completions", json=body).status_code == 200
     finally:
         harness.stop_all(eng.proc)
+
+
+def test_new_weights_under_a_name_miss_the_old_prefix_cache(tmp_path) -> None:
+    """load_inplace (vLLM's: new files under a loaded name) and a load that cancels a pending
+    unload from another path give the adapter new weights: the same prompt then finds nothing
+    cached (it would reuse KV of the old weights). A load cancelling an unload from the same
+    path keeps the hits. Before the fix every reload kept them."""
+    eng = harness.start_engine(tmp_path, "--enable-lora", "--lora-unload-grace", "5").wait_ready()
+    try:
+        with httpx.Client(base_url=f"http://{eng.address}", timeout=20) as c:
+
+            def load(path: str, **extra: object) -> None:
+                r = c.post("/v1/load_lora_adapter", json={"lora_name": "g", "lora_path": path, **extra})
+                assert r.status_code == 200, r.text
+
+            def cached() -> int:
+                r = c.post("/v1/completions", json={"model": "g", "prompt": PROMPT, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                return int((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+            load("/one")
+            assert cached() == 0 and cached() > 0
+            load("/one", load_inplace=True)
+            assert cached() == 0  # the files at /one were replaced
+            assert cached() > 0
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "g"}).status_code == 200
+            load("/one")  # cancels the unload: the same weights
+            assert cached() > 0
+            assert c.post("/v1/unload_lora_adapter", json={"lora_name": "g"}).status_code == 200
+            load("/two")  # cancels the unload with other weights
+            assert cached() == 0
+    finally:
+        harness.stop_all(eng.proc)
