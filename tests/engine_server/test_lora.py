@@ -431,3 +431,68 @@ def test_new_weights_under_a_name_miss_the_old_prefix_cache(tmp_path) -> None:
             assert cached() == 0
     finally:
         harness.stop_all(eng.proc)
+
+
+def _replay(endpoint: str, since: int) -> tuple[list, int]:
+    """The engine's KV events from sequence `since` on, through its replay socket."""
+    import struct
+
+    import zmq
+
+    from kvgate.api.contracts.kv_events import decode_batch, decode_seq
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", struct.pack(">Q", since)])
+    events: list = []
+    try:
+        while True:
+            assert dealer.poll(5000), "replay did not answer"
+            _, seq, payload = dealer.recv_multipart()
+            if seq == b"\xff" * 8:
+                return events, since
+            since = decode_seq(seq) + 1
+            events += decode_batch(payload).events
+    finally:
+        dealer.close()
+
+
+def test_the_epps_precise_index_drops_an_adapters_blocks_when_its_weights_change(tmp_path) -> None:
+    """The engine's KV events fed to the EPP's own PreciseIndex: after load_inplace the index
+    holds none of the adapter's blocks for this engine (before the fix it kept them all, so the
+    EPP kept sending that prefix here for hits on stale KV); the next request stores them again."""
+    from kvgate.api.lora import lora_int_id
+    from kvgate.epp.prefix_index import PreciseIndex, block_keys
+
+    eng = launch(
+        tmp_path, "--simulate", "--sim-time-scale", "0", "--enable-lora", "--lora-modules", "g=/one",
+        "--kv-events-endpoint", "tcp://127.0.0.1:*", "--kv-events-replay-endpoint", "tcp://127.0.0.1:*",
+    )  # fmt: skip
+    assert eng.replay_endpoint is not None
+    prompt = [1000 + j for j in range(80)]  # 5 full blocks of 16
+    index, since = PreciseIndex(), 0
+    keys = block_keys(prompt, 16, lora_int_id("g"))
+
+    def held() -> int:
+        nonlocal since
+        events, since = _replay(eng.replay_endpoint, since)
+        index.apply("e", events)
+        return index.prefix_blocks(keys, ["e"]).get("e", 0)
+
+    try:
+        with httpx.Client(base_url=eng.base_url, timeout=20) as c:
+
+            def complete() -> None:
+                r = c.post("/v1/completions", json={"model": "g", "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+
+            complete()
+            assert held() == 5
+            load = {"lora_name": "g", "lora_path": "/one", "load_inplace": True}
+            assert c.post("/v1/load_lora_adapter", json=load).status_code == 200
+            eventually(lambda: held() == 0, 5, "the index drops the adapter's blocks")
+            complete()
+            assert held() == 5
+    finally:
+        eng.stop(signal.SIGKILL)
