@@ -5,7 +5,8 @@
 
 The real EPP (profiles, datastore, precise index) in front of real engine schedulers and KV
 cache managers with the simulated runner's timing, on a virtual clock (kvgate.bench.
-virtual_pool). Deterministic for a seed; several seeds are averaged. What it leaves out
+virtual_pool). Deterministic for a seed (str hashing is fixed with PYTHONHASHSEED=0 unless you
+set it); several seeds are averaged. What it leaves out
 (processes, HTTP, Envoy, a loaded CPU) the process bench has: `kvgate bench --compare
 --simulate --preset ...` confirms what this finds.
 
@@ -17,7 +18,9 @@ same rate.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 from kvgate.bench.presets import PRESETS
@@ -68,6 +71,10 @@ def workload(preset: dict[str, object], seed: int) -> WorkloadSpec:
 
 
 def main() -> None:
+    if os.environ.get("PYTHONHASHSEED") is None:
+        # GIE's approximate prefix scorer hashes prompt text with hash(), salted per process:
+        # one fixed salt makes every run of a seed pick alike.
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="llm-d-shared-prefix")
     ap.add_argument("--strategies", default="precise-prefix,precise-prefix-weights,default,round-robin")

@@ -22,7 +22,9 @@ _ROOT = 0x6B7667617465  # "kvgate"
 
 
 def root_key(lora_id: int | None = None) -> int:
-    return hash((_ROOT, lora_id))
+    # -1, not None: before Python 3.12 hash(None) is None's address, so keys (and the block
+    # sample the latency scorer takes of them) differed per process and per EPP replica.
+    return hash((_ROOT, -1 if lora_id is None else lora_id))
 
 
 def chain_key(parent: int, tokens: Sequence[int]) -> int:

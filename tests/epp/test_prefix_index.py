@@ -142,3 +142,17 @@ def test_recent_picks_keep_a_bounded_number_per_endpoint() -> None:
     assert recent.prefix_blocks(keys, ["a"], now=4.0) == {"a": 1}
     recent.forget_endpoint("a")
     assert recent.prefix_blocks(keys, ["a"], now=4.0) == {"a": 0}
+
+
+def test_block_keys_are_the_same_in_every_process() -> None:
+    """EPP replicas (and bench runs) must key a prompt alike: the latency scorer samples blocks
+    by key, so keys that differ per process make replicas and reruns disagree."""
+    import subprocess
+    import sys
+
+    code = "from kvgate.epp.prefix_index import block_keys; print(block_keys(list(range(64)), 16), block_keys(list(range(64)), 16, 7))"
+    runs = {
+        subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
+    assert runs == {f"{block_keys(list(range(64)), 16)} {block_keys(list(range(64)), 16, 7)}\n"}
