@@ -128,6 +128,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "(Envoy+EPP added 0.7-0.8 ms p50 less than on grpcio's asyncio server on a busy 2-core "
         "host, bench/epp_latency.py latency); grpcio: the previous server",
     )
+    n.add_argument(
+        "--grpc-max-message-bytes",
+        type=_positive_int,
+        default=4 * 1024 * 1024,
+        help="largest gRPC message the ext_proc port takes, refused from its length prefix with "
+        "RESOURCE_EXHAUSTED before it is read (default 4 MiB, grpcio's; Envoy sends bodies in "
+        "chunks far below it)",
+    )
 
     g = p.add_argument_group("request limits (hostile input)")
     add_request_template_flag(
@@ -251,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         otlp_endpoint=endpoint_from_env(args.otlp_endpoint),
         pd_threshold=args.pd_threshold,
         grpc_server=args.grpc_server,
+        grpc_max_message_bytes=args.grpc_max_message_bytes,
     )
     try:
         asyncio.run(serve_forever(settings))

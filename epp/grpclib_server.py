@@ -15,8 +15,11 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import struct
+from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
@@ -28,11 +31,51 @@ from kvgate.epp.health import EppHealth
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+# grpcio's default grpc.max_receive_message_length; Envoy sends ext_proc bodies in chunks
+# (FULL_DUPLEX_STREAMED), far below it
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+async def recv_bounded(stream: Stream[Any, Any], limit: int) -> Any | None:
+    """The next message, or None at the end of the client's side; a declared length over
+    ``limit`` is refused from its 5-byte prefix, before any of it is read.
+
+    grpclib's ``Stream.recv_message`` reads whatever length the prefix declares (up to 4 GiB),
+    acknowledging (so inviting) every byte, so one client could make the EPP buffer gigabytes.
+    Only this function uses grpclib's internals (the HTTP/2 stream's ``recv_data``, the codec,
+    the request type; grpclib 0.4.x, pinned in pyproject.toml, and tested in
+    tests/epp/test_grpc_servers.py). Unread bytes stay unacknowledged, so HTTP/2 flow control
+    (4 MiB windows) stops the sender; the GRPCError ends the stream with its status, and grpclib
+    acknowledges and drops whatever arrives for it afterwards.
+    """
+    h2_stream, codec, message_type = stream._stream, stream._codec, stream._recv_type
+    try:
+        prefix: bytes = await h2_stream.recv_data(5)
+    except AssertionError:  # grpclib's "Received less data than expected": the stream ended early
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
+    if not prefix:
+        return None
+    compressed, length = struct.unpack(">?I", prefix)
+    if compressed:  # never negotiated (no grpc-encoding offered); grpclib raised NotImplementedError
+        raise GRPCError(Status.UNIMPLEMENTED, "compressed gRPC messages are not supported")
+    if length > limit:
+        raise GRPCError(
+            Status.RESOURCE_EXHAUSTED, f"gRPC message of {length} bytes is over the limit of {limit}"
+        )
+    try:
+        data: bytes = await h2_stream.recv_data(length)
+    except AssertionError:
+        raise GRPCError(Status.INVALID_ARGUMENT, "truncated gRPC message") from None
+    try:
+        return codec.decode(data, message_type)
+    except DecodeError:
+        raise GRPCError(Status.INVALID_ARGUMENT, "the gRPC message is not valid protobuf") from None
 
 
 class _ExtProc:
-    def __init__(self, handler: EndpointPickerHandler) -> None:
+    def __init__(self, handler: EndpointPickerHandler, max_message_bytes: int) -> None:
         self.handler = handler
+        self.max_message_bytes = max_message_bytes
         self.streams = 0  # under way, for a graceful stop
         self.idle = asyncio.Event()
         self.idle.set()
@@ -41,7 +84,8 @@ class _ExtProc:
         self.streams += 1
         self.idle.clear()
         try:
-            await run_exchange(self.handler, stream.recv_message, stream.send_message)
+            limit = self.max_message_bytes
+            await run_exchange(self.handler, lambda: recv_bounded(stream, limit), stream.send_message)
         finally:
             self.streams -= 1
             if not self.streams:
@@ -58,8 +102,9 @@ class _ExtProc:
 class _Health:
     """grpc.health.v1 from EppHealth's statuses (the same answers as the grpcio servicer)."""
 
-    def __init__(self, health: EppHealth, watch_interval: float = 0.2) -> None:
+    def __init__(self, health: EppHealth, max_message_bytes: int, watch_interval: float = 0.2) -> None:
         self.health = health
+        self.max_message_bytes = max_message_bytes
         self.watch_interval = watch_interval
 
     def _status(self, service: str) -> int | None:
@@ -68,8 +113,9 @@ class _Health:
     async def check(
         self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
     ) -> None:
-        request = await stream.recv_message()
-        assert request is not None
+        request = await recv_bounded(stream, self.max_message_bytes)
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no HealthCheckRequest")
         status = self._status(request.service)
         if status is None:
             raise GRPCError(Status.NOT_FOUND, f"unknown service {request.service!r}")
@@ -78,8 +124,9 @@ class _Health:
     async def watch(
         self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
     ) -> None:
-        request = await stream.recv_message()
-        assert request is not None
+        request = await recv_bounded(stream, self.max_message_bytes)
+        if request is None:
+            raise GRPCError(Status.INVALID_ARGUMENT, "no HealthCheckRequest")
         last: int | None = -1
         while True:
             status = self._status(request.service)
@@ -109,9 +156,10 @@ class GrpclibExtProcServer:
         host: str,
         port: int,
         tls: tuple[bytes, bytes] | None = None,  # (certificate PEM, key PEM)
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        self.extproc = _ExtProc(handler)
-        self.server = Server([self.extproc, _Health(health)])
+        self.extproc = _ExtProc(handler, max_message_bytes)
+        self.server = Server([self.extproc, _Health(health, max_message_bytes)])
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on accepted sockets whose proto
         # says TCP, and without it Nagle held each answer for a delayed ACK (+20-44 ms per pick)

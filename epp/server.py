@@ -19,7 +19,7 @@ from kvgate.api.tracing import Tracer
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
 from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
-from kvgate.epp.grpclib_server import GrpclibExtProcServer
+from kvgate.epp.grpclib_server import DEFAULT_MAX_MESSAGE_BYTES, GrpclibExtProcServer
 from kvgate.epp.health import EppHealth
 from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
@@ -57,6 +57,8 @@ class ServerSettings:
     pd_threshold: int | None = None  # P/D above this many uncached tokens; None: the config's (off)
     # which gRPC server carries ext_proc: grpclib (in the event loop, lower latency) or grpcio
     grpc_server: str = "grpclib"
+    # largest gRPC message the ext_proc port takes (grpcio's default); larger: RESOURCE_EXHAUSTED
+    grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
@@ -129,10 +131,16 @@ class EppServer:
             tls = self_signed_cert()
         if s.grpc_server == "grpclib":
             # also serves gRPC health, so Envoy's cluster health check shares its transport (TLS)
-            self._extproc = GrpclibExtProcServer(self.handler, self.health, s.bind_host, s.grpc_port, tls)
+            self._extproc = GrpclibExtProcServer(
+                self.handler, self.health, s.bind_host, s.grpc_port, tls, s.grpc_max_message_bytes
+            )
             self.grpc_port = self._extproc.port
         else:
-            options = [("grpc.max_concurrent_streams", 100_000), ("grpc.so_reuseport", 0)]
+            options = [
+                ("grpc.max_concurrent_streams", 100_000),
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", s.grpc_max_message_bytes),
+            ]
             ext = grpc.aio.server(options=options)
             ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(self.handler), ext)
             health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, ext)

@@ -5,6 +5,7 @@ port (Envoy's cluster check), and (grpclib) a stop that lets a stream under way 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import statistics
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import closing
 
+import h2.exceptions
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -221,3 +223,105 @@ async def test_answers_are_not_held_by_nagle(epp: EppServer) -> None:
                 await s.end()
                 await s.recv_message()
     assert statistics.median(times) < 0.02, times
+
+
+GIB = 1024**3
+
+
+async def _raw_stream_answer(server: EppServer, path: str, prefix: bytes, payload: bytes) -> Status | None:
+    """Sends a hand-made length prefix and ``payload`` (sent whole within the 4 MiB HTTP/2 stream
+    window, so no read by the server is needed to send it), then waits up to 5 s for the server's
+    status (None: a message or nothing came back)."""
+    with closing(channel(server)) as ch:
+        try:
+            async with asyncio.timeout(10):  # a server waiting for the whole message never answers
+                async with ch.request(
+                    path, Cardinality.STREAM_STREAM, ep.ProcessingRequest, ep.ProcessingResponse
+                ) as s:
+                    await s.send_request()
+                    # the client's own framing, bypassed; the server may refuse before it is all sent
+                    with contextlib.suppress(h2.exceptions.StreamClosedError, StreamTerminatedError):
+                        await s._stream.send_data(prefix + payload)
+                    # the server resets the stream (NO_ERROR) after its trailers, as our side is
+                    # still open: grpclib's client then reports the status on leaving the block
+                    with contextlib.suppress(StreamTerminatedError, TimeoutError):
+                        await asyncio.wait_for(s.recv_message(), 5)
+        except GRPCError as err:
+            return err.status
+        except TimeoutError:
+            return None
+    return None
+
+
+async def test_an_oversized_message_is_refused_from_its_prefix_and_the_server_goes_on(
+    epp: EppServer,
+) -> None:
+    """A message declaring 1 GiB gets RESOURCE_EXHAUSTED once its prefix is in, with 3 MiB of it
+    sent: the server never waits to buffer the rest (grpclib's own recv_message read up to 4 GiB
+    per message, acknowledging every byte, so any client could OOM the EPP). Then a pick works."""
+    prefix = b"\x00" + GIB.to_bytes(4, "big")
+    t0 = time.perf_counter()
+    assert await _raw_stream_answer(epp, PROCESS, prefix, b"\x00" * (3 << 20)) == Status.RESOURCE_EXHAUSTED
+    assert time.perf_counter() - t0 < 3
+    # just over the limit, on the health service too (Envoy's check on the same port)
+    over = b"\x00" + (epp.settings.grpc_max_message_bytes + 1).to_bytes(4, "big")
+    assert await _raw_stream_answer(epp, CHECK, over, b"") == Status.RESOURCE_EXHAUSTED
+    await test_a_pick_and_the_body_back(epp)
+
+
+async def test_a_compressed_message_is_a_clean_grpc_error(
+    epp: EppServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No grpc-encoding was negotiated; grpclib's own recv_message raised NotImplementedError
+    (UNKNOWN and a traceback in the log)."""
+    message = headers().SerializeToString()
+    prefix = b"\x01" + len(message).to_bytes(4, "big")
+    status = await _raw_stream_answer(epp, PROCESS, prefix, message)
+    if epp.settings.grpc_server == "grpclib":
+        assert status == Status.UNIMPLEMENTED
+        assert "Traceback" not in caplog.text and "NotImplementedError" not in caplog.text
+    else:  # grpcio: INTERNAL ("compression algorithm ... not enabled")
+        assert status != Status.OK
+    await test_a_pick_and_the_body_back(epp)
+
+
+async def test_the_message_limit_is_a_setting(engine: str, server_kind: str) -> None:
+    """--grpc-max-message-bytes: a 58-byte header message is over a 32-byte limit."""
+    server = EppServer(
+        ServerSettings(
+            config=load_config(None, "round-robin"),
+            endpoints=[Endpoint(engine)],
+            grpc_port=0,
+            grpc_health_port=0,
+            metrics_port=0,
+            secure_serving=False,
+            grpc_server=server_kind,
+            grpc_max_message_bytes=32,
+        )
+    )
+    await server.start()
+    try:
+        message = headers().SerializeToString()
+        assert len(message) > 32
+        prefix = b"\x00" + len(message).to_bytes(4, "big")
+        assert await _raw_stream_answer(server, PROCESS, prefix, message) == Status.RESOURCE_EXHAUSTED
+    finally:
+        await server.stop()
+
+
+def test_grpclib_internals_the_bounded_receive_uses() -> None:
+    """recv_bounded reads grpclib's server Stream internals; an upgrade that moves them fails
+    here (and the pin in pyproject.toml says which versions were checked)."""
+    import inspect
+
+    import grpclib
+    from grpclib.protocol import Stream as H2Stream
+    from grpclib.server import Stream
+
+    assert tuple(int(p) for p in grpclib.__version__.split(".")[:2]) == (0, 4)
+    init = inspect.signature(Stream.__init__).parameters
+    assert {"stream", "codec", "recv_type"} <= set(init)
+    source = inspect.getsource(Stream.__init__)
+    assert "self._stream = stream" in source and "self._codec = codec" in source
+    assert "self._recv_type = recv_type" in source
+    assert inspect.iscoroutinefunction(H2Stream.recv_data)
