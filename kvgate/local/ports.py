@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 
@@ -27,8 +28,43 @@ def port_is_free(port: int, host: str = LOOPBACK) -> bool:
     return True
 
 
+# Where planned ports come from: below the kernel's ephemeral range, which every outgoing
+# connection draws from; a port handed out for port 0 comes from that range, and an outgoing
+# connection of any process could take it between our check and the server's bind.
+_PLANNED_LOW = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """Ports the kernel considers free right now (all distinct)."""
+    """Ports free right now (all distinct), below the ephemeral range where it leaves room."""
+    high = _ephemeral_low()
+    if high - _PLANNED_LOW >= 1000:
+        rng = random.Random()
+        chosen: list[int] = []
+        for _ in range(50 * count):
+            port = rng.randrange(_PLANNED_LOW, high)
+            if port not in chosen and port_is_free(port, host) and _connect_free(port, host):
+                chosen.append(port)
+                if len(chosen) == count:
+                    return chosen
+    return _kernel_ports(count, host)
+
+
+def _connect_free(port: int, host: str) -> bool:
+    """Nothing listens there (port_is_free's SO_REUSEADDR bind can succeed beside a listener)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) != 0
+
+
+def _kernel_ports(count: int, host: str) -> list[int]:
     sockets = []
     try:
         for _ in range(count):
