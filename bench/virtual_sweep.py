@@ -23,51 +23,25 @@ import statistics
 import sys
 import time
 
+from kvgate.bench.cli import workload_spec
 from kvgate.bench.presets import PRESETS
 from kvgate.bench.virtual_pool import PoolSpec, simulate
-from kvgate.bench.workloads import LoRASpec, MultiTurnSpec, SharedPrefixSpec, WorkloadSpec
 from kvgate.engine.config import SimulationConfig
 
 METRICS = ("ttft_p50", "ttft_p90", "output_tok_s", "prefix_hit", "lora_loads")
 
 
-def workload(preset: dict[str, object], seed: int) -> WorkloadSpec:
-    v = preset
-    if v["workload"] == "multi-turn":
-        return WorkloadSpec(
-            kind="multi-turn",
-            seed=seed,
-            multi_turn=MultiTurnSpec(
-                conversations=int(v["conversations"]),  # type: ignore[call-overload]
-                turns=int(v["turns"]),  # type: ignore[call-overload]
-                first_turn_tokens=int(v["first_turn_tokens"]),  # type: ignore[call-overload]
-                user_turn_tokens=int(v["user_turn_tokens"]),  # type: ignore[call-overload]
-                output_tokens=int(v["output_tokens"]),  # type: ignore[call-overload]
-            ),
-        )
-    if v["workload"] == "lora":
-        return WorkloadSpec(
-            kind="lora",
-            seed=seed,
-            lora=LoRASpec(
-                adapters=int(v["adapters"]),  # type: ignore[call-overload]
-                zipf=float(v["adapter_zipf"]),  # type: ignore[arg-type]
-                base_fraction=float(v["base_fraction"]),  # type: ignore[arg-type]
-                prefix_tokens=int(v["prefix_tokens"]),  # type: ignore[call-overload]
-                suffix_tokens=int(v["suffix_tokens"]),  # type: ignore[call-overload]
-                output_tokens=int(v["output_tokens"]),  # type: ignore[call-overload]
-            ),
-        )
-    return WorkloadSpec(
-        kind="shared-prefix",
-        seed=seed,
-        shared_prefix=SharedPrefixSpec(
-            int(v["groups"]),  # type: ignore[call-overload]
-            int(v["prefix_tokens"]),  # type: ignore[call-overload]
-            int(v["suffix_tokens"]),  # type: ignore[call-overload]
-            int(v["output_tokens"]),  # type: ignore[call-overload]
-        ),
+def bench_args(preset: str, seed: int) -> argparse.Namespace:
+    """`kvgate bench --preset PRESET --seed SEED` as that command reads it: the same workload,
+    pool and request counts as the process bench."""
+    from kvgate.bench.cli import resolve_preset
+    from kvgate.cli import build_parser
+
+    args = build_parser(["bench"], only_selected=True).parse_args(
+        ["bench", "--preset", preset, "--seed", str(seed)]
     )
+    resolve_preset(args)
+    return args
 
 
 def main() -> None:
@@ -91,29 +65,27 @@ def main() -> None:
     )
     args = ap.parse_args()
 
-    preset = PRESETS[args.preset].values
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     candidate = args.candidate or strategies[0]
-    rates = [float(r) for r in (args.rates or str(preset["request_rate"])).split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
+    bench = {seed: bench_args(args.preset, seed) for seed in [int(s) for s in args.seeds.split(",")]}
+    seeds = list(bench)
+    first = bench[seeds[0]]
+    rates = [float(r) for r in (args.rates or first.request_rate).split(",")]
     pool = PoolSpec(
-        engines=int(preset["engines"]),  # type: ignore[call-overload]
-        kv_blocks=int(preset.get("sim_kv_blocks", 320)),  # type: ignore[call-overload]
-        # kvgate bench's simulated timing (~70B on one accelerator)
+        engines=first.engines,
+        kv_blocks=first.sim_kv_blocks,
         sim=SimulationConfig(
-            prefill_time_per_token=0.0004,
-            itl_base=0.025,
-            itl_per_seq=0.0005,
-            lora_load_time=float(preset.get("sim_lora_load_time", 0.0)),  # type: ignore[arg-type]
+            prefill_time_per_token=first.sim_prefill_time_per_token,
+            itl_base=first.sim_itl,
+            itl_per_seq=first.sim_itl_per_seq,
+            lora_load_time=first.sim_lora_load_time or 0.0,
         ),
         epp_replicas=args.epp_replicas,
         announce_admissions=not args.no_admissions,
-        adapters=tuple(LoRASpec(adapters=int(preset["adapters"])).names())
-        if preset["workload"] == "lora"
-        else (),  # type: ignore[call-overload]
-        max_loras=int(preset.get("max_loras", 2)),  # type: ignore[call-overload]
+        adapters=tuple(workload_spec(first).lora.names()) if first.workload == "lora" else (),
+        max_loras=first.max_loras,
     )
-    count, warmup = int(preset["num_requests"]), int(preset["warmup_requests"])  # type: ignore[call-overload]
+    count, warmup = first.num_requests, first.warmup_requests or 0
     print(
         f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)"
     )
@@ -125,7 +97,8 @@ def main() -> None:
         for name in strategies:
             t0 = time.monotonic()
             runs = [
-                simulate(name, workload(preset, seed), rate, count, warmup, pool).summary() for seed in seeds
+                simulate(name, workload_spec(bench[seed]), rate, count, warmup, pool).summary()
+                for seed in seeds
             ]
             avg = {k: statistics.fmean(r[k] for r in runs) for k in METRICS}
             results[(rate, name)] = avg

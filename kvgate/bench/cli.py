@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.bench.workloads import WorkloadSpec
 
 HELP = "benchmark an OpenAI-compatible endpoint or a local stack; --compare routing strategies"
 EXIT_USAGE = 2
@@ -230,9 +234,19 @@ def _rates(text: str) -> list[float | None]:
     return out
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvgate.bench.loadgen import LoadSpec
-    from kvgate.bench.stats import Slo
+def resolve_preset(args: argparse.Namespace) -> list[str]:
+    """Fill `args` from its --preset (flags named on the command line win); returns the flags it
+    set. Also what bench/virtual_sweep.py runs, so both benches read a preset alike."""
+    if not args.preset:
+        return []
+    from kvgate.bench.presets import EXPLICIT_DEST, apply_preset
+
+    explicit = frozenset(getattr(args, EXPLICIT_DEST, None) or ())
+    return apply_preset(args, args.preset, args.flag_defaults, explicit)
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload the parsed flags describe (not yet validated)."""
     from kvgate.bench.workloads import (
         LongPromptSpec,
         LoRASpec,
@@ -242,47 +256,51 @@ def run(args: argparse.Namespace) -> int:
         WorkloadSpec,
     )
 
-    if args.preset:
-        from kvgate.bench.presets import EXPLICIT_DEST, apply_preset
+    return WorkloadSpec(
+        kind=args.workload,
+        seed=args.seed,
+        shared_prefix=SharedPrefixSpec(
+            args.groups, args.prefix_tokens, args.suffix_tokens, args.output_tokens
+        ),
+        multi_turn=MultiTurnSpec(
+            conversations=args.conversations,
+            turns=args.turns,
+            first_turn_tokens=args.first_turn_tokens,
+            user_turn_tokens=args.user_turn_tokens,
+            output_tokens=args.output_tokens,
+        ),
+        random=RandomSpec(
+            args.min_prompt_tokens, args.max_prompt_tokens, args.min_output_tokens, args.max_output_tokens
+        ),
+        long_prompt=LongPromptSpec(
+            long_fraction=args.long_fraction,
+            min_long_tokens=args.min_long_tokens,
+            max_long_tokens=args.max_long_tokens,
+            output_tokens=args.output_tokens,
+        ),
+        lora=LoRASpec(
+            adapters=args.adapters,
+            zipf=args.adapter_zipf,
+            base_fraction=args.base_fraction,
+            prefix_tokens=args.prefix_tokens,
+            suffix_tokens=args.suffix_tokens,
+            output_tokens=args.output_tokens,
+        ),
+    )
 
-        explicit = frozenset(getattr(args, EXPLICIT_DEST, None) or ())
-        applied = apply_preset(args, args.preset, args.flag_defaults, explicit)
+
+def run(args: argparse.Namespace) -> int:
+    from kvgate.bench.loadgen import LoadSpec
+    from kvgate.bench.stats import Slo
+
+    if args.preset:
+        applied = resolve_preset(args)
         print(
             f"[bench] preset {args.preset}: {' '.join(applied) or '(every flag given explicitly)'}",
             file=sys.stderr,
         )
     try:
-        workload = WorkloadSpec(
-            kind=args.workload,
-            seed=args.seed,
-            shared_prefix=SharedPrefixSpec(
-                args.groups, args.prefix_tokens, args.suffix_tokens, args.output_tokens
-            ),
-            multi_turn=MultiTurnSpec(
-                conversations=args.conversations,
-                turns=args.turns,
-                first_turn_tokens=args.first_turn_tokens,
-                user_turn_tokens=args.user_turn_tokens,
-                output_tokens=args.output_tokens,
-            ),
-            random=RandomSpec(
-                args.min_prompt_tokens, args.max_prompt_tokens, args.min_output_tokens, args.max_output_tokens
-            ),
-            long_prompt=LongPromptSpec(
-                long_fraction=args.long_fraction,
-                min_long_tokens=args.min_long_tokens,
-                max_long_tokens=args.max_long_tokens,
-                output_tokens=args.output_tokens,
-            ),
-            lora=LoRASpec(
-                adapters=args.adapters,
-                zipf=args.adapter_zipf,
-                base_fraction=args.base_fraction,
-                prefix_tokens=args.prefix_tokens,
-                suffix_tokens=args.suffix_tokens,
-                output_tokens=args.output_tokens,
-            ),
-        )
+        workload = workload_spec(args)
         workload.validate()
         loads = [
             LoadSpec(
