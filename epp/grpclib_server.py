@@ -110,12 +110,18 @@ class _Health:
     def _status(self, service: str) -> int | None:
         return self.health.statuses.get(service)
 
-    async def check(
+    async def _request(
         self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
-    ) -> None:
+    ) -> health_pb2.HealthCheckRequest:
         request = await recv_bounded(stream, self.max_message_bytes)
         if request is None:
             raise GRPCError(Status.INVALID_ARGUMENT, "no HealthCheckRequest")
+        return request
+
+    async def check(
+        self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
+    ) -> None:
+        request = await self._request(stream)
         status = self._status(request.service)
         if status is None:
             raise GRPCError(Status.NOT_FOUND, f"unknown service {request.service!r}")
@@ -124,9 +130,7 @@ class _Health:
     async def watch(
         self, stream: Stream[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]
     ) -> None:
-        request = await recv_bounded(stream, self.max_message_bytes)
-        if request is None:
-            raise GRPCError(Status.INVALID_ARGUMENT, "no HealthCheckRequest")
+        request = await self._request(stream)
         last: int | None = -1
         while True:
             status = self._status(request.service)

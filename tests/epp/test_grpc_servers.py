@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from contextlib import closing
+from typing import Any
 
 import h2.exceptions
 import pytest
@@ -65,7 +66,7 @@ async def engine() -> AsyncIterator[str]:
     stub.close()
 
 
-async def started(engine: str, server_kind: str, secure: bool = False) -> EppServer:
+async def started(engine: str, server_kind: str, secure: bool = False, **settings: Any) -> EppServer:
     server = EppServer(
         ServerSettings(
             config=load_config(None, "round-robin"),
@@ -75,6 +76,7 @@ async def started(engine: str, server_kind: str, secure: bool = False) -> EppSer
             metrics_port=0,
             secure_serving=secure,
             grpc_server=server_kind,
+            **settings,
         )
     )
     await server.start()
@@ -287,19 +289,7 @@ async def test_a_compressed_message_is_a_clean_grpc_error(
 
 async def test_the_message_limit_is_a_setting(engine: str, server_kind: str) -> None:
     """--grpc-max-message-bytes: a 58-byte header message is over a 32-byte limit."""
-    server = EppServer(
-        ServerSettings(
-            config=load_config(None, "round-robin"),
-            endpoints=[Endpoint(engine)],
-            grpc_port=0,
-            grpc_health_port=0,
-            metrics_port=0,
-            secure_serving=False,
-            grpc_server=server_kind,
-            grpc_max_message_bytes=32,
-        )
-    )
-    await server.start()
+    server = await started(engine, server_kind, grpc_max_message_bytes=32)
     try:
         message = headers().SerializeToString()
         assert len(message) > 32
