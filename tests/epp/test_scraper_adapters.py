@@ -6,12 +6,14 @@ handlers (vLLM exports the same), seen on the 50 ms /metrics scrape."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from kvgate.epp.datastore import Datastore, Endpoint
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
 from kvgate.epp.scraper import MAPPINGS, MODELS_MIN_GAP_S, MetricsScraper, parse_metrics
 from kvgate.testing import eventually_async
 from kvgate.testing import processes as harness
@@ -43,7 +45,10 @@ async def _seconds_until(cond, what: str) -> float:
     return time.monotonic() - t0
 
 
-async def test_runtime_load_and_unload_reach_the_datastore_within_a_second(tmp_path) -> None:
+@contextlib.asynccontextmanager
+async def _scraped_engine(tmp_path) -> AsyncIterator[tuple[harness.Engine, EndpointState]]:
+    """A real --enable-lora engine and a scraper polling it, past its first GET /v1/models (the
+    next regular one is 10 s away)."""
     engine = harness.start_engine(tmp_path, "--enable-lora")
     try:
         await asyncio.to_thread(engine.wait_ready)
@@ -52,6 +57,15 @@ async def test_runtime_load_and_unload_reach_the_datastore_within_a_second(tmp_p
         ds.set_endpoints([Endpoint(engine.address)])
         state = ds.all()[0]
         await eventually_async(lambda: bool(state.served_models), 10, "the first GET /v1/models")
+        yield engine, state
+        ds.set_endpoints([])
+        await scraper.close()
+    finally:
+        harness.stop_all(engine.proc)
+
+
+async def test_runtime_load_and_unload_reach_the_datastore_within_a_second(tmp_path) -> None:
+    async with _scraped_engine(tmp_path) as (engine, state):
         # right after that first poll: the next one is 10 s away
         await _post(engine, "/v1/load_lora_adapter", {"lora_name": ADAPTER, "lora_path": str(tmp_path)})
         took = await _seconds_until(lambda: ADAPTER in state.served_models, "the adapter listed")
@@ -60,23 +74,12 @@ async def test_runtime_load_and_unload_reach_the_datastore_within_a_second(tmp_p
         await _post(engine, "/v1/unload_lora_adapter", {"lora_name": ADAPTER})
         took = await _seconds_until(lambda: ADAPTER not in state.served_models, "the adapter dropped")
         assert took < FAST_S, took
-        ds.set_endpoints([])
-        await scraper.close()
-    finally:
-        harness.stop_all(engine.proc)
 
 
 async def test_adapter_churn_is_followed_without_a_refetch_storm(tmp_path) -> None:
     """Loads and unloads back to back: the model list is asked again at most every
     MODELS_MIN_GAP_S, and the last change is never missed."""
-    engine = harness.start_engine(tmp_path, "--enable-lora")
-    try:
-        await asyncio.to_thread(engine.wait_ready)
-        ds = Datastore()
-        scraper = MetricsScraper(ds, MAPPINGS["vllm"])
-        ds.set_endpoints([Endpoint(engine.address)])
-        state = ds.all()[0]
-        await eventually_async(lambda: bool(state.served_models), 10, "the first GET /v1/models")
+    async with _scraped_engine(tmp_path) as (engine, state):
         before = await asyncio.to_thread(_model_gets, engine)
         t0 = time.monotonic()
         for i in range(12):  # a change every scrape or so
@@ -88,10 +91,6 @@ async def test_adapter_churn_is_followed_without_a_refetch_storm(tmp_path) -> No
         elapsed = time.monotonic() - t0
         asked = await asyncio.to_thread(_model_gets, engine) - before
         assert 1 <= asked <= elapsed / MODELS_MIN_GAP_S + 2, (asked, elapsed)
-        ds.set_endpoints([])
-        await scraper.close()
-    finally:
-        harness.stop_all(engine.proc)
 
 
 def test_adapter_change_count_reads_the_load_and_unload_handlers_successes_only() -> None:
