@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
@@ -42,19 +44,55 @@ def _ephemeral_low() -> int:
         return 0
 
 
+class _HandedOut:
+    """Ports this process planned lately. A planned port stays unbound until its server starts,
+    and a slow one (the EPP imports for seconds) can still be starting when the next plan is
+    made: without this memory, Envoy planned after it could be given the same "free" port and
+    take it first. Process-wide on purpose: every caller in the process shares the one port space."""
+
+    def __init__(self, remember: int = 4096) -> None:
+        self._order: deque[int] = deque()
+        self._set: set[int] = set()
+        self._remember = remember
+        self._lock = threading.Lock()
+
+    def __contains__(self, port: int) -> bool:
+        with self._lock:
+            return port in self._set
+
+    def add(self, ports: list[int]) -> None:
+        with self._lock:
+            for port in ports:
+                if port in self._set:
+                    continue
+                self._order.append(port)
+                self._set.add(port)
+                if len(self._order) > self._remember:
+                    self._set.discard(self._order.popleft())
+
+
+_handed_out = _HandedOut()
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """Ports free right now (all distinct), below the ephemeral range where it leaves room."""
+    """Ports free right now (all distinct, none handed out lately by this process), below the
+    ephemeral range where it leaves room."""
     high = _ephemeral_low()
+    chosen: list[int] = []
     if high - _PLANNED_LOW >= 1000:
         rng = random.Random()
-        chosen: list[int] = []
         for _ in range(50 * count):
             port = rng.randrange(_PLANNED_LOW, high)
-            if port not in chosen and port_is_free(port, host) and _connect_free(port, host):
+            if port in chosen or port in _handed_out:
+                continue
+            if port_is_free(port, host) and _connect_free(port, host):
                 chosen.append(port)
                 if len(chosen) == count:
-                    return chosen
-    return _kernel_ports(count, host)
+                    break
+    if len(chosen) < count:
+        chosen = _kernel_ports(count, host)
+    _handed_out.add(chosen)
+    return chosen
 
 
 def _connect_free(port: int, host: str) -> bool:
@@ -67,11 +105,14 @@ def _connect_free(port: int, host: str) -> bool:
 def _kernel_ports(count: int, host: str) -> list[int]:
     sockets = []
     try:
-        for _ in range(count):
+        # all bound at once, so distinct; a few spare draws skip ports handed out lately
+        for _ in range(count + 16):
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
+        fresh = [p for p in (s.getsockname()[1] for s in sockets) if p not in _handed_out]
+        ports = fresh if len(fresh) >= count else [s.getsockname()[1] for s in sockets]
+        return ports[:count]
     finally:
         for s in sockets:
             s.close()
