@@ -1,56 +1,58 @@
 """Triton kernels against their torch references, on CPU under TRITON_INTERPRET=1 (small shapes).
 
-Triton decides interpret-or-compile when a kernel is decorated, i.e. when its module is
-imported, so the variable is set before the kernel modules are imported (and they are reloaded
-if something imported them earlier without it).
+With KVGATE_TRITON_DEVICE=cuda on a GPU machine the same tests run compiled on CUDA tensors
+(kvgate/testing/triton_mode.py says how; scripts/gpu_check.sh runs them so). Triton decides
+interpret-or-compile when a kernel is decorated, i.e. when its module is imported, so the mode is
+set before the kernel modules are imported (and they are reloaded if something imported them
+earlier in the other mode).
 """
 
 from __future__ import annotations
 
-import importlib
-import os
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
-
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
-
+# The layers import their kernels only when called, so importing them here decides no mode.
 from kvgate.engine.layers.activation import silu_and_mul_torch
 from kvgate.engine.layers.attention import paged_attention_reference, store_kv_torch
 from kvgate.engine.layers.norm import rms_norm_torch
 from kvgate.engine.layers.rotary import RotaryEmbedding, apply_rotary_torch
 from kvgate.engine.models.config import RopeScaling
+from kvgate.testing import triton_mode
+
+COMPILED = triton_mode.configure()
+if COMPILED and not torch.cuda.is_available():
+    pytest.skip(f"{triton_mode.ENV}=cuda needs a CUDA GPU", allow_module_level=True)
+
+pytest.importorskip("triton")
+pytest.importorskip("numpy")
 
 pytestmark = pytest.mark.triton
 
 
-def _interpreted(module_name: str):  # type: ignore[no-untyped-def]
-    module = importlib.import_module(module_name)
-    if any(type(v).__name__ == "JITFunction" for v in vars(module).values()):
-        module = importlib.reload(module)
-    return module
-
-
-activation = _interpreted("kvgate.engine.kernels.activation")
-kv_store = _interpreted("kvgate.engine.kernels.kv_store")
-norm = _interpreted("kvgate.engine.kernels.norm")
-rotary = _interpreted("kvgate.engine.kernels.rotary")
-paged = _interpreted("kvgate.engine.kernels.paged_attention")
+activation = triton_mode.kernel_module("kvgate.engine.kernels.activation")
+kv_store = triton_mode.kernel_module("kvgate.engine.kernels.kv_store")
+norm = triton_mode.kernel_module("kvgate.engine.kernels.norm")
+rotary = triton_mode.kernel_module("kvgate.engine.kernels.rotary")
+paged = triton_mode.kernel_module("kvgate.engine.kernels.paged_attention")
 assert "triton" in sys.modules
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed_and_device() -> Iterator[None]:
+    """Compiled mode: every tensor the tests make lands on the GPU (the default device)."""
     torch.manual_seed(0)
+    with torch.device("cuda") if COMPILED else contextlib.nullcontext():
+        yield
 
 
-def test_kernels_run_interpreted() -> None:
-    assert type(paged._paged_attention_kernel).__name__ == "InterpretedFunction"
+def test_kernels_run_in_the_chosen_mode() -> None:
+    assert triton_mode.is_interpreted(paged._paged_attention_kernel) != COMPILED
 
 
 @pytest.mark.parametrize("n", [48, 64])
@@ -185,6 +187,7 @@ def test_split_kv_decode_padding_rows_are_zero() -> None:
     assert got[0].abs().sum() > 0
 
 
+@pytest.mark.skipif(COMPILED, reason="a CPU runner; tests/engine/test_runner_gpu.py covers it on CUDA")
 def test_model_with_triton_attention_matches_torch_backend(tmp_path: Path) -> None:
     """The runner's Triton path end to end (metadata without the torch plan, KV store, the mixed
     kernel for prefill+decode steps, the split-KV kernel for all-decode steps), interpreted on CPU."""

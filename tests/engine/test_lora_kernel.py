@@ -1,15 +1,20 @@
 """The batched mixed-adapter LoRA kernels against a per-token torch reference, on CPU under
-TRITON_INTERPRET=1 (small shapes; see test_kernels.py for why the variable is set before import)."""
+TRITON_INTERPRET=1 (small shapes; see test_kernels.py for why the mode is set before import),
+or compiled on CUDA with KVGATE_TRITON_DEVICE=cuda (kvgate/testing/triton_mode.py)."""
 
 from __future__ import annotations
 
-import importlib
-import os
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+from kvgate.testing import triton_mode
+
+COMPILED = triton_mode.configure()
+if COMPILED and not torch.cuda.is_available():
+    pytest.skip(f"{triton_mode.ENV}=cuda needs a CUDA GPU", allow_module_level=True)
 
 pytest.importorskip("triton")
 pytest.importorskip("numpy")
@@ -17,14 +22,7 @@ pytest.importorskip("numpy")
 pytestmark = pytest.mark.triton
 
 
-def _interpreted(module_name: str):  # type: ignore[no-untyped-def]
-    module = importlib.import_module(module_name)
-    if any(type(v).__name__ == "JITFunction" for v in vars(module).values()):
-        module = importlib.reload(module)
-    return module
-
-
-lora = _interpreted("kvgate.engine.kernels.lora")
+lora = triton_mode.kernel_module("kvgate.engine.kernels.lora")
 
 
 def lora_delta_reference(
@@ -60,12 +58,15 @@ def _adapters(
 
 
 @pytest.fixture(autouse=True)
-def _seed() -> None:
+def _seed_and_device() -> Iterator[None]:
+    """Compiled mode: every tensor the tests make lands on the GPU (the default device)."""
     torch.manual_seed(0)
+    with torch.device("cuda") if COMPILED else contextlib.nullcontext():
+        yield
 
 
-def test_kernels_run_interpreted() -> None:
-    assert type(lora._lora_shrink_kernel).__name__ == "InterpretedFunction"
+def test_kernels_run_in_the_chosen_mode() -> None:
+    assert triton_mode.is_interpreted(lora._lora_shrink_kernel) != COMPILED
 
 
 # 12: not a power of two; 192: a fused q|k|v of rank-64 shards (smaller tiles).
