@@ -47,12 +47,17 @@ class RunnerConfigError(ValueError):
 
 def pick_device(requested: str) -> torch.device:
     if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise RunnerConfigError("device 'cuda' was requested but no CUDA GPU is available")
     if requested not in ("cpu",) and not requested.startswith("cuda"):
         raise RunnerConfigError(f"device {requested!r} is not supported (auto, cpu, cuda)")
-    return torch.device(requested)
+    device = torch.device(requested)
+    if device.type == "cuda" and device.index is None:
+        # Plain "cuda" is the current GPU, named by index: torch.cuda.set_device rejects a
+        # device without one, and cuda != cuda:0 when devices are compared.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:

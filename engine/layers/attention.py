@@ -117,7 +117,7 @@ def _group_by_length(lens: list[int], max_groups: int = 8) -> list[tuple[int, in
 
 def _context_slots(table_rows: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions [0, length) for each row of block ids: [rows, length]."""
-    pos = torch.arange(length)
+    pos = torch.arange(length, device=table_rows.device)
     return table_rows[:, pos // block_size] * block_size + pos % block_size
 
 

@@ -15,7 +15,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.loader.gguf_file import hf_name, unpermute_qk
 from kvgate.engine.loader.gguf_reader import GGUFFile, GGUFFormatError, SkippedArray
 from kvgate.engine.loader.hf import open_hf_folder
-from kvgate.engine.model_runner import RunnerConfigError, TorchModelRunner, pick_dtype
+from kvgate.engine.model_runner import RunnerConfigError, TorchModelRunner, pick_device, pick_dtype
 from kvgate.engine.models.config import UnsupportedModelError, model_config_from_hf
 from kvgate.engine.models.llama import WeightLoadError
 
@@ -177,3 +177,19 @@ def test_runner_limits_and_pool_sizing(tmp_path: Path) -> None:
         TorchModelRunner(EngineConfig(model=str(folder), kv_cache_memory=100), progress=False)
     with pytest.raises(RunnerConfigError, match="dtype"):
         pick_dtype("int8", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("requested", ["auto", "cuda"])
+def test_a_cuda_device_is_named_by_index(requested: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here: only CUDA's presence is faked. The runner hands its device to
+    # torch.cuda.set_device, which rejects plain "cuda" (found on an H200: every GPU runner
+    # failed at start-up); the index is the current GPU's.
+    from torch.cuda._utils import _get_device_index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    device = pick_device(requested)
+    assert device == torch.device("cuda", 0)
+    assert _get_device_index(device) == 0  # what torch.cuda.set_device does with it
+    assert pick_device("cuda:0") == device
+    assert pick_device("cpu") == torch.device("cpu")
