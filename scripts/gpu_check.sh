@@ -61,7 +61,7 @@ step() {
     echo "$verdict $name rc=$rc $((SECONDS - t0)) s" | tee -a "$SUMMARY" "$LOG"
 }
 
-PYTEST=("$PY" -P -m pytest -q -rs -p no:cacheprovider)
+PYTEST=("$PY" -P -m pytest -q -rs --tb=short -p no:cacheprovider)
 KERNEL_TESTS=(tests/engine/test_kernels.py tests/engine/test_lora_kernel.py)
 
 INFO_PY='
