@@ -5,7 +5,10 @@
 # 2. tests/engine/test_kernels.py + test_lora_kernel.py compiled on CUDA (KVGATE_TRITON_DEVICE=cuda);
 # 3. bench/engine_gpu.py: decode tok/s and HBM bandwidth, 1b and 8b shapes (target >= 60% at batch 64);
 # 4. bench/lora_kernel.py: the LoRA kernels against the grouped torch path;
-# 5. the two kernel test files as CI runs them (TRITON_INTERPRET=1, CPU).
+# 5. the two kernel test files as CI runs them (TRITON_INTERPRET=1, CPU). Known: on the H200
+#    image (triton 3.6, numpy 2.5.2) 28 of 40 fail inside Triton's interpreter ("only
+#    0-dimensional arrays can be converted to Python scalars": its tensor __index__ calls int() on
+#    a 1-element array, which numpy 2.5 refuses); CI's triton 3.9 squeezes first and passes.
 # Needs no install: python3 with torch, triton, transformers, numpy, safetensors, tokenizers,
 # pyyaml, pytest. kvgate is put on PYTHONPATH through a folder of links mapping the component
 # folders into the `kvgate` namespace (what setup.py does). Wheels in .whl/ (git-ignored), if any,
