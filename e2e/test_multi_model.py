@@ -4,6 +4,8 @@ openai client sees one endpoint that lists and serves every model, and a 404 for
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -166,6 +168,61 @@ def test_adapters_loaded_at_run_time_are_listed_and_routed_to_their_pools(stack:
     # the adapter ran on its pool's engines: vLLM's LoRA gauge names it as running or done there
     info = httpx.get(stack.stack["pools"]["beta"]["engine_urls"][0] + "/metrics", timeout=5).text
     assert "vllm:lora_requests_info" in info
+
+
+def test_an_adapter_is_routed_the_moment_its_load_returns(stack: UpProcess, tmp_path) -> None:
+    """No poll window: the router asks the pools' model lists again before it answers 404, so the
+    first request for an adapter right after its load answered 200 goes to its pool."""
+    url = stack.stack["gateway_url"]
+    (engine,) = stack.stack["pools"]["beta"]["engine_urls"]
+    for i in range(3):
+        adapter = f"fresh-{i}"
+        resp = httpx.post(
+            engine + "/v1/load_lora_adapter",
+            json={"lora_name": adapter, "lora_path": str(tmp_path)},
+            timeout=10,
+        )
+        assert resp.status_code == 200, resp.text
+        resp = httpx.post(
+            url + "/v1/completions", json={"model": adapter, "prompt": "now", "max_tokens": 2}, timeout=10
+        )
+        assert resp.status_code == 200, (adapter, resp.status_code, resp.text)
+        assert resp.headers[UPSTREAM] == engine.removeprefix("http://") and resp.json()["model"] == adapter
+
+
+def test_a_flood_of_unknown_models_costs_a_few_model_list_refreshes(stack: UpProcess) -> None:
+    """Each unknown model asks the pools again, but at most every 0.2 s, shared by every request
+    waiting: 200 concurrent requests for made-up models are 200 404s and a handful of GETs."""
+    url = stack.stack["gateway_url"] + "/v1/completions"
+    (engine,) = stack.stack["pools"]["beta"]["engine_urls"]
+
+    async def flood() -> list[int]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=20, limits=limits) as client:
+            answers = await asyncio.gather(
+                *(client.post(url, json={"model": f"bogus-{i}", "prompt": "p"}) for i in range(200))
+            )
+        return [r.status_code for r in answers]
+
+    before, posts = _model_gets(engine), _requests_seen(stack)
+    t0 = time.monotonic()
+    statuses = asyncio.run(flood())
+    elapsed = time.monotonic() - t0
+    asked = _model_gets(engine) - before
+    assert statuses == [404] * 200
+    assert _requests_seen(stack) == posts  # none reached an engine
+    # the router's own 1 s poll and the pool EPP's poll ask too: at most one each in the window
+    assert asked <= elapsed / 0.2 + elapsed / 1.0 + 3, (asked, elapsed)
+
+
+def _model_gets(engine_url: str) -> float:
+    """GET /v1/models the engine answered (the router's polls and its pool EPP's)."""
+    text = httpx.get(engine_url + "/metrics", timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("http_requests_total{") and 'handler="/v1/models"' in line
+    )
 
 
 def _requests_seen(up: UpProcess) -> float:

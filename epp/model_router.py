@@ -12,7 +12,10 @@ pool. ``GET /v1/models`` is answered here too: every model and adapter of every 
 Which pool serves which model comes from the pools' engines: their ``GET /v1/models`` (served
 names, aliases and LoRA adapters, including adapters loaded at run time), polled in the
 background; a pool's own name always routes to it, so a pool is reachable before its engines
-first answer.
+first answer. A model the table lacks is not refused from a stale table: the router asks the
+pools again first (one refresh that started after the request came, shared by every request
+waiting, at most every ``MISS_REFRESH_GAP_S``), so an adapter is routed from the moment its
+``POST /v1/load_lora_adapter`` answered, and a flood of made-up names costs a few GETs per second.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ log = logging.getLogger("kvgate.epp.model_router")
 MODEL_NAME_HEADER = model_routing.MODEL_NAME_HEADER.lower()
 POOL_HEADER = model_routing.POOL_HEADER
 MODELS_PATH = "/v1/models"
+# A request for a model the table lacks asks the pools again before its 404, but a refresh for
+# a miss starts at most this long after the previous one: made-up names cost at most 5 GETs
+# per engine per second, and each such 404 waits up to this long (plus the GETs).
+MISS_REFRESH_GAP_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,13 @@ class _Known:
 class ModelTable:
     """Model name → pool, and the aggregated model list, from the pools' engines."""
 
-    def __init__(self, pools: Iterable[PoolSource], api_key: str | None = None, timeout: float = 2.0) -> None:
+    def __init__(
+        self,
+        pools: Iterable[PoolSource],
+        api_key: str | None = None,
+        timeout: float = 2.0,
+        miss_gap: float = MISS_REFRESH_GAP_S,
+    ) -> None:
         self.pools = list(pools)
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
@@ -81,6 +94,14 @@ class ModelTable:
         self._answers: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self._models: dict[str, _Known] = {}
         self._conflicts: set[str] = set()
+        self._miss_gap = miss_gap
+        # One refresh at a time (the kept-alive getters carry one request each), shared by
+        # every caller. _polled_at: when the current or last one began asking (None while a
+        # refresh for a miss waits out the gap: anyone who joins then is still answered by it).
+        self._refreshing: asyncio.Task[None] | None = None
+        self._polled_at: float | None = None
+        self._last_polled = -float("inf")
+        self.refreshes = 0  # refreshes begun (the tests count them)
         self._rebuild()
 
     # -- lookup ------------------------------------------------------------------------------
@@ -96,7 +117,36 @@ class ModelTable:
         return known.card if known else None
 
     # -- discovery ---------------------------------------------------------------------------
-    async def refresh(self) -> None:
+    async def refresh(self, newer_than: float | None = None) -> None:
+        """Ask every pool's engines for their models (joining a refresh already under way).
+        With ``newer_than`` (a ``time.monotonic()`` instant, a request's arrival): only a
+        refresh that began asking after it will do, begun no sooner than the miss gap after the
+        last one. Each GET is bounded by the table's timeout."""
+        while True:
+            task = self._refreshing
+            if task is None or task.done():
+                if newer_than is not None and self._last_polled >= newer_than:
+                    return  # one began after the request and has finished
+                delay = 0.0
+                if newer_than is not None:
+                    delay = max(0.0, self._last_polled + self._miss_gap - time.monotonic())
+                self._polled_at = None
+                task = self._refreshing = asyncio.get_running_loop().create_task(
+                    self._refresh_after(delay), name="model table refresh"
+                )
+                await asyncio.shield(task)  # a caller that goes away never cancels it for the rest
+                return
+            started = self._polled_at
+            await asyncio.shield(task)
+            if newer_than is None or started is None or started >= newer_than:
+                return
+            # that one began asking before the request came: wait for the next
+
+    async def _refresh_after(self, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self._polled_at = self._last_polled = time.monotonic()
+        self.refreshes += 1
         await asyncio.gather(
             *(self._poll(pool.name, engine) for pool in self.pools for engine in pool.engines)
         )
@@ -139,6 +189,9 @@ class ModelTable:
         self._models = models
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
         for getter in self._getters.values():
             getter.close()
 
@@ -175,6 +228,7 @@ class _Exchange:
     path: str = ""
     body: bytearray = field(default_factory=bytearray)
     done: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # a table refresh older than this is stale for it
 
 
 class ModelRouterHandler:
@@ -220,13 +274,17 @@ class ModelRouterHandler:
         x.body += msg.body
         return []
 
-    def route(self, x: _Exchange) -> list[ep.ProcessingResponse]:
-        """The whole body is here: name the pool, or refuse."""
+    def parse(self, x: _Exchange) -> str | ep.ProcessingResponse:
+        """The whole body is here: its model, or the 400 that refuses it."""
         x.done = True
         try:
-            model = parse_body(bytes(x.body))["model"]
+            model: str = parse_body(bytes(x.body))["model"]
         except BadRequest as exc:
-            return [immediate(400, str(exc), param=exc.param, code=exc.code)]
+            return immediate(400, str(exc), param=exc.param, code=exc.code)
+        return model
+
+    def route(self, x: _Exchange, model: str) -> list[ep.ProcessingResponse]:
+        """Name the pool serving the model, or refuse it."""
         pool = self.table.pool_for(model)
         if pool is None:
             log.info("model %r: no pool serves it (404)", model[:200])
@@ -250,7 +308,11 @@ class ModelRouterHandler:
     async def handle(self, x: _Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
-            return self.on_request_headers(x, msg.request_headers)
+            out = self.on_request_headers(x, msg.request_headers)
+            if out and x.path.startswith(MODELS_PATH + "/") and out[0].immediate_response.status.code == 404:
+                await self.table.refresh(newer_than=x.arrived)  # an adapter loaded just now?
+                out = self.on_request_headers(x, msg.request_headers)
+            return out
         if x.done:  # trailers or stray messages after the answer: acknowledge
             return (
                 [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
@@ -265,7 +327,14 @@ class ModelRouterHandler:
         elif kind != "request_trailers":
             return []
         # end of the body (its last chunk, or trailers): large bodies are parsed off the loop
-        out = await asyncio.to_thread(self.route, x) if len(x.body) > INLINE_BODY_BYTES else self.route(x)
+        model = await asyncio.to_thread(self.parse, x) if len(x.body) > INLINE_BODY_BYTES else self.parse(x)
+        if isinstance(model, ep.ProcessingResponse):
+            return [model]
+        if self.table.pool_for(model) is None:
+            # not a 404 from a table older than the request: an adapter whose load answered
+            # just before it would be refused until the next poll
+            await self.table.refresh(newer_than=x.arrived)
+        out = self.route(x, model)
         if kind == "request_trailers" and not out[0].HasField("immediate_response"):
             out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
         return out

@@ -46,7 +46,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--refresh-interval",
         type=positive_float,
         default=2.0,
-        help="seconds between polls of the engines' model lists (adapters loaded at run time show up)",
+        help="seconds between polls of the engines' model lists (a request for a model not listed yet "
+        "asks them again at once, at most every 0.2 s)",
     )
     p.add_argument(
         "--max-request-body-bytes",

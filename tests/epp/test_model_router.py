@@ -3,14 +3,18 @@ handler is driven message by message, as Envoy would)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 
+import httpx
 import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from kvgate.epp.model_router import (
+    MISS_REFRESH_GAP_S,
     MODEL_NAME_HEADER,
     POOL_HEADER,
     ModelRouterHandler,
@@ -139,6 +143,59 @@ async def test_handler_routes_refuses_and_lists(engines) -> None:
     out = await _send(handler, _headers("GET", "/v1/other", end=True))
     removed = out[0].request_headers.response.header_mutation.remove_headers
     assert POOL_HEADER in removed and out[0].request_headers.response.clear_route_cache
+    await table.close()
+
+
+async def test_an_adapter_loaded_just_now_is_routed_and_listed(engines, tmp_path) -> None:
+    """The table is fresh (its next poll is far off) when the adapter's load answers 200: the
+    request for it asks the pools again instead of answering 404."""
+    a, _ = engines
+    table = ModelTable([PoolSource("alpha", (a.address,))])
+    await table.refresh()
+    handler = ModelRouterHandler(table)
+    for i in range(2):
+        adapter = f"just-loaded-{i}"
+        async with httpx.AsyncClient(base_url=f"http://{a.address}", timeout=10) as c:
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": str(tmp_path)})
+        assert r.status_code == 200, r.text
+        out = await _send(
+            handler, _headers("POST", "/v1/completions"), _body(json.dumps({"model": adapter}).encode())
+        )
+        assert _set_headers(out[0])[POOL_HEADER] == "alpha", out[0]
+    out = await _send(handler, _headers("GET", "/v1/models/just-loaded-1", end=True))
+    assert json.loads(out[0].immediate_response.body)["id"] == "just-loaded-1"
+    await table.close()
+
+
+async def test_misses_share_refreshes_at_most_one_per_gap(engines) -> None:
+    a, b = engines
+    table = ModelTable([PoolSource("alpha", (a.address,)), PoolSource("beta", (b.address,))])
+    await table.refresh()
+    handler = ModelRouterHandler(table)
+
+    async def unknown(i: int) -> int:
+        out = await _send(handler, _headers("POST", "/v1/completions"), _body(b'{"model": "made-up-%d"}' % i))
+        return out[0].immediate_response.status.code
+
+    # a burst at once: one refresh (begun after they came) answers all of them
+    before = table.refreshes
+    assert await asyncio.gather(*(unknown(i) for i in range(200))) == [404] * 200
+    assert table.refreshes - before == 1
+    # clients that send their next made-up name as soon as the last is refused: one refresh per gap
+    before, t0 = table.refreshes, time.monotonic()
+
+    async def client(c: int) -> None:
+        for i in range(8):
+            assert await unknown(100 * c + i) == 404
+
+    await asyncio.gather(*(client(c) for c in range(4)))
+    elapsed = time.monotonic() - t0
+    assert table.refreshes - before <= elapsed / MISS_REFRESH_GAP_S + 1, (table.refreshes - before, elapsed)
+    assert elapsed >= 7 * MISS_REFRESH_GAP_S  # each round waited for a refresh newer than itself
+    # a known model never waits for one
+    before = table.refreshes
+    out = await _send(handler, _headers("POST", "/v1/completions"), _body(b'{"model": "beta"}'))
+    assert _set_headers(out[0])[POOL_HEADER] == "beta" and table.refreshes == before
     await table.close()
 
 
