@@ -648,6 +648,16 @@ class LoRASpec(K8sModel):
         ge=1,
         description="Parsed adapters kept in CPU memory (`--max-cpu-loras`); maxLoras when unset.",
     )
+    unload_grace_seconds: int | None = Field(
+        default=None,
+        ge=0,
+        le=3600,
+        description=(
+            "After an unload (an adapter removed from spec.adapters) each engine still serves it "
+            "this long, unlisted, so requests routed before the pickers noticed succeed; 0 refuses "
+            "them at once (`--lora-unload-grace`; the engine's default, 2 s, when unset)."
+        ),
+    )
     load_timeout_seconds: int = Field(
         default=300,
         ge=0,

@@ -69,6 +69,8 @@ def lora_args(spec: ModelDeploymentSpec) -> list[str]:
     args = ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank)]
     if lora.max_cpu_loras is not None:
         args += ["--max-cpu-loras", str(lora.max_cpu_loras)]
+    if lora.unload_grace_seconds is not None:  # unset: the engine's own default
+        args += ["--lora-unload-grace", str(lora.unload_grace_seconds)]
     return args
 
 

@@ -317,7 +317,13 @@ SPECS: dict[str, dict[str, Any]] = {
     },
     "lora-adapters": {
         "model": {"source": "pvc://models/llama-3-8b", "servedName": "llama"},
-        "lora": {"maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 8, "claims": ["loras"]},
+        "lora": {
+            "maxLoras": 2,
+            "maxLoraRank": 32,
+            "maxCpuLoras": 8,
+            "unloadGraceSeconds": 5,
+            "claims": ["loras"],
+        },
         "adapters": [
             {"name": "sql", "source": "hf://acme/sql-lora@v2", "rank": 16},
             {"name": "chat", "source": "pvc://loras/chat"},
@@ -750,6 +756,36 @@ def test_container_command_lines_parse_with_the_real_kvgate_cli(name: str) -> No
             if init["command"][0] == "kvgate":  # the LoRA adapter sidecar
                 args = parser.parse_args([*init["command"][1:], *init.get("args", [])])
                 assert str(args.dir) == "/adapters/hf" and args.once is False
+
+
+def test_lora_unload_grace_reaches_the_engine_only_when_set(validator: Any) -> None:
+    """spec.lora.unloadGraceSeconds is the engine's --lora-unload-grace; unset, the engine keeps
+    its own default; the CRD schema refuses a negative grace before the operator sees it."""
+    from kvgate.cli import build_parser
+
+    base = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}}
+    model = {"source": "hf://org/model"}
+    parser = build_parser()
+    for lora, want in (({"unloadGraceSeconds": 7}, 7.0), ({"unloadGraceSeconds": 0}, 0.0), ({}, None)):
+        spec = {"model": model, "lora": lora}
+        validator.check({**base, "spec": spec})
+        dep = ch.engine_deployment(
+            "m",
+            ch.model_deployment_owner("m", "ns", "uid"),
+            ModelDeploymentSpec.model_validate(spec),
+            OperatorConfig(),
+            replicas=1,
+        )
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        args = container["args"]
+        assert ("--lora-unload-grace" in args) is (want is not None), args
+        parsed = parser.parse_args([*container["command"][1:], *args])
+        assert parsed.lora_unload_grace == (2.0 if want is None else want)  # the engine's own default
+    for bad in (-1, 1.5, 3601):
+        spec = {"model": model, "lora": {"unloadGraceSeconds": bad}}
+        assert validator.errors({**base, "spec": spec}), bad
+        with pytest.raises(ValueError):
+            ModelDeploymentSpec.model_validate(spec)
 
 
 @pytest.mark.parametrize(
