@@ -76,7 +76,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--profile",
         default="",
-        help="built-in profile (precise-prefix, default, round-robin, random) or, with --config-file, "
+        help="built-in profile (precise-prefix, precise-prefix-weights, default, round-robin, random) or, with --config-file, "
         "which of its schedulingProfiles runs (default: precise-prefix / the file's first)",
     )
     s.add_argument(

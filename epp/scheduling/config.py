@@ -23,6 +23,7 @@ PLUGIN_TYPES: dict[str, type] = {
         filters.FreshMetricsFilter,
         filters.LowQueueFilter,
         filters.LeastQueueFilter,
+        filters.BoundedLoadFilter,
         filters.LeastKVCacheFilter,
         filters.LoraAffinityFilter,
         filters.ModelServedFilter,
@@ -143,6 +144,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
         "plugins": [
             {"type": "model-served-filter"},
             {"type": "lora-affinity-filter", "parameters": {"loadedOnly": False}},
+            {"type": "bounded-load-filter", "parameters": {"absoluteSlack": 16, "relativeSlack": 2}},
             {"type": "predicted-latency-scorer"},
             {"type": "lora-affinity-scorer"},
             {"type": "load-aware-scorer", "parameters": {"threshold": 16}},
@@ -155,6 +157,11 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
                     {"pluginRef": "model-served-filter"},
                     # an adapter request never waits for a slot where another engine has one
                     {"pluginRef": "lora-affinity-filter"},
+                    # Affinity within bounds: an engine far busier than the least busy one
+                    # (16 requests more and twice as many) takes no more, so one hot prompt
+                    # (a system prompt every conversation shares) spreads before its holder's
+                    # KV thrashes, which the TTFT estimate alone does not foresee.
+                    {"pluginRef": "bounded-load-filter"},
                     {"pluginRef": "predicted-latency-scorer", "weight": 1},
                     # Neutral for base-model requests; for an adapter, a pick that needs no
                     # adapter load (or no eviction) wins unless it is predicted ~1.5-2x slower.
