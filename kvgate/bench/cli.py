@@ -129,6 +129,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     w.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
     w.add_argument("--first-turn-tokens", type=int, default=512, help="multi-turn: system prompt tokens")
     w.add_argument("--user-turn-tokens", type=int, default=64, help="multi-turn: tokens per user turn")
+    w.add_argument(
+        "--system-prompts",
+        type=int,
+        default=0,
+        help="multi-turn: conversations share this many system prompts (0: each opens with its own)",
+    )
     w.add_argument("--min-prompt-tokens", type=int, default=128, help="random: shortest prompt")
     w.add_argument("--max-prompt-tokens", type=int, default=1024, help="random: longest prompt")
     w.add_argument(
@@ -268,6 +274,7 @@ def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
             first_turn_tokens=args.first_turn_tokens,
             user_turn_tokens=args.user_turn_tokens,
             output_tokens=args.output_tokens,
+            system_prompts=args.system_prompts,
         ),
         random=RandomSpec(
             args.min_prompt_tokens, args.max_prompt_tokens, args.min_output_tokens, args.max_output_tokens

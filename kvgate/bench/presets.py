@@ -38,15 +38,19 @@ PRESETS: dict[str, Preset] = {
         },
     ),
     # Chat sessions that resend their growing history every turn (a coding assistant, an agent):
-    # a turn is only sent once the previous one of its conversation has answered.
+    # a turn is only sent once the previous one of its conversation has answered. Conversations
+    # open with one of four apps' system prompts, as inference-perf's multi-turn shared-prefix
+    # shape groups users under shared prompts (each conversation with a prompt of its own made
+    # every eighth request a 2,000-token prefill no router can avoid, and that set TTFT p90).
     "multi-turn-chat": Preset(
-        "32 conversations of 8 turns: 2,000-token system prompt, 200-token user turns, 200-token "
-        "answers folded back into the history; 8 simulated engines of 2,048 KV blocks (about 6 "
-        "full conversations each); 4 and 8 req/s",
+        "32 conversations of 8 turns opening with one of 4 shared 2,000-token system prompts, "
+        "200-token user turns, 200-token answers (a 64-token synthetic reply is folded back into "
+        "the history); 8 simulated engines of 2,048 KV blocks; 4 and 8 req/s",
         {
             "workload": "multi-turn",
             "conversations": 32,
             "turns": 8,
+            "system_prompts": 4,
             "first_turn_tokens": 2000,
             "user_turn_tokens": 200,
             "output_tokens": 200,

@@ -59,7 +59,7 @@ def _settings(
 ) -> dict[str, object]:
     keys = (
         "workload seed groups prefix_tokens suffix_tokens output_tokens conversations turns "
-        "first_turn_tokens user_turn_tokens request_rate concurrency num_requests duration simulate engines "
+        "first_turn_tokens user_turn_tokens system_prompts request_rate concurrency num_requests duration simulate engines "
         "sim_prefill_time_per_token sim_itl sim_itl_per_seq sim_kv_blocks sim_time_scale max_num_seqs engine_model url"
     ).split()
     if args.workload == "lora":

@@ -77,6 +77,9 @@ class MultiTurnSpec:
     conversations: int = 16
     turns: int = 6
     first_turn_tokens: int = 512  # a system prompt opening each conversation
+    # Conversations open with one of this many system prompts, shared (one app's or tenant's
+    # prompt, as in inference-perf's multi-turn shared-prefix shape); 0: each opens with its own.
+    system_prompts: int = 0
     user_turn_tokens: int = 64
     assistant_turn_tokens: int = 64  # a synthetic assistant reply folded into the history
     output_tokens: int = 64
@@ -141,6 +144,7 @@ class WorkloadSpec:
             (mt.conversations >= 1, "--conversations must be at least 1"),
             (mt.turns >= 1, "--turns must be at least 1"),
             (mt.user_turn_tokens >= 1, "--user-turn-tokens must be at least 1"),
+            (mt.system_prompts >= 0, "--system-prompts must be 0 or more"),
             (mt.output_tokens >= 1, "--output-tokens must be at least 1"),
             (
                 1 <= rd.min_prompt_tokens <= rd.max_prompt_tokens,
@@ -238,9 +242,17 @@ def _multi_turn(spec: MultiTurnSpec, seed: int) -> Iterator[BenchRequest]:
     rng = random.Random(f"{seed}:multi-turn")
     next_ident = 0
 
+    shared = [
+        _words(random.Random(f"{seed}:system-prompt:{k}"), spec.first_turn_tokens)
+        for k in range(spec.system_prompts)
+    ]
+
     def new_conversation() -> _Conversation:
         nonlocal next_ident
-        opening = ["conversation", str(next_ident), *_words(rng, max(0, spec.first_turn_tokens - 2))]
+        if shared:
+            opening = list(shared[next_ident % len(shared)])
+        else:
+            opening = ["conversation", str(next_ident), *_words(rng, max(0, spec.first_turn_tokens - 2))]
         conv = _Conversation(next_ident, [ChatMessage("system", _text(opening))], list(opening))
         next_ident += 1
         return conv

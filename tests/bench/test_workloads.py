@@ -116,3 +116,24 @@ def test_warmup_requests_come_first_and_measured_ones_follow_in_the_same_stream(
     assert [r.index for r in warm] == [0, 1, 2]
     assert [r.index for r in measured] == [3, 4, 5, 6, 7]
     assert [r.messages for r in warm + measured] == [r.messages for r in take(spec, 8)]
+
+
+def test_conversations_can_share_their_system_prompts() -> None:
+    def openings(system_prompts: int) -> list[tuple[str, ...]]:
+        spec = WorkloadSpec(
+            kind="multi-turn",
+            multi_turn=MultiTurnSpec(
+                conversations=6,
+                turns=1,
+                first_turn_tokens=40,
+                user_turn_tokens=4,
+                system_prompts=system_prompts,
+            ),
+        )
+        return [req.nominal_words[:40] for req in itertools.islice(generate(spec), 6)]
+
+    assert len(set(openings(0))) == 6  # each conversation its own
+    shared = openings(2)
+    assert len(set(shared)) == 2
+    with pytest.raises(ValueError, match="--system-prompts"):
+        WorkloadSpec(kind="multi-turn", multi_turn=MultiTurnSpec(system_prompts=-1)).validate()
