@@ -11,7 +11,7 @@ from kvgate.bench.loadgen import LoadSpec, Target
 from kvgate.bench.runner import RunOutcome, engine_block_size, ideal_hit_rate, measure, sent_requests
 from kvgate.bench.stats import Slo
 from kvgate.bench.strategies import STRATEGIES
-from kvgate.bench.workloads import WorkloadSpec
+from kvgate.bench.workloads import BenchRequest, WorkloadSpec
 from kvgate.local.ports import plan_ports
 from kvgate.local.stack import LocalStack, StackConfig
 
@@ -93,11 +93,15 @@ def fill_ideal_hit_rates(
 ) -> str:
     """Set each summary's best achievable hit rate; returns how prompts were tokenized."""
     note = ""
+    # Runs with one label share a stack, one load after another: what an earlier load sent is
+    # cached there already (a sweep replays the same prompts), so it counts as history too.
+    sent_before: dict[str, list[BenchRequest]] = {}
     for o in outcomes:
         # Per run: in a --duration run each may have sent a different number of requests.
-        load = o.load
-        warmup, requests = sent_requests(workload, load, o.results)
+        warmup, requests = sent_requests(workload, o.load, o.results)
+        history = sent_before.setdefault(o.label, [])
         o.summary.ideal_prefix_hit_rate, note = ideal_hit_rate(
-            requests, tokenizer_model, o.block_size, warmup
+            requests, tokenizer_model, o.block_size, [*history, *warmup]
         )
+        history += [*warmup, *requests]
     return note

@@ -122,3 +122,27 @@ def test_a_sweep_compares_strategies_at_the_same_rate_only() -> None:
     body = table.splitlines()[3:]
     assert [r.split()[:2] for r in body] == [["4", "round-robin"], ["24", "round-robin"]]
     assert body[1].split()[3] == "0.12×"  # TTFT p90 at 24 req/s
+
+
+def test_a_sweeps_later_rates_count_what_earlier_rates_sent_as_cached() -> None:
+    # One stack serves every rate of a strategy in turn, replaying the same prompts: the best
+    # achievable hit rate of the second rate counts the first's prompts as seen (it printed
+    # "110% of the best achievable" when it did not).
+    from kvgate.bench.compare import fill_ideal_hit_rates
+    from kvgate.bench.loadgen import LoadSpec
+    from kvgate.bench.runner import RunOutcome
+    from kvgate.bench.workloads import SharedPrefixSpec, WorkloadSpec
+
+    workload = WorkloadSpec(shared_prefix=SharedPrefixSpec(groups=4, prefix_tokens=64, suffix_tokens=16))
+    results = [RequestResult(index=i, group="g", sent_at=0.0, status=200) for i in range(8)]
+
+    def outcome(label: str, rate: float) -> RunOutcome:
+        load = LoadSpec(request_rate=rate, num_requests=8)
+        return RunOutcome(label, results, summarize(label, results, 1.0, Slo()), {}, load)
+
+    first, second, other = outcome("a", 4.0), outcome("a", 8.0), outcome("b", 8.0)
+    fill_ideal_hit_rates([first, second, other], workload, None)
+    ideal = [o.summary.ideal_prefix_hit_rate for o in (first, second, other)]
+    assert ideal[0] is not None and ideal[1] is not None
+    assert ideal[2] == ideal[0]  # another stack: nothing seen before
+    assert ideal[1] > ideal[0]  # the same prompts again: every full block was computed already
