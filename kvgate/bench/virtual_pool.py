@@ -131,9 +131,15 @@ class RunResult:
             "output_tok_s": self.output_tok_s,
             "prefix_hit": self.hit_rate,
             "pick_ms_p50": 1000 * statistics.median(self.pick_seconds) if self.pick_seconds else 0.0,
+            "pick_ms_p99": 1000 * _quantile(self.pick_seconds, 0.99),
             "preemptions": self.preemptions,
             "lora_loads": self.lora_loads,
         }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
 class _Engine:
