@@ -50,9 +50,35 @@ _versions = itertools.count(100)
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus what kopf relies on from a real API server: a resourceVersion that
     changes on every write (kopf tells its own echoes from news by it), a uid and creation
-    timestamp on create, and a generation that counts spec changes."""
+    timestamp on create, and a generation that counts spec changes.
+
+    It also keeps each request's cost constant. kmock decides which of its reactions serves a
+    request by checking that the request is among the requests each reaction's filter sees,
+    and it finds them by scanning every request served so far: a request cost O(requests
+    served), and the kopf operator's passes (dozens of requests each) slowed down as a test went
+    on, to ~30 ms a GET after a few seconds and a second or more per pass; the update a test
+    waits for queued behind such passes for longer than the test's 10 s when the machine was
+    busy. kmock's own log now holds only the requests in flight; `requests()` has them all."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received: list[Any] = []
+
+    def requests(self) -> list[Any]:
+        """Every request received so far, served or in flight, in arrival order."""
+        return list(self.received)
 
     async def _handle(self, request: Any) -> Any:
+        self.received.append(request)
+        try:
+            return await self._emulate(request)
+        finally:
+            for i in range(len(self._requests) - 1, -1, -1):
+                if self._requests[i] is request:
+                    del self._requests[i]
+                    break
+
+    async def _emulate(self, request: Any) -> Any:
         data = request.data
         if request.resource is not None and data is not None:
             version = str(next(_versions))
@@ -104,7 +130,11 @@ class Cluster:
         its watch would be seen stale, so tests start writing only once the watches stand."""
 
         def watching() -> bool:
-            seen = {r.resource.plural for r in self.emulator if r.action == kmock.action.WATCH and r.resource}
+            seen = {
+                r.resource.plural
+                for r in self.emulator.requests()
+                if r.action == kmock.action.WATCH and r.resource
+            }
             return set(plurals) <= seen
 
         await eventually_async(watching, 10, f"watch-streams on {plurals}")

@@ -440,10 +440,18 @@ async def test_operator_splits_keeps_the_secret_and_switches_back(
 
     await cluster.eventually(lambda: threshold() == "1024", 30, "new threshold")
     before = cluster.objects(SECRETS)["smol-kv-transfer"]
-    passes = [r for r in cluster.emulator if r.resource and r.resource.plural == "modeldeployments"]
+    passes = [
+        r for r in cluster.emulator.requests() if r.resource and r.resource.plural == "modeldeployments"
+    ]
     await cluster.eventually(
         lambda: (
-            len([r for r in cluster.emulator if r.resource and r.resource.plural == "modeldeployments"])
+            len(
+                [
+                    r
+                    for r in cluster.emulator.requests()
+                    if r.resource and r.resource.plural == "modeldeployments"
+                ]
+            )
             > len(passes) + 6
         ),
         what="several resync passes",

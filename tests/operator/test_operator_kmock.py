@@ -622,9 +622,7 @@ async def test_cli_runs_the_operator_from_a_kubeconfig(cluster: Any, tmp_path: A
         await cluster.eventually(
             lambda: set(cluster.children(UID)) == BASE_CHILDREN, within=20, what="children"
         )
-        requests = [
-            r for r in cluster.emulator if r.headers.get("Authorization")
-        ]  # kmock iterates its requests
+        requests = [r for r in cluster.emulator.requests() if r.headers.get("Authorization")]
         assert requests and all(r.headers["Authorization"] == "Bearer dev-token" for r in requests)
     finally:
         proc.send_signal(signal.SIGTERM)
