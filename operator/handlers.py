@@ -115,9 +115,19 @@ class Operator:
             meta = body.get("metadata", {})
             if meta.get("deletionTimestamp"):
                 return  # children go with the owner (garbage collection); do not recreate them
-            async with self._lock("md", meta["namespace"], meta["name"]):
+            namespace, name = meta["namespace"], meta["name"]
+            async with self._lock("md", namespace, name):
+                # Reconcile the object as it is now, not as kopf saw it when this handler was
+                # called: a pass waits here behind others (child events, the resync), and one
+                # that applied its older spec would undo the edits they applied meanwhile.
+                current = await self.reconciler.client.get(MODEL_DEPLOYMENTS, namespace, name)
+                current_meta = (current or {}).get("metadata") or {}
+                if current is None or current_meta.get("uid") != meta.get("uid"):
+                    return  # deleted (or replaced: the new object's own handlers see to it)
+                if current_meta.get("deletionTimestamp"):
+                    return
                 try:
-                    outcome = await self.reconciler.reconcile_model_deployment(dict(body))
+                    outcome = await self.reconciler.reconcile_model_deployment(current)
                 except OwnerGone:
                     return
             for key, value in outcome.status.items():
@@ -140,10 +150,12 @@ class Operator:
                 return
             namespace = meta["namespace"]
             client = self.reconciler.client
-            body = await client.get(MODEL_DEPLOYMENTS, namespace, owner)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return
             async with self._lock("md", namespace, owner):
+                # Read the owner once the pass ahead of this one is done: read before the wait, it
+                # may predate an edit that pass applied, and this pass would undo it.
+                body = await client.get(MODEL_DEPLOYMENTS, namespace, owner)
+                if body is None or body["metadata"].get("deletionTimestamp"):
+                    return
                 try:
                     outcome = await self.reconciler.reconcile_model_deployment(body)
                     await client.patch(

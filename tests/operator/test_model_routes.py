@@ -5,6 +5,7 @@ adapters, and sends those requests to its own InferencePool. The real kopf opera
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
@@ -101,3 +102,50 @@ def test_many_adapters_split_into_rules_within_gateway_api_limits(validator: Any
     assert ch.http_route("big", owner, plain, OperatorConfig())["spec"]["rules"][0]["matches"] == [
         {"path": {"type": "PathPrefix", "value": "/"}}
     ]
+
+
+async def test_a_child_event_reconciles_the_spec_current_when_its_pass_runs(cluster: Any) -> None:
+    """A child's event queues a pass behind the one already running for its owner; that pass must
+    read the owner when it runs, not when the event came: one read before the wait re-applied
+    the spec from before an edit that the pass ahead of it had just applied (the HTTPRoute lost
+    a new adapter until the next resync, 30 s by default). The handlers are driven directly,
+    in this loop, so the order is certain; the operator fixture's kopf thread would race."""
+    import kopf
+
+    from kvgate.operator.children import LABEL_MD
+    from kvgate.operator.handlers import Operator
+
+    op = Operator(OperatorConfig(namespaces=(NS,)))
+    await op._connect(kopf.ConnectionInfo(server=cluster.url))
+    try:
+        chat = md(
+            "chat", "6f1c2a9e-0000-4000-8000-0000000000c3", "qwen-chat", [{"name": "sql", "source": "/a/sql"}]
+        )
+        await cluster.client.create(MODEL_DEPLOYMENTS, NS, chat)
+        await op.reconciler.reconcile_model_deployment(cluster.objects(MODEL_DEPLOYMENTS)["chat"])
+        assert header_values(cluster.objects(HTTP_ROUTES)["chat"]) == ["qwen-chat", "sql"]
+        (child_changed,) = {
+            h.fn for h in op.registry._watching.get_all_handlers() if h.id == "child-deployments"
+        }
+        event = {"type": "MODIFIED", "object": cluster.objects(DEPLOYMENTS)["chat"]}
+        assert event["object"]["metadata"]["labels"][LABEL_MD] == "chat"
+
+        lock = op._lock("md", NS, "chat")
+        await lock.acquire()  # a pass for chat is running
+        pending = asyncio.create_task(child_changed(event=event))
+        await asyncio.sleep(0.3)  # the child's event arrives and waits for that pass
+        adapters = [{"name": "sql", "source": "/a/sql"}, {"name": "legal", "source": "/a/legal"}]
+        await cluster.client.patch(MODEL_DEPLOYMENTS, NS, "chat", {"spec": {"adapters": adapters}})
+        # The running pass is the edit's: it applies the new spec, then lets the child's pass run.
+        await op.reconciler.reconcile_model_deployment(cluster.objects(MODEL_DEPLOYMENTS)["chat"])
+        assert header_values(cluster.objects(HTTP_ROUTES)["chat"]) == ["qwen-chat", "sql", "legal"]
+        lock.release()
+        await asyncio.wait_for(pending, 10)
+        assert header_values(cluster.objects(HTTP_ROUTES)["chat"]) == ["qwen-chat", "sql", "legal"]
+        status = cluster.objects(MODEL_DEPLOYMENTS)["chat"]["status"]
+        assert (
+            status["observedGeneration"]
+            == cluster.objects(MODEL_DEPLOYMENTS)["chat"]["metadata"]["generation"]
+        )
+    finally:
+        await op.close()
