@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import takewhile
 
 from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -35,21 +36,19 @@ def chain_key(parent: int, tokens: Sequence[int]) -> int:
 
 def block_keys(token_ids: Sequence[int], block_size: int, lora_id: int | None = None) -> list[int]:
     """Keys of every *full* block of a prompt, each chained from the one before it."""
-    keys: list[int] = []
-    append = keys.append
     parent = root_key(lora_id)
-    full = len(token_ids) - len(token_ids) % block_size
-    # chain_key inlined: this loop runs ~450 times per 7k-token pick, and the call was half its cost
-    for start in range(0, full, block_size):
-        parent = hash((parent, *token_ids[start : start + block_size]))
-        append(parent)
-    return keys
+    # chain_key inlined, blocks cut by zip over one iterator (a partial last block is dropped):
+    # this runs once per pick over ~450 blocks of a 7k-token prompt, and slicing and a call per
+    # block were most of its cost. The keys are chain_key's, block for block.
+    tokens = iter(token_ids)
+    return [parent := hash((parent, *block)) for block in zip(*[tokens] * block_size, strict=False)]
 
 
-def common_prefix_blocks(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading block keys two prompts share. Keys are chained, so equal keys at a
-    position mean equal prompts up to it: a binary search finds the end in O(log n)."""
-    lo, hi = 0, min(len(a), len(b))
+def common_prefix_blocks(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
+    """How many leading block keys two prompts share (``known``: at least that many, already
+    established). Keys are chained, so equal keys at a position mean equal prompts up to it:
+    a binary search finds the end in O(log n)."""
+    lo, hi = known, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[mid - 1] == b[mid - 1]:
@@ -159,7 +158,11 @@ class PreciseIndex:
 
     def prefix_blocks(self, keys: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
         """Per endpoint: how many of ``keys``, counted from the first, it holds consecutively."""
-        return _longest_prefix(keys, endpoints, self._holders.get)
+        return _longest_prefix(keys, endpoints, self._holders.get, self._keys_of)
+
+    def _keys_of(self, endpoint: str) -> Container[int]:
+        blocks = self._endpoints.get(endpoint)
+        return blocks.key_refs if blocks else ()
 
 
 class ApproximateIndex:
@@ -241,21 +244,34 @@ class RecentPicks:
             if not group:
                 del self._groups[first]
 
-    def prefix_blocks(self, keys: Sequence[int], endpoints: Iterable[str], now: float) -> dict[str, int]:
-        """Per endpoint: the most leading blocks of ``keys`` a pick within the window sent there."""
+    def prefix_blocks(
+        self, keys: Sequence[int], endpoints: Iterable[str], now: float, floor: dict[str, int] | None = None
+    ) -> dict[str, int]:
+        """Per endpoint: the most leading blocks of ``keys`` a pick within the window sent
+        there, or its ``floor`` (what is known cached there already) when that is more."""
         self._expire(now)
         result = dict.fromkeys(endpoints, 0)
+        if floor:
+            for endpoint in result:
+                result[endpoint] = floor.get(endpoint, 0)
         if not keys:
             return result
         group = self._groups.get(keys[0])
         if not group:
             return result
         since = now - self.window_seconds
-        for endpoint in result:
-            best = 0
+        n = len(keys)
+        for endpoint, best in result.items():
             for pick in group.get(endpoint, ()):
-                if pick.when >= since:
-                    best = max(best, common_prefix_blocks(keys, pick.keys))
+                # Chained keys: a pick beats `best` only if it also has key number `best` (one
+                # comparison; most picks share just the prompt's common opening with this one).
+                if (
+                    pick.when >= since
+                    and best < n
+                    and best < len(pick.keys)
+                    and pick.keys[best] == keys[best]
+                ):
+                    best = common_prefix_blocks(keys, pick.keys, best + 1)
             result[endpoint] = best
         return result
 
@@ -265,21 +281,36 @@ class RecentPicks:
 
 
 def _longest_prefix(
-    keys: Sequence[int], endpoints: Iterable[str], lookup: Callable[[int], Collection[str] | None]
+    keys: Sequence[int],
+    endpoints: Iterable[str],
+    lookup: Callable[[int], Collection[str] | None],
+    keys_of: Callable[[str], Container[int]] | None = None,
 ) -> dict[str, int]:
+    """``lookup``: a key's holders; ``keys_of`` (optional): one endpoint's keys, for the walk
+    once a single holder is left (a membership test per block, run in C)."""
     alive = set(endpoints)
     result = dict.fromkeys(alive, 0)
     depth = 0
-    for key in keys:
+    remaining = iter(keys)
+    for key in remaining:
         holders = lookup(key)
         if not holders:
             break
         if len(alive) == 1:
             # The common case deep into a prompt: one holder left, a membership test per block.
             (only,) = alive
-            if only in holders:
-                depth += 1
-                continue
+            if only not in holders:
+                result[only] = depth
+                return result
+            depth += 1
+            if keys_of is not None:
+                depth += len(list(takewhile(keys_of(only).__contains__, remaining)))
+            else:
+                for key in remaining:
+                    holders = lookup(key)
+                    if holders is None or only not in holders:
+                        break
+                    depth += 1
             result[only] = depth
             return result
         if alive.issubset(holders):  # no allocation: most blocks of a shared prefix

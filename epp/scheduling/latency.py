@@ -156,12 +156,15 @@ class WorkingSets:
     Counted on a sample: only keys that are 0 modulo `sample` are kept, and counts are scaled
     back up. The keys are hashes, so the sample is uniform and the same for every request (a
     shared prefix's sampled keys are the same keys each time): an unbiased distinct count at
-    1/`sample` of the cost, which keeps the pick cheap on long prompts."""
+    1/`sample` of the cost, which keeps the pick cheap on long prompts. Kept by key (key ->
+    endpoint -> last seen), so how much of one request every endpoint already holds is one
+    pass over the request's sampled keys, not one set intersection per endpoint."""
 
     def __init__(self, window: float, sample: int = 8) -> None:
         self.window = window
         self.sample = sample
-        self._last: dict[str, dict[int, float]] = {}
+        self._where: dict[int, dict[str, float]] = {}
+        self._distinct: dict[str, int] = {}
         self._order: dict[str, deque[tuple[float, int]]] = {}
 
     def sampled(self, keys: list[int]) -> frozenset[int]:
@@ -169,36 +172,71 @@ class WorkingSets:
         return frozenset(k for k in keys if k % n == 0)
 
     def touch(self, address: str, sampled: frozenset[int], now: float) -> None:
-        last = self._last.setdefault(address, {})
+        where = self._where
         order = self._order.setdefault(address, deque())
+        added = 0
         for key in sampled:
-            last[key] = now
+            seen = where.get(key)
+            if seen is None:
+                where[key] = {address: now}
+                added += 1
+            else:
+                if address not in seen:
+                    added += 1
+                seen[address] = now
             order.append((now, key))
+        self._distinct[address] = self._distinct.get(address, 0) + added
         self._expire(address, now)
 
     def _expire(self, address: str, now: float) -> None:
-        last, order = self._last.get(address), self._order.get(address)
-        if last is None or order is None:
+        order = self._order.get(address)
+        if not order:
             return
         cutoff = now - self.window
+        where = self._where
+        gone = 0
         while order and order[0][0] < cutoff:
             when, key = order.popleft()
-            if last.get(key) == when:
-                del last[key]
+            seen = where.get(key)
+            if seen is not None and seen.get(address) == when:
+                del seen[address]
+                gone += 1
+                if not seen:
+                    del where[key]
+        if gone:
+            self._distinct[address] -= gone
 
     def blocks(self, address: str, now: float) -> int:
         """Estimated distinct blocks in the endpoint's working set."""
         self._expire(address, now)
-        return len(self._last.get(address, ())) * self.sample
+        return self._distinct.get(address, 0) * self.sample
 
     def holds(self, address: str, sampled: frozenset[int]) -> int:
         """Estimated blocks of a request (given by its sampled keys) already in the set."""
-        last = self._last.get(address)
-        return len(sampled & last.keys()) * self.sample if last else 0
+        return self.holds_all(sampled).get(address, 0)
+
+    def holds_all(self, sampled: frozenset[int]) -> dict[str, int]:
+        """Per endpoint (those holding any): estimated blocks of the request already in its set.
+        Expiry is per endpoint: call `blocks` for an endpoint first, as a pick does."""
+        counts: dict[str, int] = {}
+        where = self._where
+        for key in sampled:
+            seen = where.get(key)
+            if seen:
+                for address in seen:
+                    counts[address] = counts.get(address, 0) + 1
+        n = self.sample
+        return {address: c * n for address, c in counts.items()}
 
     def forget(self, address: str) -> None:
-        self._last.pop(address, None)
-        self._order.pop(address, None)
+        where = self._where
+        for _, key in self._order.pop(address, ()):
+            seen = where.get(key)
+            if seen is not None:
+                seen.pop(address, None)
+                if not seen:
+                    del where[key]
+        self._distinct.pop(address, None)
 
 
 @dataclass
@@ -244,11 +282,17 @@ class PredictedLatencyScorer:
         uncached = ctx.cache.setdefault(PREFILL_TOKENS, {})
         out: dict[str, float] = {}
         ttft_only: dict[str, float] = ctx.cache.setdefault(f"{self.name}:ttft-only", {})
-        keyset: frozenset[int] | None = None
+        held_by: dict[str, int] | None = None  # request blocks each endpoint's working set has
         n_blocks = len(self.prefix.block_keys_for(ctx))
         # Fold in every new scrape first: the pool's estimate must be the same for every
         # candidate of one pick (updated mid-loop, it ranked candidates on different scales).
         speeds = {e.address: self.model.observe(e) for e in endpoints}
+        # every candidate's working set expired (blocks()) before any is read by holds_all()
+        working_set_blocks = (
+            {e.address: self.working_sets.blocks(e.address, ctx.now) for e in endpoints}
+            if self.eviction_penalty
+            else {}
+        )
         for e in endpoints:
             mine = n - int(fractions[e.address] * full)
             uncached[e.address] = mine
@@ -271,11 +315,11 @@ class PredictedLatencyScorer:
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
                 # capacity, each one pushes out a block a recent request will want again.
-                if keyset is None:
-                    keyset = self._sampled_keys(ctx)
-                held = self.working_sets.blocks(e.address, ctx.now)
+                held = working_set_blocks[e.address]
                 if held + n_blocks > m.kv_blocks_total:  # else nothing can overflow
-                    new = max(0, n_blocks - self.working_sets.holds(e.address, keyset))
+                    if held_by is None:
+                        held_by = self.working_sets.holds_all(self._sampled_keys(ctx))
+                    new = max(0, n_blocks - held_by.get(e.address, 0))
                     overflow = held + new - m.kv_blocks_total
                     extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
             ttft_only[e.address] = ttft

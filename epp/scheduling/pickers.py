@@ -46,6 +46,14 @@ class MaxScorePicker:
     ) -> list[EndpointState]:
         if not endpoints:
             return []
+        if self.max_num_of_endpoints == 1:
+            # The usual case: the tie-break hash (a blake2b per endpoint) only among the best.
+            best = max(scores)
+            tied = [i for i, s in enumerate(scores) if s == best]
+            if len(tied) > 1:
+                rank = tie_breaker(ctx)
+                tied.sort(key=lambda i: rank(endpoints[i].address))
+            return [endpoints[tied[0]]]
         rank = tie_breaker(ctx)
         order = sorted(range(len(endpoints)), key=lambda i: (-scores[i], rank(endpoints[i].address)))
         return [endpoints[i] for i in order[: self.max_num_of_endpoints]]

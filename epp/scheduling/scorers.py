@@ -191,15 +191,18 @@ class PrecisePrefixCacheScorer:
             else:
                 blind.append(e.address)
         fractions: dict[str, float] = {}
+        default_sized: dict[str, int] = {}  # blocks held, for endpoints with the default size
         for size, live in by_size.items():
             sized = self._keys(ctx, size)
             hits = index.prefix_blocks(sized, live) if sized else dict.fromkeys(live, 0)
             fractions.update((a, n / len(sized) if sized else 0.0) for a, n in hits.items())
+            if size == self.block_size:
+                default_sized = hits
         if by_size and self.recent_window_seconds > 0:
             # Our own recent picks (recorded in the default block size) bridge the gap before
-            # the engine's BlockStored arrives.
+            # the engine's BlockStored arrives; what the index shows is their floor.
             live = [a for group in by_size.values() for a in group]
-            recent = self.recent.prefix_blocks(keys, live, ctx.now)
+            recent = self.recent.prefix_blocks(keys, live, ctx.now, default_sized)
             for address, n in recent.items():
                 fractions[address] = max(fractions[address], n / len(keys))
         if blind:
@@ -213,7 +216,10 @@ class PrecisePrefixCacheScorer:
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
         keys = self._keys(ctx)
-        self.fallback.record(keys, target.address, ctx.now)
+        if not target.kv_events_live:
+            # Only an endpoint without KV events is scored from the fallback; recording every
+            # pick's ~450 keys into the LRU anyway was a sixth of a long prompt's pick.
+            self.fallback.record(keys, target.address, ctx.now)
         if self.recent_window_seconds > 0:
             self.recent.record(keys, target.address, ctx.now)
 
