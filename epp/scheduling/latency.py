@@ -153,10 +153,10 @@ class WorkingSets:
     sent there within the last `window` seconds hold — what its cache must keep to serve them
     from cache.
 
-    Counted on a sample: only keys that are 0 modulo `sample` are kept, and counts are scaled
-    back up. The keys are hashes, so the sample is uniform and the same for every request (a
-    shared prefix's sampled keys are the same keys each time): an unbiased distinct count at
-    1/`sample` of the cost, which keeps the pick cheap on long prompts. Kept by key (key ->
+    Counted on a sample: only every `sample`-th block of a prompt (positions 0, n, 2n, ...) is
+    kept, and counts are scaled back up. Keys are chained from the prompt's start, so prompts
+    that share a prefix share its sampled keys too: a distinct count at 1/`sample` of the
+    cost, which keeps the pick cheap on long prompts. Kept by key (key ->
     endpoint -> last seen), so how much of one request every endpoint already holds is one
     pass over the request's sampled keys, not one set intersection per endpoint."""
 
@@ -168,8 +168,7 @@ class WorkingSets:
         self._order: dict[str, deque[tuple[float, int]]] = {}
 
     def sampled(self, keys: list[int]) -> frozenset[int]:
-        n = self.sample
-        return frozenset(k for k in keys if k % n == 0)
+        return frozenset(keys[:: self.sample])
 
     def touch(self, address: str, sampled: frozenset[int], now: float) -> None:
         where = self._where
