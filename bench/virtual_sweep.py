@@ -29,7 +29,16 @@ from kvgate.bench.presets import PRESETS
 from kvgate.bench.virtual_pool import PoolSpec, simulate
 from kvgate.engine.config import SimulationConfig
 
-METRICS = ("ttft_p50", "ttft_p90", "output_tok_s", "prefix_hit", "lora_loads", "pick_ms_p50", "pick_ms_p99")
+METRICS = (
+    "ttft_p50",
+    "ttft_p90",
+    "output_tok_s",
+    "prefix_hit",
+    "lora_loads",
+    "pick_ms_p50",
+    "pick_ms_p99",
+    "agreement",
+)
 
 
 def bench_args(preset: str, seed: int) -> argparse.Namespace:
@@ -64,6 +73,12 @@ def main() -> None:
         action="store_true",
         help="engines do not announce admissions: each EPP replica sees only its own picks",
     )
+    ap.add_argument(
+        "--agreement",
+        action="store_true",
+        help="with --epp-replicas 2 or more: per request, ask the other replicas which engine they "
+        "would pick at that instant (without acting on it) and print how often all agree",
+    )
     args = ap.parse_args()
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -83,6 +98,7 @@ def main() -> None:
         ),
         epp_replicas=args.epp_replicas,
         announce_admissions=not args.no_admissions,
+        measure_agreement=args.agreement and args.epp_replicas > 1,
         adapters=tuple(workload_spec(first).lora.names()) if first.workload == "lora" else (),
         max_loras=first.max_loras,
     )
@@ -108,7 +124,8 @@ def main() -> None:
                 f"{rate:5g}  {name:18}  {avg['ttft_p50']:8.2f}  {avg['ttft_p90']:8.2f}  "
                 f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%  {avg['lora_loads']:6.1f}"
                 f"  {avg['pick_ms_p50']:7.3f}/{avg['pick_ms_p99']:<7.3f}"
-                f"   ({time.monotonic() - t0:.0f} s)",
+                + (f"  agree {avg['agreement'] * 100:5.1f}%" if pool.measure_agreement else "")
+                + f"   ({time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
     print(f"\n{candidate} as a multiple of each other strategy at the same rate")

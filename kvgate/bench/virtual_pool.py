@@ -37,6 +37,7 @@ from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
+from kvgate.epp.scheduling.framework import SchedulingContext
 
 MODEL = "sim"
 START = 1.0  # virtual time of the first scrape (0.0 means "never scraped" to the datastore)
@@ -67,6 +68,10 @@ class PoolSpec:
     # this long after the pick; False models engines that do not (other routers, old engines).
     announce_admissions: bool = True
     admission_delay: float = 0.002
+    # With several replicas, ask every other replica for its choice too (see RunResult.agreed).
+    # Harmless to the prefix, latency and load plugins, but it advances a round-robin or
+    # random picker, so it is off unless asked for.
+    measure_agreement: bool = False
     # LoRA: every engine registers these adapters (the bench's --lora-modules) on `max_loras`
     # slots; putting one into a slot costs `sim.lora_load_time`. Empty: LoRA off.
     adapters: tuple[str, ...] = ()
@@ -102,6 +107,9 @@ class RunResult:
     pick_seconds: list[float]
     preemptions: int = 0
     lora_loads: int = 0  # adapters put into a slot, all engines (warm-up included)
+    # With several EPP replicas: per request, whether every other replica would have picked
+    # the engine its own replica picked (asked at the same instant, without acting on it)
+    agreed: list[bool] = field(default_factory=list)
 
     def done(self) -> list[RequestRecord]:
         return [r for r in self.records if r.finished is not None]
@@ -134,6 +142,7 @@ class RunResult:
             "pick_ms_p99": 1000 * _quantile(self.pick_seconds, 0.99),
             "preemptions": self.preemptions,
             "lora_loads": self.lora_loads,
+            "agreement": sum(self.agreed) / len(self.agreed) if self.agreed else float("nan"),
         }
 
 
@@ -202,6 +211,7 @@ class VirtualPool:
         self._seq = itertools.count()
         self.records: dict[str, RequestRecord] = {}
         self.pick_seconds: list[float] = []
+        self.agreed: dict[int, bool] = {}  # request index -> every replica would pick alike
         self._scrape_all()
 
     def _clock(self) -> float:
@@ -245,11 +255,18 @@ class VirtualPool:
             _token_ids=tokens,
             _prompt_text=text,
         )
+        others = (
+            [self._would_pick(d, request) for _, d in self.replicas if d is not director]
+            if self.pool.measure_agreement
+            else []
+        )
         decision = director.pick(request)
         self.pick_seconds.append(decision.scheduler_seconds)
         if not decision.routed:
             raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
         address = decision.targets[0]
+        if others:
+            self.agreed[req.index] = all(o == address for o in others)
         self.records[request.request_id] = RequestRecord(
             req.index, req.group, address, self.now, len(tokens), req.max_tokens, adapter=req.model
         )
@@ -270,6 +287,23 @@ class VirtualPool:
         if not eng.busy:
             eng.busy = True
             self._at(self.now, "step", address)
+
+    def _would_pick(self, director: Director, request: InferenceRequest) -> str | None:
+        """The endpoint another replica would pick for this request now, asked without acting
+        on it (no pick recorded there: the replica whose pick it is records it, as in
+        production, where each request meets one replica). Side-effect free for the prefix,
+        latency and load plugins: they only expire their own old entries when asked."""
+        probe = InferenceRequest(
+            request_id=request.request_id,
+            model=request.model,
+            target_model=request.target_model,
+            body=request.body,
+            _token_ids=request.token_ids,
+            _prompt_text=request.prompt_text,
+        )
+        candidates = director.candidates(probe)
+        result = director.profile.run(SchedulingContext(probe, director.datastore, self.now), candidates)
+        return result.targets[0].address if result.targets else None
 
     def _step(self, address: str) -> None:
         eng = self.engines[address]
@@ -333,8 +367,9 @@ class VirtualPool:
         stats = [e.engine.get_stats() for e in self.engines.values()]
         preempted = sum(s.num_preemptions_total for s in stats)
         loads = sum(s.lora_loads_total for s in stats)
+        agreed = [self.agreed[r.index] for r in records if r.index in self.agreed]
         return RunResult(
-            self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted, loads
+            self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted, loads, agreed
         )
 
 
@@ -380,4 +415,5 @@ def simulate(
         result.pick_seconds[warmup:],
         result.preemptions,
         result.lora_loads,
+        [vp.agreed[r.index] for r in counted if r.index in vp.agreed],
     )

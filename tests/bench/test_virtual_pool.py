@@ -40,6 +40,18 @@ def test_every_strategy_runs_with_two_epp_replicas() -> None:
         assert len({r.endpoint for r in result.done()}) > 1, strategy
 
 
+def test_asking_the_other_replica_changes_no_pick_and_measures_agreement() -> None:
+    pool = PoolSpec(**{**SMALL.__dict__, "epp_replicas": 2})
+    asked = PoolSpec(**{**pool.__dict__, "measure_agreement": True})
+    plain = simulate("precise-prefix", SHARED, rate=8.0, count=60, warmup=8, pool=pool)
+    probed = simulate("precise-prefix", SHARED, rate=8.0, count=60, warmup=8, pool=asked)
+    # the question is side-effect free: every request goes where it went without it
+    assert [(r.index, r.endpoint) for r in plain.records] == [(r.index, r.endpoint) for r in probed.records]
+    assert not plain.agreed and len(probed.agreed) == 60
+    # KV events and admission announcements are shared: precise-prefix replicas agree
+    assert probed.summary()["agreement"] >= 0.95
+
+
 def test_multi_turn_sends_a_turn_only_after_the_previous_one_answered() -> None:
     spec = WorkloadSpec(
         kind="multi-turn",
