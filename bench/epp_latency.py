@@ -29,6 +29,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 N_ENDPOINTS = 16
@@ -56,29 +57,32 @@ def pct(values: list[float], q: float) -> float:
 
 
 # -- in-process picks ----------------------------------------------------------------------------
+def busy_datastore(rng: random.Random, extra: Callable[[random.Random], dict] | None = None):
+    """N_ENDPOINTS endpoints with random queues and KV use (plus `extra` metrics), scraped
+    fresh for the next hour, publishing KV events."""
+    from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+
+    ds = Datastore()
+    ds.set_endpoints([Endpoint(f"10.0.0.{i}:8000") for i in range(N_ENDPOINTS)])
+    now = time.monotonic()
+    for st in ds.all():
+        metrics = {"waiting": rng.randint(0, 4), "running": rng.randint(0, 16), "kv_usage": rng.random()}
+        ds.update_metrics(
+            st.address, EndpointMetrics(**metrics, **(extra(rng) if extra else {}), updated_at=now + 3600)
+        )
+        st.kv_events_live = True
+    return ds
+
+
 def build_director(profile: str):
     from kvgate.api.contracts.kv_events import BlockStored
-    from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
     from kvgate.epp.director import Director
     from kvgate.epp.request import InferenceRequest
     from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
     from kvgate.epp.tokenization import load as load_tokenizer
 
     tok = load_tokenizer("default")
-    ds = Datastore()
-    ds.set_endpoints([Endpoint(f"10.0.0.{i}:8000") for i in range(N_ENDPOINTS)])
-    rng = random.Random(0)
-    for st in ds.all():
-        ds.update_metrics(
-            st.address,
-            EndpointMetrics(
-                waiting=rng.randint(0, 4),
-                running=rng.randint(0, 16),
-                kv_usage=rng.random(),
-                updated_at=time.monotonic() + 3600,
-            ),
-        )
-        st.kv_events_live = True
+    ds = busy_datastore(random.Random(0))
     # every system prompt cached on two endpoints, as KV events would report it
     for i, _ in enumerate(SYSTEM_PROMPTS):
         req = InferenceRequest("x", "default", "default", chat_body(i), tokenizer=tok)
@@ -124,28 +128,18 @@ def build_long_prompt_director(profile: str, rng: random.Random):
     tokens, four held by each engine (its KV events), engines of 1,800 KV blocks, some queued
     prefill. Returns the director and the prefixes."""
     from kvgate.api.contracts.kv_events import BlockStored
-    from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
     from kvgate.epp.director import Director
     from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
 
-    ds = Datastore()
-    ds.set_endpoints([Endpoint(f"10.0.0.{i}:8000") for i in range(N_ENDPOINTS)])
-    now = time.monotonic()
-    for st in ds.all():
-        ds.update_metrics(
-            st.address,
-            EndpointMetrics(
-                waiting=rng.randint(0, 4),
-                running=rng.randint(0, 16),
-                kv_usage=rng.random(),
-                kv_blocks_total=1800,
-                prefill_tokens_pending=rng.randint(0, 8000),
-                prompt_tokens_total=1e6,
-                prefix_hits_total=5e5,
-                updated_at=now + 3600,
-            ),
-        )
-        st.kv_events_live = True
+    ds = busy_datastore(
+        rng,
+        lambda r: {
+            "kv_blocks_total": 1800,
+            "prefill_tokens_pending": r.randint(0, 8000),
+            "prompt_tokens_total": 1e6,
+            "prefix_hits_total": 5e5,
+        },
+    )
     prefixes = [[rng.randrange(50_000) for _ in range(6000)] for _ in range(64)]
     first_hash = 1
     for group, prefix in enumerate(prefixes):

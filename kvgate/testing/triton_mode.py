@@ -35,6 +35,20 @@ def configure() -> bool:
     return False
 
 
+def configure_test_module() -> bool:
+    """A kernel test module's preamble: configure(), then skip the whole module where its mode
+    cannot run (compiled without a CUDA GPU; Triton or numpy missing). Returns `compiled()`."""
+    import pytest
+    import torch
+
+    mode_compiled = configure()
+    if mode_compiled and not torch.cuda.is_available():
+        pytest.skip(f"{ENV}=cuda needs a CUDA GPU", allow_module_level=True)
+    pytest.importorskip("triton")
+    pytest.importorskip("numpy")
+    return mode_compiled
+
+
 def is_interpreted(kernel: object) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 

@@ -25,12 +25,7 @@ from kvgate.engine.layers.rotary import RotaryEmbedding, apply_rotary_torch
 from kvgate.engine.models.config import RopeScaling
 from kvgate.testing import triton_mode
 
-COMPILED = triton_mode.configure()
-if COMPILED and not torch.cuda.is_available():
-    pytest.skip(f"{triton_mode.ENV}=cuda needs a CUDA GPU", allow_module_level=True)
-
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+COMPILED = triton_mode.configure_test_module()
 
 pytestmark = pytest.mark.triton
 

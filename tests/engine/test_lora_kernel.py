@@ -12,12 +12,7 @@ import torch
 
 from kvgate.testing import triton_mode
 
-COMPILED = triton_mode.configure()
-if COMPILED and not torch.cuda.is_available():
-    pytest.skip(f"{triton_mode.ENV}=cuda needs a CUDA GPU", allow_module_level=True)
-
-pytest.importorskip("triton")
-pytest.importorskip("numpy")
+COMPILED = triton_mode.configure_test_module()
 
 pytestmark = pytest.mark.triton
 
