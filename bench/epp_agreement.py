@@ -11,8 +11,8 @@ the owner's choice is followed, and the owner's response headers go to the engin
 sends them (x-kvgate-picked-by: the engine then announces the admission to the other replica,
 as in production). A question leaves the asked replica a pick that is never sent (queued work it
 believes in until the engine's next scrape, on top of the announced real one), which biases it
-against that engine; so only every `--probe-every`th request (default 4) is asked of both, and
-agreement is the share of those.
+against that engine; so only every `--probe-every`th pair of requests (default 4; a pair is one
+request owned by each replica) is asked of both, and agreement is the share of those.
 
 The workload: groups of requests sharing a long system prompt (the precise-prefix index
 decides), a unique question each, short outputs, KV pools small enough that prefixes are
@@ -112,7 +112,8 @@ async def run(args: argparse.Namespace) -> dict:
                 next_i += 1
                 owner = i % 2
                 rid = f"agree-{i}"
-                if i % args.probe_every == 0:
+                # pairs of requests (one owned by each replica), so both are asked alike
+                if (i // 2) % args.probe_every == 0:
                     (chosen, headers), (other, _) = await asyncio.gather(
                         pick(stubs[owner], bodies[i], rid), pick(stubs[1 - owner], bodies[i], rid)
                     )
@@ -137,7 +138,7 @@ async def run(args: argparse.Namespace) -> dict:
     finally:
         harness.stop_all(*procs)
     warm = args.warmup
-    probed = range(0, args.requests, args.probe_every)
+    probed = [i for i in range(args.requests) if (i // 2) % args.probe_every == 0]
     after = [i for i in probed if i >= warm]
     result = {
         "requests": args.requests,
@@ -149,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict:
     }
     print(
         f"2 EPP replicas, {args.engines} engines, {args.requests} requests ({args.groups} prefixes, "
-        f"{args.concurrency} concurrent, {sum(served)} served, every {args.probe_every} asked of both): "
+        f"{args.concurrency} concurrent, {sum(served)} served, every {args.probe_every}th pair asked of both): "
         f"same pick {result['agreement_all']:.1%} of those asked, {result['agreement_after_warmup']:.1%} "
         f"after the first {warm} requests"
     )
@@ -163,7 +164,7 @@ def main() -> None:
         "--probe-every",
         type=int,
         default=4,
-        help="ask the other replica too for every Nth request only: each question leaves a pick "
+        help="ask the other replica too for every Nth pair of requests only: each question leaves a pick "
         "there that is never sent (load it believes in until its next scrape), so asking it of "
         "every request biases the other replica against the engines it is asked about",
     )

@@ -77,7 +77,8 @@ def main() -> None:
         "--agreement",
         action="store_true",
         help="with --epp-replicas 2 or more: per request, ask the other replicas which engine they "
-        "would pick at that instant (without acting on it) and print how often all agree",
+        "would pick at that instant (without acting on it) and print how often all agree; asking "
+        "advances a round-robin or random picker, so those strategies route differently with it",
     )
     args = ap.parse_args()
 

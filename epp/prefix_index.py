@@ -36,6 +36,8 @@ def chain_key(parent: int, tokens: Sequence[int]) -> int:
 
 def block_keys(token_ids: Sequence[int], block_size: int, lora_id: int | None = None) -> list[int]:
     """Keys of every *full* block of a prompt, each chained from the one before it."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, not {block_size}")
     parent = root_key(lora_id)
     # chain_key inlined, blocks cut by zip over one iterator (a partial last block is dropped):
     # this runs once per pick over ~450 blocks of a 7k-token prompt, and slicing and a call per

@@ -153,10 +153,12 @@ class WorkingSets:
     sent there within the last `window` seconds hold — what its cache must keep to serve them
     from cache.
 
-    Counted on a sample: only every `sample`-th block of a prompt (positions 0, n, 2n, ...) is
+    Counted on a sample: only every `sample`-th block of a prompt (positions n-1, 2n-1, ...) is
     kept, and counts are scaled back up. Keys are chained from the prompt's start, so prompts
-    that share a prefix share its sampled keys too: a distinct count at 1/`sample` of the
-    cost, which keeps the pick cheap on long prompts. Kept by key (key ->
+    that share a prefix share its sampled keys too, and a sampled key stands for itself and
+    the n-1 blocks before it: a distinct count at 1/`sample` of the cost that never exceeds
+    the true one (a prompt's last < n blocks go uncounted), which keeps the pick cheap on long
+    prompts. Kept by key (key ->
     endpoint -> last seen), so how much of one request every endpoint already holds is one
     pass over the request's sampled keys, not one set intersection per endpoint."""
 
@@ -168,7 +170,8 @@ class WorkingSets:
         self._order: dict[str, deque[tuple[float, int]]] = {}
 
     def sampled(self, keys: list[int]) -> frozenset[int]:
-        return frozenset(keys[:: self.sample])
+        n = self.sample
+        return frozenset(keys[n - 1 :: n])
 
     def touch(self, address: str, sampled: frozenset[int], now: float) -> None:
         where = self._where

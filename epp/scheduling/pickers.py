@@ -50,10 +50,11 @@ class MaxScorePicker:
             # The usual case: the tie-break hash (a blake2b per endpoint) only among the best.
             best = max(scores)
             tied = [i for i, s in enumerate(scores) if s == best]
-            if len(tied) > 1:
+            if len(tied) == 1:
+                return [endpoints[tied[0]]]
+            if tied:  # else NaN scores (nothing equals them): the full ranking below decides
                 rank = tie_breaker(ctx)
-                tied.sort(key=lambda i: rank(endpoints[i].address))
-            return [endpoints[tied[0]]]
+                return [endpoints[min(tied, key=lambda i: rank(endpoints[i].address))]]
         rank = tie_breaker(ctx)
         order = sorted(range(len(endpoints)), key=lambda i: (-scores[i], rank(endpoints[i].address)))
         return [endpoints[i] for i in order[: self.max_num_of_endpoints]]

@@ -17,6 +17,7 @@ announcements `admission_delay` after they are made. What is not: network and pr
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import heapq
 import itertools
@@ -38,6 +39,7 @@ from kvgate.epp.director import Director
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.latency import PredictedLatencyScorer
 
 MODEL = "sim"
 START = 1.0  # virtual time of the first scrape (0.0 means "never scraped" to the datastore)
@@ -291,8 +293,14 @@ class VirtualPool:
     def _would_pick(self, director: Director, request: InferenceRequest) -> str | None:
         """The endpoint another replica would pick for this request now, asked without acting
         on it (no pick recorded there: the replica whose pick it is records it, as in
-        production, where each request meets one replica). Side-effect free for the prefix,
-        latency and load plugins: they only expire their own old entries when asked."""
+        production, where each request meets one replica). The prefix and load plugins only
+        expire their own old entries when asked; a latency model folds in the scrapes it is
+        shown, and more of them teach it otherwise, so its state is put back afterwards."""
+        models = [
+            (plugin, copy.deepcopy(plugin.model))
+            for plugin in director.profile.plugins()
+            if isinstance(plugin, PredictedLatencyScorer)
+        ]
         probe = InferenceRequest(
             request_id=request.request_id,
             model=request.model,
@@ -303,6 +311,8 @@ class VirtualPool:
         )
         candidates = director.candidates(probe)
         result = director.profile.run(SchedulingContext(probe, director.datastore, self.now), candidates)
+        for plugin, model in models:
+            plugin.model = model
         return result.targets[0].address if result.targets else None
 
     def _step(self, address: str) -> None:

@@ -146,3 +146,30 @@ def test_the_fallback_index_records_only_endpoints_without_kv_events() -> None:
         live.address: 0,
         blind.address: len(keys),
     }
+
+
+def test_the_picker_still_picks_when_a_score_is_nan() -> None:
+    store = Datastore()
+    store.set_endpoints([Endpoint("10.0.0.1:8000"), Endpoint("10.0.0.2:8000")])
+    endpoints = store.all()
+    assert MaxScorePicker().pick(_ctx("p"), endpoints, [float("nan"), 0.5])
+
+
+def test_block_keys_refuse_a_block_size_that_is_not_positive() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="block size"):
+        block_keys([1, 2, 3], 0)
+
+
+def test_the_working_set_sample_never_counts_more_blocks_than_there_are() -> None:
+    rng = random.Random(6)
+    ws = WorkingSets(window=100.0, sample=8)
+    distinct: set[int] = set()
+    for i in range(200):
+        tokens = [rng.randrange(50) for _ in range(rng.randrange(0, 200))]
+        keys = block_keys(tokens, BS)
+        distinct.update(keys)
+        ws.touch("a", ws.sampled(keys), float(i))
+        assert ws.blocks("a", float(i)) <= len(distinct)
+        assert ws.holds("a", ws.sampled(keys)) <= len(keys)
