@@ -213,10 +213,6 @@ class WorkingSets:
         self._expire(address, now)
         return self._distinct.get(address, 0) * self.sample
 
-    def holds(self, address: str, sampled: frozenset[int]) -> int:
-        """Estimated blocks of a request (given by its sampled keys) already in the set."""
-        return self.holds_all(sampled).get(address, 0)
-
     def holds_all(self, sampled: frozenset[int]) -> dict[str, int]:
         """Per endpoint (those holding any): estimated blocks of the request already in its set.
         Expiry is per endpoint: call `blocks` for an endpoint first, as a pick does."""
@@ -291,7 +287,11 @@ class PredictedLatencyScorer:
         speeds = {e.address: self.model.observe(e) for e in endpoints}
         # every candidate's working set expired (blocks()) before any is read by holds_all()
         working_set_blocks = (
-            {e.address: self.working_sets.blocks(e.address, ctx.now) for e in endpoints}
+            {
+                e.address: self.working_sets.blocks(e.address, ctx.now)
+                for e in endpoints
+                if e.metrics.kv_blocks_total
+            }
             if self.eviction_penalty
             else {}
         )

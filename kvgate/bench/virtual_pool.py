@@ -301,16 +301,9 @@ class VirtualPool:
             for plugin in director.profile.plugins()
             if isinstance(plugin, PredictedLatencyScorer)
         ]
-        probe = InferenceRequest(
-            request_id=request.request_id,
-            model=request.model,
-            target_model=request.target_model,
-            body=request.body,
-            _token_ids=request.token_ids,
-            _prompt_text=request.prompt_text,
-        )
-        candidates = director.candidates(probe)
-        result = director.profile.run(SchedulingContext(probe, director.datastore, self.now), candidates)
+        # the request itself: scheduling only reads it (its tokens and text come filled in)
+        candidates = director.candidates(request)
+        result = director.profile.run(SchedulingContext(request, director.datastore, self.now), candidates)
         for plugin, model in models:
             plugin.model = model
         return result.targets[0].address if result.targets else None

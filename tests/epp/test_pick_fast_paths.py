@@ -109,7 +109,7 @@ def test_working_sets_count_what_a_per_endpoint_set_counts() -> None:
         assert {e: ws.blocks(e, now) for e in "abcd"} == {e: len(alive.get(e, ())) for e in "abcd"}
         counts = ws.holds_all(query)
         assert {e: counts.get(e, 0) for e in "abcd"} == {e: len(query & alive.get(e, set())) for e in "abcd"}
-        assert ws.holds(ep, query) == len(query & alive[ep])
+        assert ws.holds_all(query).get(ep, 0) == len(query & alive[ep])
 
 
 def _ctx(prompt: str) -> SchedulingContext:
@@ -172,4 +172,4 @@ def test_the_working_set_sample_never_counts_more_blocks_than_there_are() -> Non
         distinct.update(keys)
         ws.touch("a", ws.sampled(keys), float(i))
         assert ws.blocks("a", float(i)) <= len(distinct)
-        assert ws.holds("a", ws.sampled(keys)) <= len(keys)
+        assert ws.holds_all(ws.sampled(keys)).get("a", 0) <= len(keys)
