@@ -1,7 +1,7 @@
 """Routing strategies swept over request rates on the virtual-clock pool (seconds, not minutes).
 
     .venv/bin/python bench/virtual_sweep.py [--preset llm-d-shared-prefix] [--strategies a,b,c]
-        [--rates 4,8,16,24] [--seeds 0,1] [--epp-replicas 1]
+        [--rates 4,8,16,24] [--seeds 0,1] [--epp-replicas 1] [--sim-kv-blocks N]
 
 The real EPP (profiles, datastore, precise index) in front of real engine schedulers and KV
 cache managers with the simulated runner's timing, on a virtual clock (kvgate.bench.
@@ -14,6 +14,12 @@ Prints, per rate and strategy, TTFT p50/p90 (s), output tok/s, prefix hit rate a
 pick time (the scheduler alone, ms p50/p99: the cost target is 0.25 ms at 16 endpoints), then the
 candidate (--candidate, default the first strategy) as a multiple of every other strategy at the
 same rate.
+
+`oracle-partition` is a reference, not a router (kvgate.bench.virtual_pool.ORACLE): it deals
+each group of the workload to one engine for the whole run, knowing the groups in advance, so
+its row is what placement alone can reach on this pool. With `--sim-kv-blocks` raised past what
+the groups need (e.g. 8000 on the llm-d preset), it shows what the same pool would serve if KV
+capacity did not bound each engine's batch.
 """
 
 from __future__ import annotations
@@ -69,6 +75,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="0", help="comma-separated; results are averaged over them")
     ap.add_argument("--epp-replicas", type=int, default=1)
     ap.add_argument(
+        "--sim-kv-blocks", type=int, default=None, help="KV blocks per engine (default: the preset's)"
+    )
+    ap.add_argument(
         "--no-admissions",
         action="store_true",
         help="engines do not announce admissions: each EPP replica sees only its own picks",
@@ -90,7 +99,7 @@ def main() -> None:
     rates = [float(r) for r in (args.rates or first.request_rate).split(",")]
     pool = PoolSpec(
         engines=first.engines,
-        kv_blocks=first.sim_kv_blocks,
+        kv_blocks=args.sim_kv_blocks or first.sim_kv_blocks,
         sim=SimulationConfig(
             prefill_time_per_token=first.sim_prefill_time_per_token,
             itl_base=first.sim_itl,
@@ -106,6 +115,7 @@ def main() -> None:
     count, warmup = first.num_requests, first.warmup_requests or 0
     print(
         f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)"
+        + (f"; {pool.kv_blocks} KV blocks per engine (given)" if args.sim_kv_blocks else "")
     )
     results: dict[tuple[float, str], dict[str, float]] = {}
     print(

@@ -42,6 +42,13 @@ from kvgate.epp.scheduling.framework import SchedulingContext
 from kvgate.epp.scheduling.latency import PredictedLatencyScorer
 
 MODEL = "sim"
+# Not a router: a clairvoyant reference that deals each group of the workload (a shared system
+# prompt, a conversation, an adapter) to one engine for the whole run, in order of first
+# appearance, round-robin. Every prefix is computed once, never moved, and the engines hold
+# equally many groups: the placement a prefix-affinity router aims for, known in advance.
+# What it reaches is the ceiling of routing by placement on this pool; what it misses (a
+# prefix evicted by its own engine's traffic, a queue behind a hot group) no placement fixes.
+ORACLE = "oracle-partition"
 START = 1.0  # virtual time of the first scrape (0.0 means "never scraped" to the datastore)
 
 
@@ -196,6 +203,9 @@ class VirtualPool:
             for i in range(pool.engines)
         }
         endpoints = [Endpoint(a, kv_events=f"tcp://{a}") for a in self.engines]
+        self._partition: dict[str, str] | None = {} if strategy == ORACLE else None
+        if self._partition is not None:
+            strategy = "round-robin"  # the replicas still scrape and index; the oracle picks
         self.replicas: list[tuple[Datastore, Director]] = []
         for _ in range(pool.epp_replicas):
             cfg = load_config(None, strategy) if config_yaml is None else _parse(config_yaml)
@@ -259,14 +269,17 @@ class VirtualPool:
         )
         others = (
             [self._would_pick(d, request) for _, d in self.replicas if d is not director]
-            if self.pool.measure_agreement
+            if self.pool.measure_agreement and self._partition is None
             else []
         )
-        decision = director.pick(request)
-        self.pick_seconds.append(decision.scheduler_seconds)
-        if not decision.routed:
-            raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
-        address = decision.targets[0]
+        if self._partition is not None:
+            address = self._oracle_pick(req.group)
+        else:
+            decision = director.pick(request)
+            self.pick_seconds.append(decision.scheduler_seconds)
+            if not decision.routed:
+                raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
+            address = decision.targets[0]
         if others:
             self.agreed[req.index] = all(o == address for o in others)
         self.records[request.request_id] = RequestRecord(
@@ -289,6 +302,14 @@ class VirtualPool:
         if not eng.busy:
             eng.busy = True
             self._at(self.now, "step", address)
+
+    def _oracle_pick(self, group: str) -> str:
+        assert self._partition is not None
+        found = self._partition.get(group)
+        if found is None:
+            addresses = list(self.engines)
+            found = self._partition[group] = addresses[len(self._partition) % len(addresses)]
+        return found
 
     def _would_pick(self, director: Director, request: InferenceRequest) -> str | None:
         """The endpoint another replica would pick for this request now, asked without acting

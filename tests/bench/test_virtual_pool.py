@@ -7,7 +7,7 @@ import argparse
 from collections import Counter
 
 from kvgate.bench.presets import PRESETS, apply_preset
-from kvgate.bench.virtual_pool import PoolSpec, simulate
+from kvgate.bench.virtual_pool import ORACLE, PoolSpec, simulate
 from kvgate.bench.workloads import MultiTurnSpec, SharedPrefixSpec, WorkloadSpec
 from kvgate.engine.config import SimulationConfig
 
@@ -30,6 +30,21 @@ def test_a_run_is_deterministic_and_prefix_routing_beats_round_robin() -> None:
     # 8 groups of 32 blocks over 4 pools of 160: precise routing keeps each group where it is
     assert one.hit_rate > 0.9 > rr.hit_rate
     assert one.ttft(0.9) < rr.ttft(0.9)
+
+
+def test_the_oracle_keeps_each_group_on_one_engine_and_deals_them_evenly() -> None:
+    result = simulate(ORACLE, SHARED, rate=8.0, count=80, warmup=16, pool=SMALL)
+    assert len(result.done()) == 80
+    homes: dict[str, set[str]] = {}
+    for r in result.records:
+        homes.setdefault(r.group, set()).add(r.endpoint)
+    assert all(len(engines) == 1 for engines in homes.values())
+    per_engine = Counter(next(iter(engines)) for engines in homes.values())
+    assert len(per_engine) == SMALL.engines and max(per_engine.values()) - min(per_engine.values()) <= 1
+    # a reference, not a router: it takes no pick time and nothing asks it to agree
+    assert result.pick_seconds == [] and result.agreed == []
+    # 8 groups of 32 blocks, 2 per pool of 160: every group is computed once and then hit
+    assert result.hit_rate > 0.9
 
 
 def test_every_strategy_runs_with_two_epp_replicas() -> None:
