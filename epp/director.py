@@ -86,7 +86,7 @@ class Director:
         for scorer, _ in self.profile.scorers:
             observe = getattr(scorer, "observe_admission", None)
             if observe is not None:
-                found = observe(address, tokens, now, index, admission.lora_id)
+                found = observe(address, tokens, now, index, admission.lora_id, state=state)
                 if uncached is None and isinstance(found, int):
                     uncached = found
         if self.pd is not None:

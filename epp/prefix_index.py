@@ -8,6 +8,7 @@ to find which of our keys a ``BlockRemoved`` refers to.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Container, Iterable, Sequence
@@ -209,11 +210,17 @@ class ApproximateIndex:
 class _RecentPick:
     when: float
     keys: Sequence[int]
+    until: float  # counts as cached there until then
 
 
 class RecentPicks:
-    """This replica's own picks of the last few seconds, to bridge the gap before an engine's
-    ``BlockStored`` arrives: a burst of same-prefix requests must not scatter meanwhile.
+    """This replica's own picks (and those other replicas announce), to bridge the gap before an
+    engine's ``BlockStored`` arrives: a burst of same-prefix requests must not scatter meanwhile.
+
+    A pick counts for ``window_seconds``, or longer when the caller says the engine will only
+    have computed the prompt later (``until``): under pressure a request waits in its engine's
+    queue for many seconds, and a prefix forgotten while its first request waits gets computed
+    a second time elsewhere.
 
     Picks are grouped by their first block key (different first keys share nothing), and only
     the newest ``per_endpoint`` picks of a group per endpoint are kept, so a query costs a few
@@ -224,24 +231,24 @@ class RecentPicks:
         self.window_seconds = window_seconds
         self.per_endpoint = per_endpoint
         self._groups: dict[int, dict[str, deque[_RecentPick]]] = {}
-        self._order: deque[tuple[float, int]] = deque()  # (when, first key), oldest first
+        self._expiry: list[tuple[float, int]] = []  # heap of (until, first key)
 
-    def record(self, keys: Sequence[int], endpoint: str, when: float) -> None:
+    def record(self, keys: Sequence[int], endpoint: str, when: float, until: float | None = None) -> None:
         if not keys:
             return
+        until = max(when + self.window_seconds, until or 0.0)
         picks = self._groups.setdefault(keys[0], {}).setdefault(endpoint, deque(maxlen=self.per_endpoint))
-        picks.append(_RecentPick(when, keys))
-        self._order.append((when, keys[0]))
+        picks.append(_RecentPick(when, keys, until))
+        heapq.heappush(self._expiry, (until, keys[0]))
 
     def _expire(self, now: float) -> None:
-        since = now - self.window_seconds
-        order = self._order
-        while order and order[0][0] < since:
-            _, first = order.popleft()
+        expiry = self._expiry
+        while expiry and expiry[0][0] < now:
+            _, first = heapq.heappop(expiry)
             group = self._groups.get(first)
             if group is None:
                 continue
-            for endpoint in [ep for ep, picks in group.items() if not picks or picks[-1].when < since]:
+            for endpoint in [ep for ep, picks in group.items() if all(p.until < now for p in picks)]:
                 del group[endpoint]
             if not group:
                 del self._groups[first]
@@ -249,8 +256,7 @@ class RecentPicks:
     def prefix_blocks(
         self, keys: Sequence[int], endpoints: Iterable[str], now: float, floor: dict[str, int] | None = None
     ) -> dict[str, int]:
-        """Per endpoint: the most leading blocks of ``keys`` a pick within the window sent
-        there, or its ``floor`` (what is known cached there already) when that is more."""
+        """Per endpoint: the most leading blocks of ``keys`` a pick still counted sent there, or its ``floor`` (what is known cached there already) when that is more."""
         self._expire(now)
         result = dict.fromkeys(endpoints, 0)
         if floor:
@@ -261,18 +267,12 @@ class RecentPicks:
         group = self._groups.get(keys[0])
         if not group:
             return result
-        since = now - self.window_seconds
         n = len(keys)
         for endpoint, best in result.items():
             for pick in group.get(endpoint, ()):
                 # Chained keys: a pick beats `best` only if it also has key number `best` (one
                 # comparison; most picks share just the prompt's common opening with this one).
-                if (
-                    pick.when >= since
-                    and best < n
-                    and best < len(pick.keys)
-                    and pick.keys[best] == keys[best]
-                ):
+                if pick.until >= now and best < n and best < len(pick.keys) and pick.keys[best] == keys[best]:
                     best = common_prefix_blocks(keys, pick.keys, best + 1)
             result[endpoint] = best
         return result

@@ -349,20 +349,47 @@ class PredictedLatencyScorer:
         return ctx.cache[f"{self.name}:ttft-only"][e.address]
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
-        self.prefix.pre_request(ctx, target)
+        # The prompt counts as cached there until the engine has computed it (its predicted
+        # TTFT) and its BlockStored had time to arrive: a request can wait many seconds in a
+        # busy engine's queue, and its prefix must not be placed a second time meanwhile.
+        ttft = ctx.cache.get(f"{self.name}:ttft-only", {}).get(target.address)
+        until = None if ttft is None else ctx.now + ttft + self.recent_window_seconds
+        self.prefix.pre_request(ctx, target, until)
         self.working_sets.touch(target.address, self._sampled_keys(ctx), ctx.now)
         tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(target.address)
         if tokens is not None:
             self.model.speed(target.address).recent_uncached.append(tokens)
 
     def observe_admission(
-        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
+        self,
+        address: str,
+        token_ids: list[int],
+        now: float,
+        index: PreciseIndex,
+        lora_id: int | None = None,
+        state: EndpointState | None = None,
     ) -> int:
         """Another EPP replica's pick, announced by the engine: it fills that engine's cache
-        as our own picks do. Returns the tokens the engine must compute for it."""
-        keys, uncached = self.prefix.record_admission(address, token_ids, now, index, lora_id)
+        as our own picks do, and counts as cached there until that engine is predicted to have
+        computed it, as ours do. Returns the tokens the engine must compute for it."""
+        until = None if state is None else (lambda uncached: now + self._queue_seconds(state, uncached))
+        keys, uncached = self.prefix.record_admission(address, token_ids, now, index, lora_id, until)
         self.working_sets.touch(address, self.working_sets.sampled(keys), now)
         return uncached
+
+    def _queue_seconds(self, e: EndpointState, uncached: int) -> float:
+        """Seconds until the endpoint has computed what is queued there and then `uncached`
+        more prompt tokens, plus the recent-pick window (the time for its KV events)."""
+        speed = self.model.speed(e.address)
+        rate = self.model.estimate(speed)
+        m = e.metrics
+        reported = (
+            m.prefill_tokens_pending
+            if m.prefill_tokens_pending is not None
+            else m.waiting * speed.mean_uncached(uncached)
+        )
+        work = reported + e.pending_prefill_tokens() + uncached
+        return work * rate.seconds_per_token + rate.seconds_per_step + self.recent_window_seconds
 
     def _sampled_keys(self, ctx: SchedulingContext) -> frozenset[int]:
         cache_key = f"{self.name}:sampled-keys"

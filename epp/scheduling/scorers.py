@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -214,28 +215,43 @@ class PrecisePrefixCacheScorer:
         fractions = self.cached_fractions(ctx, endpoints)
         return [fractions[e.address] for e in endpoints]
 
-    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
+    def pre_request(self, ctx: SchedulingContext, target: EndpointState, until: float | None = None) -> None:
+        """Record the pick; `until`: when the engine is expected to have computed the prompt
+        (the recent pick then counts at least that long)."""
         keys = self._keys(ctx)
         if not target.kv_events_live:
             # Only an endpoint without KV events is scored from the fallback; recording every
             # pick's ~450 keys into the LRU anyway was a sixth of a long prompt's pick.
             self.fallback.record(keys, target.address, ctx.now)
         if self.recent_window_seconds > 0:
-            self.recent.record(keys, target.address, ctx.now)
+            self.recent.record(keys, target.address, ctx.now, until)
 
     def observe_admission(
-        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
+        self,
+        address: str,
+        token_ids: list[int],
+        now: float,
+        index: PreciseIndex,
+        lora_id: int | None = None,
+        state: EndpointState | None = None,
     ) -> int:
         """Another EPP replica's pick, announced by the engine; returns the tokens the engine
         must compute for it."""
         return self.record_admission(address, token_ids, now, index, lora_id)[1]
 
     def record_admission(
-        self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None = None
+        self,
+        address: str,
+        token_ids: list[int],
+        now: float,
+        index: PreciseIndex,
+        lora_id: int | None = None,
+        until: Callable[[int], float] | None = None,
     ) -> tuple[list[int], int]:
         """Another EPP replica's pick, announced by the engine: bridge the gap before its
         BlockStored as for our own picks. Returns the prompt's block keys (default size) and
-        the tokens the engine must compute for it (what it had cached or was about to)."""
+        the tokens the engine must compute for it (what it had cached or was about to).
+        `until`: given those tokens, when the engine is expected to have computed them."""
         keys = block_keys(token_ids, self.block_size, lora_id)
         size = index.block_size(address) or self.block_size
         sized = keys if size == self.block_size else block_keys(token_ids, size, lora_id)
@@ -243,7 +259,9 @@ class PrecisePrefixCacheScorer:
         if self.recent_window_seconds > 0 and keys:
             recent = self.recent.prefix_blocks(keys, [address], now).get(address, 0) * self.block_size
             cached = max(cached, recent)
-            self.recent.record(keys, address, now)
+            uncached = max(0, len(token_ids) - cached)
+            self.recent.record(keys, address, now, until(uncached) if until is not None else None)
+            return keys, uncached
         return keys, max(0, len(token_ids) - cached)
 
     def forget_endpoint(self, address: str) -> None:

@@ -243,3 +243,37 @@ def test_one_pick_ranks_every_candidate_with_the_same_speed() -> None:
     assert learnt == pytest.approx(0.01)  # 100 tokens in 1 s
     assert got["b:1"] == pytest.approx(440 * learnt + STEP)
     assert got["a:1"] == pytest.approx((100 + 440) * learnt + STEP)
+
+
+def test_a_pick_stays_placed_while_it_waits_in_its_engines_queue() -> None:
+    """A prefix's first request queued behind 20 s of prefill work: a second request of the
+    prefix 10 s later (no KV event yet, far past the 2 s window) follows it there instead of
+    computing the prefix a second time on an engine that is a little less busy."""
+    store = pool({"busy:1": 20_000, "busier:1": 20_600})
+    s = scorer(recent_window_seconds=2.0)
+    first = SchedulingContext(request(PROMPT), store, NOW)
+    got = s.predict(first, store.all())
+    assert min(got, key=got.__getitem__) == "busy:1"
+    s.pre_request(first, store.get("busy:1"))
+    store.get("busy:1").note_pick(NOW, 440)
+    store.update_metrics(
+        "busy:1", EndpointMetrics(updated_at=NOW + 10, sent_at=NOW + 10, prefill_tokens_pending=20_440)
+    )
+    store.update_metrics(
+        "busier:1", EndpointMetrics(updated_at=NOW + 10, sent_at=NOW + 10, prefill_tokens_pending=20_600)
+    )
+    second = SchedulingContext(request("s" * 400 + "Q" * 40), store, NOW + 10)
+    got = s.predict(second, store.all())
+    assert second.cache[PREFILL_TOKENS]["busy:1"] == 40  # the prefix counts as placed there
+    assert min(got, key=got.__getitem__) == "busy:1"
+
+
+def test_another_replicas_pick_stays_placed_while_it_waits_too() -> None:
+    store = pool({"busy:1": 20_000, "idle:1": 0})
+    s = scorer(recent_window_seconds=2.0)
+    tokens = Tokens().encode(PROMPT)
+    uncached = s.observe_admission("busy:1", tokens, NOW, store.index, state=store.get("busy:1"))
+    assert uncached == len(tokens)
+    later = SchedulingContext(request("s" * 400 + "Q" * 40), store, NOW + 10)
+    s.predict(later, store.all())
+    assert later.cache[PREFILL_TOKENS]["busy:1"] == 40

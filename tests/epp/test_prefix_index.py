@@ -133,6 +133,17 @@ def test_recent_picks_count_only_the_window() -> None:
     assert not recent._groups  # everything expired is dropped, not only skipped
 
 
+def test_a_recent_pick_counts_until_its_engine_is_expected_to_have_computed_it() -> None:
+    recent = RecentPicks(window_seconds=2.0)
+    keys = block_keys(TOKENS, BS)
+    recent.record(keys, "queued", when=10.0, until=30.0)  # waits ~20 s in a busy engine's queue
+    recent.record(keys, "idle", when=10.0, until=10.5)  # an earlier `until` never shortens the window
+    assert recent.prefix_blocks(keys, ["queued", "idle"], now=11.9) == {"queued": 4, "idle": 4}
+    assert recent.prefix_blocks(keys, ["queued", "idle"], now=25.0) == {"queued": 4, "idle": 0}
+    assert recent.prefix_blocks(keys, ["queued"], now=30.5) == {"queued": 0}
+    assert not recent._groups
+
+
 def test_recent_picks_keep_a_bounded_number_per_endpoint() -> None:
     recent = RecentPicks(window_seconds=100.0, per_endpoint=2)
     keys = block_keys(TOKENS, BS)
