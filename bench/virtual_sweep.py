@@ -1,7 +1,7 @@
 """Routing strategies swept over request rates on the virtual-clock pool (seconds, not minutes).
 
     .venv/bin/python bench/virtual_sweep.py [--preset llm-d-shared-prefix] [--strategies a,b,c]
-        [--rates 4,8,16,24] [--seeds 0,1] [--epp-replicas 1] [--sim-kv-blocks N]
+        [--rates 4,8,16,24] [--seeds 0,1] [--epp-replicas 1] [--sim-kv-blocks N] [--carry-over]
 
 The real EPP (profiles, datastore, precise index) in front of real engine schedulers and KV
 cache managers with the simulated runner's timing, on a virtual clock (kvgate.bench.
@@ -32,7 +32,7 @@ import time
 
 from kvgate.bench.cli import workload_spec
 from kvgate.bench.presets import PRESETS
-from kvgate.bench.virtual_pool import PoolSpec, simulate
+from kvgate.bench.virtual_pool import PoolSpec, simulate, simulate_sweep
 from kvgate.engine.config import SimulationConfig
 
 METRICS = (
@@ -74,6 +74,13 @@ def main() -> None:
     ap.add_argument("--rates", default=None, help="req/s, comma-separated (default: the preset's)")
     ap.add_argument("--seeds", default="0", help="comma-separated; results are averaged over them")
     ap.add_argument("--epp-replicas", type=int, default=1)
+    ap.add_argument(
+        "--carry-over",
+        action="store_true",
+        help="serve every rate on one pool, in turn, as `kvgate bench` does on one stack (caches and "
+        "what the EPP learnt carry over; each rate sends the same requests again); default: a "
+        "fresh pool per rate",
+    )
     ap.add_argument(
         "--sim-kv-blocks", type=int, default=None, help="KV blocks per engine (default: the preset's)"
     )
@@ -122,13 +129,32 @@ def main() -> None:
         f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit':>6}  {'loads':>6}"
         f"  {'pick ms p50/p99':>15}"
     )
+    if args.carry_over:
+        # every rate on one pool per strategy and seed, as the process bench sweeps
+        t0 = time.monotonic()
+        swept = {
+            (name, seed): simulate_sweep(name, workload_spec(bench[seed]), rates, count, warmup, pool)
+            for name in strategies
+            for seed in seeds
+        }
+        per_run = {
+            (rate, name): [swept[(name, seed)][i].summary() for seed in seeds]
+            for i, rate in enumerate(rates)
+            for name in strategies
+        }
+        elapsed = (time.monotonic() - t0) / max(1, len(per_run))
     for rate in rates:
         for name in strategies:
             t0 = time.monotonic()
-            runs = [
-                simulate(name, workload_spec(bench[seed]), rate, count, warmup, pool).summary()
-                for seed in seeds
-            ]
+            runs = (
+                per_run[(rate, name)]
+                if args.carry_over
+                else [
+                    simulate(name, workload_spec(bench[seed]), rate, count, warmup, pool).summary()
+                    for seed in seeds
+                ]
+            )
+            took = elapsed if args.carry_over else time.monotonic() - t0
             avg = {k: statistics.fmean(r[k] for r in runs) for k in METRICS}
             results[(rate, name)] = avg
             print(
@@ -136,7 +162,7 @@ def main() -> None:
                 f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%  {avg['lora_loads']:6.1f}"
                 f"  {avg['pick_ms_p50']:7.3f}/{avg['pick_ms_p99']:<7.3f}"
                 + (f"  agree {avg['agreement'] * 100:5.1f}%" if pool.measure_agreement else "")
-                + f"   ({time.monotonic() - t0:.0f} s)",
+                + f"   ({took:.0f} s)",
                 flush=True,
             )
     print(f"\n{candidate} as a multiple of each other strategy at the same rate")

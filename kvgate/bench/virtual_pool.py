@@ -222,6 +222,7 @@ class VirtualPool:
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self.records: dict[str, RequestRecord] = {}
+        self._round = -1  # how many times run() was called before: request ids stay unique
         self.pick_seconds: list[float] = []
         self.agreed: dict[int, bool] = {}  # request index -> every replica would pick alike
         self._scrape_all()
@@ -260,7 +261,7 @@ class VirtualPool:
         model = req.model or MODEL
         body = {"model": model, "prompt": text, "max_tokens": req.max_tokens}
         request = InferenceRequest(
-            request_id=f"r{req.index}",
+            request_id=f"r{req.index}" if not self._round else f"r{req.index}.{self._round}",
             model=model,
             target_model=model,
             body=body,
@@ -355,19 +356,25 @@ class VirtualPool:
         self._at(end if end > self.now else self.now + 1e-4, "step", address)
 
     def _finished(self, request_id: str, when: float) -> None:
-        for dependent in self._waiting_on.pop(int(request_id[1:]), []):
+        for dependent in self._waiting_on.pop(self.records[request_id].index, []):
             self._at(when, "arrive", dependent)
 
     def run(self, requests: Iterable[tuple[float, BenchRequest, list[int]]]) -> RunResult:
+        """Serve the requests (arrival offsets from now) until every one has finished. Called
+        again, the same pool serves more: caches, indexes and learnt speeds carry over, as when
+        a process bench sweeps its rates on one stack."""
         self._waiting_on: dict[int, list[tuple[BenchRequest, list[int]]]] = {}
+        base = self.now
+        self._round += 1
+        earlier = set(self.records)
         first = None
         for when, req, tokens in requests:
             first = when if first is None else first
             if req.depends_on is not None:
                 self._waiting_on.setdefault(req.depends_on, []).append((req, tokens))
             else:
-                self._at(START + when, "arrive", (req, tokens))
-        self._at(START + self.pool.scrape_interval, "scrape")
+                self._at(base + when, "arrive", (req, tokens))
+        self._at(base + self.pool.scrape_interval, "scrape")
         while self._events:
             when, _, kind, payload = heapq.heappop(self._events)
             self.now = when
@@ -386,14 +393,21 @@ class VirtualPool:
                 self._scrape_all()
                 if self._events or self._waiting_on:  # something will still happen
                     self._at(self.now + self.pool.scrape_interval, "scrape")
-        records = list(self.records.values())
+        records = [r for rid, r in self.records.items() if rid not in earlier]
         last = max((r.finished or 0.0) for r in records) if records else 0.0
         stats = [e.engine.get_stats() for e in self.engines.values()]
         preempted = sum(s.num_preemptions_total for s in stats)
         loads = sum(s.lora_loads_total for s in stats)
         agreed = [self.agreed[r.index] for r in records if r.index in self.agreed]
         return RunResult(
-            self.strategy, 0.0, records, last - (first or 0.0), self.pick_seconds, preempted, loads, agreed
+            self.strategy,
+            0.0,
+            records,
+            last - base - (first or 0.0),
+            self.pick_seconds,
+            preempted,
+            loads,
+            agreed,
         )
 
 
@@ -429,6 +443,42 @@ def simulate(
     vp = VirtualPool(pool or PoolSpec(), strategy, config)
     result = vp.run(poisson_requests(spec, rate, warmup + count, seed=spec.seed))
     counted = [r for r in result.records if r.index >= warmup]
+    return _measured(vp, strategy, rate, counted, result.pick_seconds[warmup:], result)
+
+
+def simulate_sweep(
+    strategy: str,
+    spec: WorkloadSpec,
+    rates: list[float],
+    count: int,
+    warmup: int = 0,
+    pool: PoolSpec | None = None,
+    config: dict[str, Any] | None = None,
+) -> list[RunResult]:
+    """Every rate on one pool, in turn, as `kvgate bench` sweeps on one stack: at each rate the
+    same requests again, the warm-up ones served to the end before the counted ones start, and
+    what the caches and the EPP learnt at one rate still there at the next."""
+    vp = VirtualPool(pool or PoolSpec(), strategy, config)
+    out = []
+    for rate in rates:
+        stream = poisson_requests(spec, rate, warmup + count, seed=spec.seed)
+        if warmup:
+            vp.run(stream[:warmup])
+        shift = stream[warmup - 1][0] if warmup else 0.0
+        picks = len(vp.pick_seconds)
+        result = vp.run([(when - shift, req, tokens) for when, req, tokens in stream[warmup:]])
+        out.append(_measured(vp, strategy, rate, result.records, vp.pick_seconds[picks:], result))
+    return out
+
+
+def _measured(
+    vp: VirtualPool,
+    strategy: str,
+    rate: float,
+    counted: list[RequestRecord],
+    pick_seconds: list[float],
+    result: RunResult,
+) -> RunResult:
     start = min((r.arrival for r in counted), default=0.0)
     end = max((r.finished or 0.0 for r in counted), default=0.0)
     return RunResult(
@@ -436,7 +486,7 @@ def simulate(
         rate,
         counted,
         end - start,
-        result.pick_seconds[warmup:],
+        pick_seconds,
         result.preemptions,
         result.lora_loads,
         [vp.agreed[r.index] for r in counted if r.index in vp.agreed],

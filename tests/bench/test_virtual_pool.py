@@ -7,7 +7,7 @@ import argparse
 from collections import Counter
 
 from kvgate.bench.presets import PRESETS, apply_preset
-from kvgate.bench.virtual_pool import ORACLE, PoolSpec, simulate
+from kvgate.bench.virtual_pool import ORACLE, PoolSpec, simulate, simulate_sweep
 from kvgate.bench.workloads import MultiTurnSpec, SharedPrefixSpec, WorkloadSpec
 from kvgate.engine.config import SimulationConfig
 
@@ -45,6 +45,18 @@ def test_the_oracle_keeps_each_group_on_one_engine_and_deals_them_evenly() -> No
     assert result.pick_seconds == [] and result.agreed == []
     # 8 groups of 32 blocks, 2 per pool of 160: every group is computed once and then hit
     assert result.hit_rate > 0.9
+
+
+def test_a_sweep_on_one_pool_carries_its_caches_from_rate_to_rate() -> None:
+    first, second = simulate_sweep("precise-prefix", SHARED, [4.0, 8.0], count=40, warmup=8, pool=SMALL)
+    fresh = simulate("precise-prefix", SHARED, rate=8.0, count=40, warmup=8, pool=SMALL)
+    assert (first.rate, second.rate) == (4.0, 8.0)
+    assert len(first.done()) == len(second.done()) == 40
+    assert len(first.pick_seconds) == len(second.pick_seconds) == 40
+    # the same requests again: every prompt's prefix was computed at the first rate
+    assert second.hit_rate > fresh.hit_rate
+    assert all(r.cached_tokens >= 512 - 16 for r in second.done())
+    assert 0 < second.duration < first.duration  # measured from its own first arrival
 
 
 def test_every_strategy_runs_with_two_epp_replicas() -> None:
