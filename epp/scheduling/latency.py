@@ -301,18 +301,7 @@ class PredictedLatencyScorer:
             speed = speeds[e.address]
             rate = self.model.estimate(speed)
             m = e.metrics
-            # Queued work the engine reports (for an engine that does not, its waiting count times
-            # the prompt sizes recently sent there), plus this replica's picks it cannot show yet.
-            reported = (
-                m.prefill_tokens_pending
-                if m.prefill_tokens_pending is not None
-                else m.waiting * speed.mean_uncached(mine)
-            )
-            ahead = reported + e.pending_prefill_tokens()
-            work = ahead + mine
-            # The learnt per-token time already carries the decode steps interleaved with
-            # prefill; the first token then takes one more step.
-            ttft = work * rate.seconds_per_token + rate.seconds_per_step
+            ttft = self._estimate_ttft(e, speed, rate, mine)
             extra = self.work_penalty * mine
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
@@ -377,19 +366,29 @@ class PredictedLatencyScorer:
         self.working_sets.touch(address, self.working_sets.sampled(keys), now)
         return uncached
 
-    def _queue_seconds(self, e: EndpointState, uncached: int) -> float:
-        """Seconds until the endpoint has computed what is queued there and then `uncached`
-        more prompt tokens, plus the recent-pick window (the time for its KV events)."""
-        speed = self.model.speed(e.address)
-        rate = self.model.estimate(speed)
+    def _estimate_ttft(self, e: EndpointState, speed: EndpointSpeed, rate: EndpointSpeed, mine: int) -> float:
+        """Seconds until the endpoint has computed what is queued there and then `mine` more
+        prompt tokens, and sampled the first token after them."""
         m = e.metrics
+        # Queued work the engine reports (for an engine that does not, its waiting count times
+        # the prompt sizes recently sent there), plus this replica's picks it cannot show yet.
         reported = (
             m.prefill_tokens_pending
             if m.prefill_tokens_pending is not None
-            else m.waiting * speed.mean_uncached(uncached)
+            else m.waiting * speed.mean_uncached(mine)
         )
-        work = reported + e.pending_prefill_tokens() + uncached
-        return work * rate.seconds_per_token + rate.seconds_per_step + self.recent_window_seconds
+        work = reported + e.pending_prefill_tokens() + mine
+        # The learnt per-token time already carries the decode steps interleaved with
+        # prefill; the first token then takes one more step.
+        return work * rate.seconds_per_token + rate.seconds_per_step
+
+    def _queue_seconds(self, e: EndpointState, uncached: int) -> float:
+        """The predicted TTFT of `uncached` more prompt tokens there, plus the recent-pick window
+        (the time for its KV events)."""
+        speed = self.model.speed(e.address)
+        return (
+            self._estimate_ttft(e, speed, self.model.estimate(speed), uncached) + self.recent_window_seconds
+        )
 
     def _sampled_keys(self, ctx: SchedulingContext) -> frozenset[int]:
         cache_key = f"{self.name}:sampled-keys"
