@@ -1,5 +1,6 @@
 # The two commands a newcomer needs: `make up` (the local stack) and `make test`.
-# `make images` builds the engine (FLAVOR=cpu here, FLAVOR=cuda on request), EPP and operator
+# `make images` builds the engine (FLAVOR=auto: cpu where the CPU torch wheel is on local disk, else
+# cuda, PyPI's torch, which runs on a CPU too), EPP and operator
 # images into dist/images/*.oci.tar; `make images-test` runs them (pytest -m images).
 .PHONY: setup up test lint images images-test
 
@@ -15,7 +16,7 @@ test:
 lint: setup
 	@.venv/bin/ruff check . && .venv/bin/ruff format --check . && scripts/typecheck.sh
 
-FLAVOR ?= cpu
+FLAVOR ?= auto
 
 images:
 	@FLAVOR=$(FLAVOR) scripts/images.sh

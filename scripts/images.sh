@@ -6,9 +6,10 @@
 #
 #   scripts/images.sh [engine] [epp] [operator]   build these (default: all three)
 #   scripts/images.sh --list                      print "name reference archive", build nothing
-#   FLAVOR=cpu|cuda   the engine's torch: cpu (default here: the CPU torch wheel on local disk,
-#                     TORCH_WHEEL or pip's find-links) or cuda (PyPI's torch, a CUDA build;
-#                     the chart's default engine image)
+#   FLAVOR=auto|cpu|cuda  the engine's torch: cpu (the CPU torch wheel on local disk,
+#                     TORCH_WHEEL or pip's find-links) or cuda (PyPI's torch, a CUDA build that
+#                     also runs on a CPU; the chart's default engine image); auto (the default):
+#                     cpu where that wheel is found, else cuda
 #
 # Tools (buildah, skopeo, debootstrap) come from Debian's packages, installed like
 # scripts/setup.sh installs Prometheus. Every step prints a progress line; a failure names the
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-FLAVOR=${FLAVOR:-cpu}
+FLAVOR=${FLAVOR:-auto}
 REGISTRY=${IMAGE_REGISTRY:-ghcr.io/kvgate}
 OUT=${IMAGES_DIR:-dist/images}
 CACHE=${KVGATE_IMAGE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvgate-images}
@@ -33,9 +34,24 @@ die() {
     exit 1
 }
 
+TORCH_CPU_WHEEL="torch-$TORCH_VERSION+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"
+# The CPU torch wheel on this machine, if any: TORCH_WHEEL, else pip's find-links, else /opt/wheels.
+find_cpu_torch() {
+    if [[ -n ${TORCH_WHEEL:-} ]]; then
+        [[ -f $TORCH_WHEEL ]] && echo "$TORCH_WHEEL"
+        return 0
+    fi
+    local dir
+    for dir in ${PIP_FIND_LINKS:-} $(pip config get global.find-links 2>/dev/null || true) /opt/wheels; do
+        [[ -f $dir/$TORCH_CPU_WHEEL ]] && echo "$dir/$TORCH_CPU_WHEEL" && return 0
+    done
+    return 0
+}
+
 case "$FLAVOR" in
 cpu | cuda) ;;
-*) die "FLAVOR=$FLAVOR: the engine flavours are cpu and cuda" ;;
+auto) if [[ -n $(find_cpu_torch) ]]; then FLAVOR=cpu; else FLAVOR=cuda; fi ;;
+*) die "FLAVOR=$FLAVOR: the engine flavours are auto, cpu and cuda" ;;
 esac
 
 # The one place image names are made; tests/test_images_chart.py reads them via --list.
@@ -122,14 +138,9 @@ ensure_base() {
 # The cpu engine installs torch from a wheel in docker/wheels/ (git-ignored): PyPI's Linux
 # x86_64 torch wheels are CUDA builds, and no other index is reachable from here.
 stage_cpu_torch() {
-    local name="torch-$TORCH_VERSION+cpu-cp311-cp311-manylinux_2_28_x86_64.whl" wheel=${TORCH_WHEEL:-}
-    if [[ -z $wheel ]]; then
-        local dir
-        for dir in ${PIP_FIND_LINKS:-} /opt/wheels; do
-            [[ -f $dir/$name ]] && wheel=$dir/$name && break
-        done
-    fi
-    [[ -n $wheel && -f $wheel ]] ||
+    local name=$TORCH_CPU_WHEEL wheel
+    wheel=$(find_cpu_torch)
+    [[ -n $wheel ]] ||
         die "engine (cpu): no CPU torch wheel ($name) found; set TORCH_WHEEL=/path/to/it, or build FLAVOR=cuda (PyPI's torch)"
     mkdir -p docker/wheels
     if ! cmp -s "$wheel" "docker/wheels/$name"; then

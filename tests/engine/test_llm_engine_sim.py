@@ -326,3 +326,23 @@ def test_a_steps_prompt_blocks_are_announced_before_its_forward_pass(tok: Any) -
 
     engine.step(on_scheduled=on_scheduled)
     assert executed and sum(len(e.block_hashes) for e in seen) == 64 // BS  # the first chunk's blocks
+
+
+@pytest.mark.parametrize("model", ["default", "org/not-on-this-machine"])
+def test_simulate_without_any_tokenizer_says_to_mount_a_model_or_pass_tokenizer(
+    model: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """As in the engine image: no model mounted, no default-model package, no Hub access."""
+    from kvgate.api import tokenizer as tokenizer_module
+    from kvgate.engine.server.launcher import ServeError, build_engine
+
+    monkeypatch.setattr(tokenizer_module, "_DEFAULT_MODEL_PACKAGE", "kvgate_no_such_model_package")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("KVGATE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ServeError) as err:
+        build_engine(EngineConfig(model=model, simulate=True, simulation=SimulationConfig(time_scale=0)))
+    message = str(err.value)
+    assert "--simulate needs a tokenizer" in message
+    assert "mount a model" in message and "--tokenizer" in message
+    assert "pip install" not in message

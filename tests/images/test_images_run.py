@@ -86,6 +86,55 @@ def test_images_carry_no_test_fakes_and_epp_operator_no_torch(open_image: Callab
         assert (site / "torch").exists() == (name == "engine"), name
 
 
+# Imports every module of the component's package (and the CLI, which `kvgate --help` runs) and
+# prints the ones that fail with their error: a module whose third-party import the image's extra
+# lacks crashes the pod that reaches it (the engine's kv_transfer.py once imported httpx).
+_IMPORT_ALL = r"""
+import importlib, pkgutil, sys
+package = importlib.import_module(sys.argv[1])
+names = [sys.argv[1], "kvgate.cli"] + [m.name for m in pkgutil.walk_packages(package.__path__, sys.argv[1] + ".")]
+failed = []
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed.append(f"{name}: {type(exc).__name__}: {exc}")
+print(len(names), "modules")
+print("\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+
+@pytest.mark.parametrize("name", ["engine", "epp", "operator"])
+def test_every_module_of_the_component_imports_inside_its_image(
+    name: str, open_image: Callable[[str], Image]
+) -> None:
+    image = open_image(name)
+    out = subprocess.run(
+        image.argv("-c", _IMPORT_ALL, f"kvgate.{name}", entrypoint=["python"]),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, f"{name} image:\n{out.stdout}{out.stderr[-3000:]}"
+    help_ = subprocess.run(image.argv("--help"), capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0 and "usage: kvgate" in help_.stdout, help_.stderr[-3000:]
+
+
+def test_engine_image_simulated_without_a_model_says_what_to_mount(
+    open_image: Callable[[str], Image],
+) -> None:
+    out = subprocess.run(
+        open_image("engine").argv("engine", "serve", "--simulate", "--port", str(free_ports(1)[0])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert "mount a model" in out.stderr and "--tokenizer" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "pip install" not in out.stderr, out.stderr[-3000:]
+
+
 def test_engine_image_simulated_serves_health_and_a_completion(
     open_image: Callable[[str], Image], tmp_path: Path
 ) -> None:
