@@ -15,6 +15,11 @@ no-scoring EPP runs twice, on grpclib (the default ext_proc server) and on grpci
 (--grpc-server grpcio), each behind its own Envoy: the servers compared in one run. A rate is the
 total offered, split evenly over the four routes.
 
+Each non-200 answer is counted by cause (the status and Envoy's response code details, or the
+EPP's own error), with the Envoy counters of the EPP cluster and ext_proc filter that moved:
+`--rates 800,1200` is the overload run (the machine saturated; the direct route must lose
+nothing, and no EPP route may either: overload makes picks slower, never failed).
+
 Quiet 2-core host (nothing else running), `--rates 200,800 --seconds 20`: the precise-prefix EPP
 added p50 +1.37 / +1.11 ms and p99 +1.40 / +2.98 ms at 50 / 200 req/s through it (+1.08 / +4.35
 ms at 200 in a second run); grpcio's server (no scoring) +1.68 / +1.32 ms p50.
@@ -449,6 +454,12 @@ async def _open_loop(
 
     lat: dict[str, list[float]] = {name: [] for name in routes}
     errors: dict[str, int] = dict.fromkeys(routes, 0)
+    causes: dict[str, dict[str, int]] = {name: {} for name in routes}
+
+    def failed(route: str, cause: str) -> None:
+        errors[route] += 1
+        causes[route][cause] = causes[route].get(cause, 0) + 1
+
     idle: dict[str, list[KeepAliveGetter]] = {name: [] for name in routes}
     raw: dict[str, bytes] = {}
     where: dict[str, tuple[str, int]] = {}
@@ -466,14 +477,14 @@ async def _open_loop(
         conn = pool.pop() if pool else KeepAliveGetter(*where[route], timeout=30)
         t0 = time.perf_counter()
         try:
-            status, _ = await conn.request(raw[route])
-        except ScrapeError:
-            errors[route] += 1
+            status, body = await conn.request(raw[route])
+        except ScrapeError as exc:
+            failed(route, f"client: {str(exc).split(': ', 1)[-1][:60]}")
             return
         elapsed = time.perf_counter() - t0
         pool.append(conn)
         if status != 200:
-            errors[route] += 1
+            failed(route, f"{status} {_error_code(body)}")
             return
         lat[route].append(elapsed)
 
@@ -492,7 +503,55 @@ async def _open_loop(
         for conn in pool:
             conn.close()
     lat["errors"] = [float(errors[name]) for name in routes]
+    lat["causes"] = causes  # type: ignore[assignment]
     return lat
+
+
+def _error_code(body: bytes) -> str:
+    """Who answered an error: the gateway's local replies carry Envoy's response code details
+    in error.code (e.g. ext_proc_error_gRPC_error_14, upstream_reset_before_response_started),
+    the EPP's its own reason in error.message."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return f"body {body[:40]!r}"
+    return str(error.get("code") or error.get("message") or "")[:80]
+
+
+# Envoy counters that say where an EPP route's errors came from (ext_proc stream failures and
+# timeouts, the EPP cluster's resets, overflows and refused streams).
+_ENVOY_STATS = (
+    "ext_proc.",
+    "cluster.epp.upstream_rq_",
+    "cluster.epp.upstream_cx_",
+    "cluster.epp.http2.",
+    "cluster.epp.upstream_flow_control",
+    "cluster.epp.circuit_breakers",
+    "cluster.epp.health_check.",
+    "cluster.epp.outlier_detection.",
+    "http.ingress.downstream_rq_5xx",
+)
+
+
+def _envoy_counters(admin_port: int) -> dict[str, int]:
+    from kvgate.testing.processes import http_get
+
+    status, body = http_get(f"http://127.0.0.1:{admin_port}/stats?usedonly", timeout=10)
+    out: dict[str, int] = {}
+    if status != 200:
+        return out
+    for line in body.splitlines():
+        name, _, value = line.partition(": ")
+        if any(key in name for key in _ENVOY_STATS) and value.strip().lstrip("-").isdigit():
+            out[name] = int(value)
+    return out
+
+
+def _counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters that moved (gauges that ended non-zero included), noise left out."""
+    moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    quiet = ("_bytes", "_total", "upstream_rq_time", "_success", "_2xx", "_200", "_completed", "msgs_")
+    return {k: v for k, v in sorted(moved.items()) if not any(q in k for q in quiet)}
 
 
 def bench_latency(
@@ -529,9 +588,9 @@ def bench_latency(
             logs, [engine], "--profile", "round-robin", "--grpc-server", "grpcio", kv_events=False
         )
         procs += [epp.proc, floor.proc, floor_grpcio.proc]
-        envoy = harness.start_envoy(logs, epp.grpc_port, direct_upstream=engine.address)
-        floor_envoy = harness.start_envoy(logs, floor.grpc_port)
-        grpcio_envoy = harness.start_envoy(logs, floor_grpcio.grpc_port)
+        envoy = harness.start_envoy(logs, epp.grpc_port, epp.health_port, direct_upstream=engine.address)
+        floor_envoy = harness.start_envoy(logs, floor.grpc_port, floor.health_port)
+        grpcio_envoy = harness.start_envoy(logs, floor_grpcio.grpc_port, floor_grpcio.health_port)
         procs += [envoy.proc, floor_envoy.proc, grpcio_envoy.proc]
         for e in (epp, floor, floor_grpcio):
             e.wait_ready()
@@ -566,10 +625,19 @@ def bench_latency(
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.STDOUT,
                 )
+            envoys = {"epp": envoy, "floor": floor_envoy, "floor_grpcio": grpcio_envoy}
+            before = {name: _envoy_counters(v.admin_port) for name, v in envoys.items()}
             lat = asyncio.run(_open_loop(routes, rate, seconds, body))
             if spy is not None:
                 spy.wait(30)
-            row: dict = {"errors": dict(zip(routes, lat["errors"], strict=True))}
+            row: dict = {
+                "errors": dict(zip(routes, lat["errors"], strict=True)),
+                "error_causes": lat["causes"],
+                "envoy_counters": {
+                    name: _counter_delta(before[name], _envoy_counters(v.admin_port))
+                    for name, v in envoys.items()
+                },
+            }
             for name in routes:
                 row[f"{name}_p50_ms"] = pct(lat[name], 0.5) * 1e3
                 row[f"{name}_p99_ms"] = pct(lat[name], 0.99) * 1e3
@@ -585,6 +653,10 @@ def bench_latency(
                 f"{row['floor_grpcio_added_p50_ms']:+.2f} p99 {row['floor_grpcio_added_p99_ms']:+.2f} ms | "
                 f"errors {row['errors']}"
             )
+            for name, causes in row["error_causes"].items():
+                if causes:
+                    print(f"      {name} errors by cause: {causes}")
+                    print(f"      {name} Envoy counters that moved: {row['envoy_counters'].get(name, {})}")
     finally:
         harness.stop_all(*procs)
     return results

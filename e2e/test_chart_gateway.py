@@ -168,6 +168,7 @@ def test_chart_gateway_ignores_a_forged_destination(tmp_path: Path) -> None:
             "envoyGateway.eppTLS=false",
             "envoyGateway.eppAddress=127.0.0.1",
             f"envoyGateway.eppPort={epp.grpc_port}",
+            f"envoyGateway.eppHealthPort={epp.health_port}",
             f"envoyGateway.port={port}",
             "envoyGateway.engineAddress=127.0.0.1",
             f"envoyGateway.enginePort={engine.port}",

@@ -67,6 +67,7 @@ def test_chart_renders_what_the_builder_builds_for_those_pools(tls: bool, tmp_pa
         "envoyGateway.pools[1].name=code",
         "envoyGateway.pools[1].eppAddress=epp.code.example",
         "envoyGateway.pools[1].eppPort=9102",
+        "envoyGateway.pools[1].eppHealthPort=9103",
         "envoyGateway.pools[1].engineAddress=engines.code.example",
         "envoyGateway.pools[1].enginePort=9000",
         "envoyGateway.pools[2].name=docs",
@@ -85,9 +86,18 @@ def test_chart_renders_what_the_builder_builds_for_those_pools(tls: bool, tmp_pa
         listen_host="0.0.0.0",
         limits=GatewayLimits(max_request_body_bytes=1048576),
         pools=[
-            PoolGateway("chat", ["chat-epp-replicas.ns.svc:9002"], ["chat-engines.ns.svc:8000"]),
-            PoolGateway("code", ["epp.code.example:9102"], ["engines.code.example:9000"]),
-            PoolGateway("docs", ["docs-picker.ns.svc:9002"], ["docs-engines.ns.svc:8000"]),
+            PoolGateway(
+                "chat",
+                ["chat-epp-replicas.ns.svc:9002"],
+                ["chat-engines.ns.svc:8000"],
+                epp_health_ports=[9003],
+            ),
+            PoolGateway(
+                "code", ["epp.code.example:9102"], ["engines.code.example:9000"], epp_health_ports=[9103]
+            ),
+            PoolGateway(
+                "docs", ["docs-picker.ns.svc:9002"], ["docs-engines.ns.svc:8000"], epp_health_ports=[9003]
+            ),
         ],
         model_router_addresses=["t-kvgate-model-router.ns.svc:9004"],
     )
@@ -164,6 +174,7 @@ def test_two_pools_behind_the_charts_gateway_serve_their_models(tmp_path: Path) 
                 f"envoyGateway.pools[{i}].name={name}",
                 f"envoyGateway.pools[{i}].eppAddress=127.0.0.1",
                 f"envoyGateway.pools[{i}].eppPort={epps[name].grpc_port}",
+                f"envoyGateway.pools[{i}].eppHealthPort={epps[name].health_port}",
                 f"envoyGateway.pools[{i}].engineAddress=127.0.0.1",
                 f"envoyGateway.pools[{i}].enginePort={e.port}",
             ]

@@ -46,6 +46,7 @@ import envoy.extensions.filters.network.http_connection_manager.v3.http_connecti
 import envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2 as override_host_pb2
 import envoy.extensions.load_balancing_policies.round_robin.v3.round_robin_pb2 as round_robin_pb2
 import envoy.extensions.retry.host.previous_hosts.v3.previous_hosts_pb2 as previous_hosts_pb2
+import envoy.extensions.transport_sockets.raw_buffer.v3.raw_buffer_pb2 as raw_buffer_pb2
 import envoy.extensions.transport_sockets.tls.v3.tls_pb2 as tls_pb2
 import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_protocol_options_pb2
 import envoy.type.matcher.v3.string_pb2 as string_pb2
@@ -64,6 +65,8 @@ DIRECT_ROUTE_HEADER = "x-kvgate-route"
 UPSTREAM_HEADER = "x-kvgate-upstream"  # which engine answered (for tests and debugging)
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 EPP_CLUSTER = "epp"
+# transport-socket match key: health checks on a replica's plaintext health port skip the TLS
+HEALTH_SOCKET = "kvgate-health"
 MODEL_ROUTER_FILTER = "kvgate.model_router"  # a second ext_proc filter, ahead of the EPP's
 MODEL_ROUTER_CLUSTER = "model_router"
 ROUTED_CLUSTER = "original_destination"
@@ -134,16 +137,41 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _load_assignment(name: str, targets: list[tuple[str, int]]) -> endpoint_pb2.ClusterLoadAssignment:
+def _health_ports(ports: list[int] | None, replicas: int) -> list[int] | None:
+    if ports is None:
+        return None
+    if len(ports) != replicas or not all(isinstance(p, int) and 0 < p < 65536 for p in ports):
+        raise ValueError(f"epp_health_ports: one port (1-65535) per EPP address ({replicas}), got {ports}")
+    return list(ports)
+
+
+def _struct(values: dict[str, Any]) -> struct_pb2.Struct:
+    out = struct_pb2.Struct()
+    out.update(values)
+    return out
+
+
+def _load_assignment(
+    name: str, targets: list[tuple[str, int]], health_ports: list[int] | None = None
+) -> endpoint_pb2.ClusterLoadAssignment:
+    """``health_ports``: each target's health-check port, when not the target's own."""
+    ports: list[int | None] = list(health_ports) if health_ports else [None] * len(targets)
     return endpoint_pb2.ClusterLoadAssignment(
         cluster_name=name,
         endpoints=[
             endpoint_components_pb2.LocalityLbEndpoints(
                 lb_endpoints=[
                     endpoint_components_pb2.LbEndpoint(
-                        endpoint=endpoint_components_pb2.Endpoint(address=_socket(h, p))
+                        endpoint=endpoint_components_pb2.Endpoint(
+                            address=_socket(h, p),
+                            health_check_config=endpoint_components_pb2.Endpoint.HealthCheckConfig(
+                                port_value=health
+                            )
+                            if health
+                            else None,
+                        )
                     )
-                    for h, p in targets
+                    for (h, p), health in zip(targets, ports, strict=True)
                 ]
             )
         ],
@@ -280,10 +308,20 @@ def _retry_elsewhere(retry_on: str, num_retries: int, max_attempts: int) -> rout
 MAX_RETRIES_IN_FLIGHT = 1024
 
 
-def _retry_room() -> circuit_breaker_pb2.CircuitBreakers:
-    return circuit_breaker_pb2.CircuitBreakers(
-        thresholds=[circuit_breaker_pb2.CircuitBreakers.Thresholds(max_retries=wrap(MAX_RETRIES_IN_FLIGHT))]
-    )
+# ext_proc streams open at once to one EPP cluster. Envoy's default circuit breaker (1,024
+# requests) failed requests with 503 (upstream_rq_active_overflow) once an overloaded EPP held
+# that many, though each would have been answered, later, within Envoy's timeouts: the EPP's own
+# saturation detector, not a stream count, decides what to shed. The same bound as the EPP's
+# HTTP/2 limit (kvgate.epp.grpclib_server.MAX_CONCURRENT_STREAMS).
+MAX_EXT_PROC_STREAMS = 65_536
+
+
+def _retry_room(max_requests: int | None = None) -> circuit_breaker_pb2.CircuitBreakers:
+    thresholds = circuit_breaker_pb2.CircuitBreakers.Thresholds(max_retries=wrap(MAX_RETRIES_IN_FLIGHT))
+    if max_requests is not None:
+        thresholds.max_requests.value = max_requests
+        thresholds.max_pending_requests.value = max_requests
+    return circuit_breaker_pb2.CircuitBreakers(thresholds=[thresholds])
 
 
 def _eject_on_refused_connection() -> outlier_detection_pb2.OutlierDetection:
@@ -355,6 +393,7 @@ class PoolGateway:
     epp_addresses: list[str]
     pool_endpoints: list[str] | None = None
     fallback_endpoints: list[str] | None = None
+    epp_health_ports: list[int] | None = None  # as build_bootstrap's
 
 
 @dataclass(frozen=True)
@@ -365,6 +404,7 @@ class _Pool:
     epps: list[tuple[str, int]]
     engines: list[tuple[str, int]]
     fallback: list[tuple[str, int]]
+    epp_health_ports: list[int] | None = None
 
     def _name(self, base: str) -> str:
         return base if self.label is None else f"{base}-{self.label}"
@@ -406,6 +446,7 @@ def build_bootstrap(
     expose_upstream_header: bool = False,
     *,
     epp_addresses: list[str] | None = None,
+    epp_health_ports: list[int] | None = None,
     response_phase: bool = False,
     pool_endpoints: list[str] | None = None,
     limits: GatewayLimits | None = None,
@@ -421,6 +462,9 @@ def build_bootstrap(
     ``direct_upstream``: ip:port reached by requests carrying ``x-kvgate-route: direct``,
     bypassing ext_proc (a same-Envoy baseline for latency measurements).
     ``epp_addresses``: every EPP replica (host:port), all serving at once; default: epp_host:epp_port.
+    ``epp_health_ports``: each replica's ``--grpc-health-port`` (one port for all of a host name),
+    where Envoy's health check asks; without it, the ext_proc port itself (a replica busy enough
+    to answer it late is then taken for a dead one).
     ``pool_endpoints``: the engines, when known up front (the local stack), or a host name that
     resolves to every engine (a headless Service of the pool's pods, the chart). Then the picked
     route goes to a cluster of exactly those hosts with Envoy's override-host policy: the EPP's
@@ -457,6 +501,7 @@ def build_bootstrap(
                 [_split(a) for a in p.epp_addresses],
                 [_split(e) for e in p.pool_endpoints or []],
                 [_split(e) for e in p.fallback_endpoints or []],
+                _health_ports(p.epp_health_ports, len(p.epp_addresses)),
             )
             for p in pools
         ]
@@ -467,6 +512,7 @@ def build_bootstrap(
                 [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)],
                 [_split(e) for e in pool_endpoints or []],
                 [_split(e) for e in fallback_endpoints or []],
+                _health_ports(epp_health_ports, len(epp_addresses) if epp_addresses else 1),
             )
         ]
 
@@ -623,7 +669,9 @@ def build_bootstrap(
 
     clusters: list[cluster_pb2.Cluster] = []
     for gw in gateways:
-        clusters.append(_grpc_cluster(gw.epp_cluster, gw.epps, epp_health_check, epp_tls))
+        clusters.append(
+            _grpc_cluster(gw.epp_cluster, gw.epps, epp_health_check, epp_tls, gw.epp_health_ports)
+        )
     routed = cluster_pb2.Cluster(
         name=ROUTED_CLUSTER,
         type=cluster_pb2.Cluster.ORIGINAL_DST,
@@ -773,9 +821,18 @@ def _model_router_filter(message_timeout: float) -> ext_proc_pb2.ExternalProcess
 
 
 def _grpc_cluster(
-    name: str, hosts: list[tuple[str, int]], health_check: bool, tls: bool
+    name: str,
+    hosts: list[tuple[str, int]],
+    health_check: bool,
+    tls: bool,
+    health_ports: list[int] | None = None,
 ) -> cluster_pb2.Cluster:
-    """An ext_proc server's replicas (an EPP's, the model router's): HTTP/2, all serving."""
+    """An ext_proc server's replicas (an EPP's, the model router's): HTTP/2, all serving.
+
+    ``health_ports``: where each replica answers gRPC health, when not on its ext_proc port.
+    An EPP answers there from threads of its own, so a replica whose event loop is saturated
+    (slow, not dead) stays in rotation instead of failing every request (kvgate.epp.health);
+    that port is plaintext, so the checks skip the cluster's TLS."""
     h2 = http_protocol_options_pb2.HttpProtocolOptions(
         explicit_http_config=http_protocol_options_pb2.HttpProtocolOptions.ExplicitHttpConfig(
             http2_protocol_options=protocol_pb2.Http2ProtocolOptions()
@@ -787,7 +844,7 @@ def _grpc_cluster(
         type=cluster_pb2.Cluster.STATIC if all_ips else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=_seconds(1),
         lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-        load_assignment=_load_assignment(name, hosts),
+        load_assignment=_load_assignment(name, hosts, health_ports if health_check else None),
         typed_extension_protocol_options={
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _any(h2),
         },
@@ -798,8 +855,9 @@ def _grpc_cluster(
         # A host name (a headless Service in a cluster) names every ready replica: one host per
         # address, re-resolved each second so a new or rescheduled replica joins quickly.
         dns_refresh_rate=None if all_ips else _seconds(1),
-        # every stream a killed replica held is retried at once (see _epp_stream_retry)
-        circuit_breakers=_retry_room(),
+        # every stream a killed replica held is retried at once (see _epp_stream_retry), and an
+        # overloaded EPP's streams wait rather than overflow
+        circuit_breakers=_retry_room(MAX_EXT_PROC_STREAMS),
     )
     if health_check:
         cluster.health_checks.append(
@@ -815,6 +873,18 @@ def _grpc_cluster(
                 ),
             )
         )
+        if health_ports:  # plaintext whether or not the ext_proc port has TLS
+            cluster.health_checks[0].transport_socket_match_criteria.update({HEALTH_SOCKET: "plaintext"})
+            cluster.transport_socket_matches.append(
+                cluster_pb2.Cluster.TransportSocketMatch(
+                    name="health-plaintext",
+                    match=_struct({HEALTH_SOCKET: "plaintext"}),
+                    transport_socket=base_pb2.TransportSocket(
+                        name="envoy.transport_sockets.raw_buffer",
+                        typed_config=_any(raw_buffer_pb2.RawBuffer()),
+                    ),
+                )
+            )
         # a replica that refuses connections leaves rotation at once, between health checks
         cluster.outlier_detection.CopyFrom(_eject_on_refused_connection())
     if tls:

@@ -23,7 +23,10 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Server, Stream
+from h2.connection import H2Connection
+from h2.settings import SettingCodes, Settings
 
 from kvgate.epp.extproc import EndpointPickerHandler, run_exchange
 from kvgate.epp.health import EppHealth
@@ -34,6 +37,15 @@ HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 # grpcio's default grpc.max_receive_message_length; Envoy sends ext_proc bodies in chunks
 # (FULL_DUPLEX_STREAMED), far below it
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# HTTP/2 streams one connection may hold open (SETTINGS_MAX_CONCURRENT_STREAMS). h2 offers 100,
+# and a HEADERS frame over the limit raises out of h2 (it cannot refuse just that stream without
+# breaking HPACK), so grpclib closed the whole connection: every ext_proc stream on it reset, and
+# Envoy's outlier detection ejected the EPP. Envoy holds one stream per request in flight, so an
+# overloaded gateway passes 100 on its one connection. grpcio advertises no limit; Envoy's own
+# circuit breaker (max_requests, 1,024 by default) bounds what it opens, far below this.
+MAX_CONCURRENT_STREAMS = 65_536
+# listen() backlog: grpclib's default of 100 dropped connections Envoy opened in a burst
+LISTEN_BACKLOG = socket.SOMAXCONN
 
 
 async def recv_bounded(stream: Stream[Any, Any], limit: int) -> Any | None:
@@ -150,6 +162,43 @@ class _Health:
         }
 
 
+class _H2Protocol(H2Protocol):
+    """grpclib's server protocol with MAX_CONCURRENT_STREAMS in its first SETTINGS frame.
+
+    grpclib builds its h2 connection in ``connection_made`` with h2's fixed 100; this does the
+    same steps (grpclib 0.4.x, checked in tests/epp/test_grpc_servers.py) with the limit set
+    before the preface, so it holds from the first stream, not from the peer's SETTINGS ACK."""
+
+    def connection_made(self, transport: Any) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # as grpclib: no Nagle delay on answers
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        h2_conn = H2Connection(config=self.h2_config)
+        h2_conn.local_settings = Settings(
+            client=False,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
+                SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+            },
+        )
+        h2_conn.initiate_connection()
+        initial = h2_conn.local_settings.initial_window_size
+        if delta := self.config.http2_connection_window_size - initial:
+            h2_conn.increment_flow_control_window(delta)
+        if self.config.http2_stream_window_size != initial:
+            h2_conn.update_settings({SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size})
+        self.connection = Connection(h2_conn, transport, config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
+
+
+class _Server(Server):
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        return _H2Protocol(protocol.handler, protocol.config, protocol.h2_config)
+
+
 class GrpclibExtProcServer:
     """Bound at construction (port 0 picks a free one, like grpcio's add_port)."""
 
@@ -163,7 +212,7 @@ class GrpclibExtProcServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self.extproc = _ExtProc(handler, max_message_bytes)
-        self.server = Server([self.extproc, _Health(health, max_message_bytes)])
+        self.server = _Server([self.extproc, _Health(health, max_message_bytes)])
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on accepted sockets whose proto
         # says TCP, and without it Nagle held each answer for a delayed ACK (+20-44 ms per pick)
@@ -180,7 +229,7 @@ class GrpclibExtProcServer:
             self.ssl = _server_tls(*tls)
 
     async def start(self) -> None:
-        await self.server.start(sock=self.sock, ssl=self.ssl)
+        await self.server.start(sock=self.sock, ssl=self.ssl, backlog=LISTEN_BACKLOG)
 
     async def stop(self, grace: float) -> None:
         """Streams under way get ``grace`` seconds to finish (health already says NOT_SERVING,

@@ -20,7 +20,7 @@ from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
 from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
 from kvgate.epp.grpclib_server import DEFAULT_MAX_MESSAGE_BYTES, GrpclibExtProcServer
-from kvgate.epp.health import EppHealth
+from kvgate.epp.health import EppHealth, ThreadedHealthServer
 from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import PromptPolicy, Tokenizer
@@ -116,6 +116,7 @@ class EppServer:
         self.metrics_port = settings.metrics_port
         self._servers: list[grpc.aio.Server] = []
         self._extproc: GrpclibExtProcServer | None = None
+        self._health_server: ThreadedHealthServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: Any = None
         self.scraper: MetricsScraper | None = None
@@ -151,16 +152,14 @@ class EppServer:
             else:
                 self.grpc_port = ext.add_insecure_port(target)
             self._servers.append(ext)
-        health = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, health)
-        self.health_port = health.add_insecure_port(f"{s.bind_host}:{s.grpc_health_port}")
+        self._health_server = ThreadedHealthServer(self.health, s.bind_host, s.grpc_health_port)
+        self.health_port = self._health_server.port
         await self.health.start()
         for server in self._servers:
             await server.start()
         if self._extproc is not None:
             await self._extproc.start()
-        await health.start()
-        self._servers.append(health)
+        self._health_server.start()
         self._http, _ = start_http_server(s.metrics_port, s.bind_host, registry=self.metrics.registry)
         self.metrics_port = self._http.server_port
         from kvgate.epp.scraper import MAPPINGS
@@ -211,6 +210,8 @@ class EppServer:
             await self._extproc.stop(grace=1.0)
         for server in self._servers:
             await server.stop(grace=1.0)
+        if self._health_server is not None:
+            self._health_server.stop()
         if self.scraper:
             await self.scraper.close()
         if self.kv:

@@ -26,7 +26,7 @@ HEADER = (
 )
 V = ".Values.envoyGateway"
 # sentinel -> Helm expression; the sentinels cannot occur in a real config
-LISTEN_PORT, EPP_PORT, MAX_BODY = 31001, 31002, 31000003
+LISTEN_PORT, EPP_PORT, EPP_HEALTH_PORT, MAX_BODY = 31001, 31002, 31003, 31000003
 EPP_HOST = "kvgate-epp-host.sentinel.invalid"
 POOL_HOST, POOL_PORT = "kvgate-pool-host.sentinel.invalid", 31004
 SUBSTITUTIONS = {
@@ -39,6 +39,7 @@ SUBSTITUTIONS = {
     f"port_value: {POOL_PORT}": f"port_value: {{{{ {V}.enginePort }}}}",
     f"port_value: {LISTEN_PORT}": f"port_value: {{{{ {V}.port }}}}",
     f"port_value: {EPP_PORT}": f"port_value: {{{{ {V}.eppPort }}}}",
+    f"port_value: {EPP_HEALTH_PORT}": f"port_value: {{{{ {V}.eppHealthPort }}}}",
     f"'{MAX_BODY + 1}'": f"'{{{{ add1 (int64 {V}.maxRequestBodyBytes) }}}}'",
     f"larger than {MAX_BODY} bytes": f"larger than {{{{ int64 {V}.maxRequestBodyBytes }}}} bytes",
     # a retry re-sends the body: buffered up to the largest allowed body
@@ -52,9 +53,15 @@ def _wrap_tls(text: str, values: str = V) -> str:
     lines = text.splitlines()
     out: list[str] = []
     i = 0
+    matches_indent = -1  # inside transport_socket_matches (the plaintext health socket): kept
     while i < len(lines):
         line = lines[i]
-        if line.strip() == "transport_socket:":
+        indent = len(line) - len(line.lstrip())
+        if matches_indent >= 0 and indent <= matches_indent and not line.lstrip().startswith("- "):
+            matches_indent = -1
+        if line.strip() == "transport_socket_matches:":
+            matches_indent = indent
+        if line.strip() == "transport_socket:" and matches_indent < 0:
             indent = len(line) - len(line.lstrip())
             block = [line]
             i += 1
@@ -73,6 +80,7 @@ def rendered() -> str:
         listen_port=LISTEN_PORT,
         epp_host=EPP_HOST,
         epp_port=EPP_PORT,
+        epp_health_ports=[EPP_HEALTH_PORT],
         failure_mode="FailOpen",
         admin_port=19000,
         epp_tls=True,
@@ -94,7 +102,7 @@ def rendered() -> str:
 POOLS_TARGET = ROOT / "charts" / "kvgate" / "files" / "envoy-pools.yaml"
 PV = "$.Values.envoyGateway"
 POOL_LABEL = "kvgatepoolsentinel"
-P_EPP_HOST, P_EPP_PORT = "kvgate-pools-epp-host.sentinel.invalid", 31012
+P_EPP_HOST, P_EPP_PORT, P_EPP_HEALTH_PORT = "kvgate-pools-epp-host.sentinel.invalid", 31012, 31013
 P_ENGINE_HOST, P_ENGINE_PORT = "kvgate-pools-engine-host.sentinel.invalid", 31014
 ROUTER_HOST, ROUTER_PORT = "kvgate-model-router-host.sentinel.invalid", 31015
 PER_POOL_LISTS = ("clusters:", "routes:")
@@ -105,6 +113,7 @@ POOL_SUBSTITUTIONS = {
     # default: the chart's headless Service of the pool's engine pods
     P_ENGINE_HOST: '{{ $p.engineAddress | default (printf "%s-engines.%s.svc" $p.name $.Release.Namespace) }}',
     f"port_value: {P_EPP_PORT}": f"port_value: {{{{ $p.eppPort | default {PV}.eppPort }}}}",
+    f"port_value: {P_EPP_HEALTH_PORT}": f"port_value: {{{{ $p.eppHealthPort | default {PV}.eppHealthPort }}}}",
     f"port_value: {P_ENGINE_PORT}": f"port_value: {{{{ $p.enginePort | default {PV}.enginePort }}}}",
     # default: the chart's headless Service of the model router pods
     ROUTER_HOST: f'{{{{ {PV}.modelRouter.address | default (printf "%s-model-router.%s.svc" '
@@ -170,7 +179,14 @@ def rendered_pools() -> str:
         epp_tls=True,
         listen_host="0.0.0.0",
         limits=GatewayLimits(max_request_body_bytes=MAX_BODY),
-        pools=[PoolGateway(POOL_LABEL, [f"{P_EPP_HOST}:{P_EPP_PORT}"], [f"{P_ENGINE_HOST}:{P_ENGINE_PORT}"])],
+        pools=[
+            PoolGateway(
+                POOL_LABEL,
+                [f"{P_EPP_HOST}:{P_EPP_PORT}"],
+                [f"{P_ENGINE_HOST}:{P_ENGINE_PORT}"],
+                epp_health_ports=[P_EPP_HEALTH_PORT],
+            )
+        ],
         model_router_addresses=[f"{ROUTER_HOST}:{ROUTER_PORT}"],
     )
     text = _range_over_pools(yaml.safe_dump(boot, sort_keys=False, width=10_000))

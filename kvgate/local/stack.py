@@ -307,7 +307,12 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         for pool in cfg.layout():
             engines = [f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines]
             epps = [f"{LOOPBACK}:{p.epps[r].grpc}" for r in pool.epps]
-            pools.append(PoolGateway(str(pool.name), epps, engines, engines if fail_open else None))
+            health = [p.epps[r].health for r in pool.epps]
+            pools.append(
+                PoolGateway(
+                    str(pool.name), epps, engines, engines if fail_open else None, epp_health_ports=health
+                )
+            )
         return build_bootstrap(
             **common,
             epp_health_check=cfg.epp_replicas > len(cfg.pools),  # as below, per pool
@@ -317,6 +322,7 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
     return build_bootstrap(
         **common,
         epp_addresses=[f"{LOOPBACK}:{e.grpc}" for e in p.epps],
+        epp_health_ports=[e.health for e in p.epps],
         # Several replicas: health checks and outlier ejection take a dead or frozen one out of
         # rotation. One replica: they could only fail over to nothing, and on a busy laptop a
         # single 1 s miss would mark it unhealthy and fail requests with empty 500s.

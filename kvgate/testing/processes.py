@@ -273,9 +273,14 @@ def envoy_argv(config_path: Path) -> list[str]:
     ]
 
 
-def start_envoy(log_dir: Path, epp_port: int, **kwargs: Any) -> Envoy:
-    """Envoy in front of the EPP, its bootstrap from ``kvgate.epp.envoy_config.build_bootstrap``."""
+def start_envoy(log_dir: Path, epp_port: int, epp_health_port: int | None = None, **kwargs: Any) -> Envoy:
+    """Envoy in front of the EPP, its bootstrap from ``kvgate.epp.envoy_config.build_bootstrap``.
+    ``epp_health_port``: health-check the EPP there (its threaded gRPC health port, as the chart
+    and `kvgate up` do) rather than on its ext_proc port."""
     from kvgate.epp.envoy_config import build_bootstrap
+
+    if epp_health_port is not None:
+        kwargs.setdefault("epp_health_ports", [epp_health_port])
 
     port, admin = free_ports(2)
     # tests read which engine answered; the attack suite asks for the default (hidden) instead
@@ -314,7 +319,7 @@ def gateway_stack(
             e.wait_ready()
         epp = start_epp(log_dir, started, *epp_args, secure=epp_secure)
         procs.append(epp.proc)
-        envoy = start_envoy(log_dir, epp.grpc_port, **envoy_kwargs)
+        envoy = start_envoy(log_dir, epp.grpc_port, epp.health_port, **envoy_kwargs)
         procs.append(envoy.proc)
         wait_gateway(epp, envoy)
         yield started, epp, envoy

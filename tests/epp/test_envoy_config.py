@@ -192,6 +192,37 @@ def test_several_epp_replicas_are_health_checked_hosts() -> None:
     assert epp["health_checks"] and epp["outlier_detection"]
 
 
+@pytest.mark.parametrize("tls", [False, True])
+def test_epp_replicas_are_health_checked_on_their_health_ports_in_plaintext(tls: bool) -> None:
+    cfg = build_bootstrap(
+        10000,
+        "127.0.0.1",
+        0,
+        epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"],
+        epp_health_ports=[9003, 9013],
+        epp_tls=tls,
+    )
+    epp = {c["name"]: c for c in cfg["static_resources"]["clusters"]}["epp"]
+    endpoints = [e["endpoint"] for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert [e["address"]["socket_address"]["port_value"] for e in endpoints] == [9002, 9012]
+    assert [e["health_check_config"]["port_value"] for e in endpoints] == [9003, 9013]
+    (check,) = epp["health_checks"]
+    (match,) = epp["transport_socket_matches"]
+    assert check["transport_socket_match_criteria"] == match["match"]
+    assert match["transport_socket"]["name"] == "envoy.transport_sockets.raw_buffer"
+    assert ("transport_socket" in epp) == tls  # the ext_proc streams keep their TLS
+    # an overloaded EPP's streams wait, they do not overflow Envoy's default 1,024
+    (limits,) = epp["circuit_breakers"]["thresholds"]
+    assert limits["max_requests"] == limits["max_pending_requests"] == 65536
+
+
+def test_a_health_port_per_epp_address() -> None:
+    with pytest.raises(ValueError, match="one port"):
+        build_bootstrap(10000, "127.0.0.1", 0, epp_addresses=["127.0.0.1:9002"], epp_health_ports=[1, 2])
+    with pytest.raises(ValueError, match="one port"):
+        build_bootstrap(10000, "127.0.0.1", 9002, epp_health_ports=[0])
+
+
 def test_bad_failure_mode() -> None:
     with pytest.raises(ValueError, match="FailOpen or FailClose"):
         build_bootstrap(1, "127.0.0.1", 2, "Sometimes")
