@@ -315,3 +315,58 @@ def test_grpclib_internals_the_bounded_receive_uses() -> None:
     assert "self._stream = stream" in source and "self._codec = codec" in source
     assert "self._recv_type = recv_type" in source
     assert inspect.iscoroutinefunction(H2Stream.recv_data)
+
+
+async def test_grpclib_server_allows_as_many_streams_as_envoy_may_open(engine: str) -> None:
+    """h2's default is 100 streams a connection, and one HEADERS frame over it made grpclib close
+    the connection with every stream on it: the server's first SETTINGS says 65,536, and 150
+    streams open at once on one connection are all served."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+    from h2.settings import SettingCodes
+
+    from kvgate.epp.grpclib_server import MAX_CONCURRENT_STREAMS
+
+    server = await started(engine, "grpclib")
+    try:
+        raw = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        raw.initiate_connection()
+        loop = asyncio.get_running_loop()
+        with socket.create_connection(("127.0.0.1", server.grpc_port)) as sock:
+            sock.setblocking(False)
+            await loop.sock_sendall(sock, raw.data_to_send())
+            events = raw.receive_data(await loop.sock_recv(sock, 65535))
+            changed = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged))
+            assert (
+                changed.changed_settings[SettingCodes.MAX_CONCURRENT_STREAMS].new_value
+                == MAX_CONCURRENT_STREAMS
+            )
+            assert MAX_CONCURRENT_STREAMS >= 1024  # Envoy's default circuit breaker, at least
+            head = [(":method", "POST"), (":scheme", "http"), (":path", CHECK), (":authority", "epp"),
+                    ("content-type", "application/grpc"), ("te", "trailers")]  # fmt: skip
+            request = health_pb2.HealthCheckRequest(service="").SerializeToString()
+            ids: list[int] = []
+            for _ in range(150):
+                sid = raw.get_next_available_stream_id()
+                raw.send_headers(sid, head)
+                ids.append(sid)
+            for sid in ids:
+                raw.send_data(sid, b"\x00" + len(request).to_bytes(4, "big") + request, end_stream=True)
+            await loop.sock_sendall(sock, raw.data_to_send())
+            ended: set[int] = set()
+            async with asyncio.timeout(20):
+                while len(ended) < 150:
+                    data = await loop.sock_recv(sock, 65535)
+                    assert data, "the server closed the connection"
+                    for event in raw.receive_data(data):
+                        assert not isinstance(
+                            event, h2.events.ConnectionTerminated | h2.events.StreamReset
+                        ), event
+                        if isinstance(event, h2.events.StreamEnded):
+                            ended.add(event.stream_id)
+                    await loop.sock_sendall(sock, raw.data_to_send())
+    finally:
+        await server.stop()
