@@ -2,7 +2,7 @@
 # `make images` builds the engine (FLAVOR=auto: cpu where the CPU torch wheel is on local disk, else
 # cuda, PyPI's torch, which runs on a CPU too), EPP and operator
 # images into dist/images/*.oci.tar; `make images-test` runs them (pytest -m images).
-.PHONY: setup up test lint images images-test
+.PHONY: setup up test lint images images-test cluster
 
 setup:
 	@scripts/setup.sh
@@ -23,3 +23,8 @@ images:
 
 images-test: setup
 	@FLAVOR=$(FLAVOR) .venv/bin/pytest tests/images -m images -p no:cacheprovider
+
+# A real control plane (etcd, kube-apiserver, controller-manager, scheduler) on 127.0.0.1, built
+# from Go modules on first use (tools/cluster, ~11 min cold): prints `cluster ready`; Ctrl-C stops.
+cluster: setup
+	@scripts/cluster.sh

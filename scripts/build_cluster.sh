@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Build a pinned Kubernetes control plane (kube-apiserver, kube-controller-manager,
+# kube-scheduler) and etcd from Go modules (tools/cluster), into a cache outside
+# the repo keyed by a hash of the build inputs.
+#
+#   scripts/build_cluster.sh          # prints progress, last line = bin directory
+#   BIN=$(scripts/build_cluster.sh | tail -n1)
+#   scripts/build_cluster.sh --cached # the bin directory if already built, else exit 3
+#
+# Output: ${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}/<hash>/bin/ with one
+# multi-call binary (kvgate-cluster) and symlinks kube-apiserver,
+# kube-controller-manager, kube-scheduler, etcd pointing at it.
+# A cache hit is a no-op. Only the Go module proxy is needed (GOMODCACHE stays
+# at its default, outside the repo). Honours GOFLAGS; uses -mod=vendor when
+# tools/cluster/vendor exists, else -mod=readonly unless GOFLAGS sets -mod.
+set -euo pipefail
+
+SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+ROOT="$(cd "$(dirname "$SCRIPT")/.." && pwd)"
+MOD_DIR="$ROOT/tools/cluster"
+CACHE="${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}"
+COMMANDS=(kube-apiserver kube-controller-manager kube-scheduler etcd)
+NICE=(nice -n 10)
+
+START=$SECONDS
+log() { echo "cluster-build: [$((SECONDS - START))s] $*" >&2; }
+die() { echo "cluster-build: error: $*" >&2; exit 1; }
+
+command -v go >/dev/null 2>&1 ||
+  die "'go' not found in PATH; install Go >= 1.26 (the module in tools/cluster needs it)"
+[ -f "$MOD_DIR/go.mod" ] || die "$MOD_DIR/go.mod not found"
+command -v sha256sum >/dev/null 2>&1 || die "'sha256sum' not found in PATH"
+# Run inside the module so a GOTOOLCHAIN switch (go.mod says go 1.26.0) is seen.
+GO_VERSION="$(cd "$MOD_DIR" && go version)" || die "'go version' failed in $MOD_DIR"
+
+# Versions come from the wrapper module's go.mod (single source of truth).
+K8S_VERSION="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' "$MOD_DIR/go.mod")"
+[[ "$K8S_VERSION" =~ ^v([0-9]+)\.([0-9]+)\.[0-9]+ ]] ||
+  die "cannot read the k8s.io/kubernetes version from $MOD_DIR/go.mod"
+K8S_MAJOR="${BASH_REMATCH[1]}"
+K8S_MINOR="${BASH_REMATCH[2]}"
+
+# Cache key: go.mod, go.sum, *.go, this script and `go version`.
+HASH="$(
+  cd "$MOD_DIR"
+  {
+    for f in go.mod go.sum $(find . -name '*.go' -not -path './vendor/*' | LC_ALL=C sort); do
+      [ -f "$f" ] || continue
+      printf '%s\n' "$f"
+      sha256sum <"$f"
+    done
+    printf 'script\n'
+    sha256sum <"$SCRIPT"
+    printf '%s\n' "$GO_VERSION"
+  } | sha256sum | cut -c1-16
+)"
+OUT="$CACHE/$HASH"
+
+complete() {
+  [ -x "$1/bin/kvgate-cluster" ] || return 1
+  local c
+  for c in "${COMMANDS[@]}"; do [ -x "$1/bin/$c" ] || return 1; done
+}
+
+if complete "$OUT"; then
+  log "cache hit ($K8S_VERSION, key $HASH)"
+  echo "$OUT/bin"
+  exit 0
+fi
+if [ "${1:-}" = "--cached" ]; then
+  log "not built yet (key $HASH)"
+  exit 3
+fi
+
+mkdir -p "$CACHE"
+TMP="$(mktemp -d "$CACHE/.build-$HASH.XXXXXX")"
+trap 'rm -rf "$TMP"' EXIT
+chmod 755 "$TMP" # mktemp -d makes it 0700
+mkdir -p "$TMP/bin"
+
+MODFLAG=()
+if [ -d "$MOD_DIR/vendor" ]; then
+  MODFLAG=(-mod=vendor)
+elif [[ " ${GOFLAGS:-} " != *" -mod="* ]]; then
+  MODFLAG=(-mod=readonly)
+fi
+
+cd "$MOD_DIR"
+if [ "${MODFLAG[*]}" != "-mod=vendor" ]; then
+  log "downloading modules (k8s.io/kubernetes $K8S_VERSION; module cache $(go env GOMODCACHE))"
+  "${NICE[@]}" go mod download ||
+    die "go mod download failed (is the Go module proxy reachable? GOPROXY=$(go env GOPROXY))"
+fi
+
+LDFLAGS="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  LDFLAGS+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$K8S_MAJOR -X $pkg.gitMinor=$K8S_MINOR"
+  LDFLAGS+=" -X $pkg.gitTreeState=clean"
+done
+
+log "building kvgate-cluster = ${COMMANDS[*]} ($K8S_VERSION, CGO_ENABLED=0; a cold build takes a while)"
+CGO_ENABLED=0 "${NICE[@]}" go build "${MODFLAG[@]}" -buildvcs=false -trimpath \
+  -ldflags "$LDFLAGS" -o "$TMP/bin/kvgate-cluster" . ||
+  die "go build failed"
+
+for c in "${COMMANDS[@]}"; do ln -s kvgate-cluster "$TMP/bin/$c"; done
+
+log "checking versions"
+got="$("$TMP/bin/kube-apiserver" --version)" || die "kube-apiserver --version failed"
+[ "$got" = "Kubernetes $K8S_VERSION" ] ||
+  die "kube-apiserver --version printed '$got', expected 'Kubernetes $K8S_VERSION'"
+etcd_version="$("$TMP/bin/etcd" --version | awk '/^etcd Version:/ {print $3}')" ||
+  die "etcd --version failed"
+[ -n "$etcd_version" ] || die "etcd --version printed no version"
+
+{
+  echo "key=$HASH"
+  echo "kubernetes=$K8S_VERSION"
+  echo "etcd=$etcd_version"
+  echo "go=$GO_VERSION"
+} >"$TMP/BUILDINFO"
+
+# Atomic publish: rename the finished tree into place. If a concurrent build
+# got there first, keep theirs.
+if ! mv -T "$TMP" "$OUT" 2>/dev/null; then
+  complete "$OUT" || die "could not move $TMP to $OUT"
+fi
+trap - EXIT
+rm -rf "$TMP"
+
+log "done: kubernetes $K8S_VERSION, etcd $etcd_version"
+echo "$OUT/bin"

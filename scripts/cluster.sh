@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# `make cluster`: a real Kubernetes control plane on 127.0.0.1, in the foreground, built from Go
+# modules (scripts/build_cluster.sh, cached): etcd, kube-apiserver (RBAC, ServiceAccount tokens it
+# signs, the default admission plugins with Pod Security on), kube-controller-manager (garbage
+# collector, Deployment/ReplicaSet, HPA, ...) and kube-scheduler. No nodes yet: pods stay Pending.
+#
+#   scripts/cluster.sh              # builds what is missing, starts, prints "cluster ready"
+#   KVGATE_CLUSTER_DIR=DIR          # state and kubeconfig (default .cluster, git-ignored)
+#   KVGATE_CLUSTER_API_PORT=PORT    # the API server's port (default: a free one)
+#
+# The kubeconfig is DIR/kubeconfig (user kvgate-admin, group system:masters). Ctrl-C or SIGTERM
+# stops every process and removes DIR. Nothing listens beyond 127.0.0.1; the service and pod IP
+# ranges are bookkeeping only, never dialled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DIR=${KVGATE_CLUSTER_DIR:-.cluster}
+say() { printf '\033[1mcluster:\033[0m %s\n' "$*"; }
+die() {
+    printf '\033[1mcluster: error:\033[0m %s\n' "$*" >&2
+    exit 1
+}
+
+command -v openssl >/dev/null || die "openssl not found (Debian package 'openssl')"
+BIN=$(scripts/build_cluster.sh 2> >(sed 's/^/  /' >&2) | tail -n1) || die "building the control plane failed"
+[[ -x $BIN/kube-apiserver ]] || die "no kube-apiserver in '$BIN'"
+
+free_ports() {
+    python3 - "$1" <<'PY'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+PY
+}
+read -r ETCD_PORT ETCD_PEER FREE_API CM_PORT SCHED_PORT <<<"$(free_ports 5)"
+API_PORT=${KVGATE_CLUSTER_API_PORT:-$FREE_API}
+
+if [[ -e $DIR/pids ]]; then
+    die "$DIR holds a running cluster (or a stale one): stop it, or remove $DIR"
+fi
+rm -rf "$DIR"
+mkdir -p "$DIR"/{pki,etcd,logs}
+DIR=$(cd "$DIR" && pwd)
+PIDS=()
+alive() { [[ -r /proc/$1/stat ]] && [[ $(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) != Z ]]; }
+cleanup() {
+    trap - EXIT INT TERM
+    local pid
+    # newest first, etcd last: an API server that outlives etcd retries for minutes
+    for pid in "${PIDS[@]}"; do
+        kill -TERM "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+    done
+    rm -rf "$DIR"
+    say "stopped"
+}
+failed() { # what log
+    printf '\033[1mcluster: error:\033[0m %s; the end of %s:\n' "$1" "$2" >&2
+    tail -n 25 "$2" >&2 || true
+    exit 1
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ServiceAccount token signing key, and bearer tokens for the admin and the two controllers
+# (RBAC's bootstrap roles bind system:kube-controller-manager and system:kube-scheduler).
+openssl genrsa -out "$DIR/pki/sa.key" 2048 2>/dev/null
+openssl rsa -in "$DIR/pki/sa.key" -pubout -out "$DIR/pki/sa.pub" 2>/dev/null
+token() { openssl rand -hex 24; }
+ADMIN_TOKEN=$(token)
+CM_TOKEN=$(token)
+SCHED_TOKEN=$(token)
+cat >"$DIR/pki/tokens.csv" <<EOF
+$ADMIN_TOKEN,kvgate-admin,kvgate-admin,"system:masters"
+$CM_TOKEN,system:kube-controller-manager,system:kube-controller-manager
+$SCHED_TOKEN,system:kube-scheduler,system:kube-scheduler
+EOF
+chmod 600 "$DIR/pki/"*
+
+kubeconfig() { # file token
+    cat >"$1" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: kvgate
+  cluster:
+    server: https://127.0.0.1:$API_PORT
+    certificate-authority: $DIR/pki/apiserver/apiserver.crt
+contexts:
+- name: kvgate
+  context: {cluster: kvgate, user: user, namespace: default}
+current-context: kvgate
+users:
+- name: user
+  user: {token: $2}
+EOF
+    chmod 600 "$1"
+}
+
+started() { # name pid
+    PIDS=("$2" "${PIDS[@]}")
+    say "$1 started (pid $2, log $DIR/logs/$1.log)"
+}
+
+"$BIN/etcd" --name kvgate --data-dir "$DIR/etcd" \
+    --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+    --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
+    --initial-cluster "kvgate=http://127.0.0.1:$ETCD_PEER" --listen-metrics-urls "" \
+    >"$DIR/logs/etcd.log" 2>&1 &
+started etcd $!
+
+# --endpoint-reconciler-type none: the default reconciler refuses a loopback advertise address.
+"$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
+    --cert-dir "$DIR/pki/apiserver" --endpoint-reconciler-type none \
+    --service-account-issuer https://kubernetes.default.svc.cluster.local \
+    --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
+    --service-cluster-ip-range 10.96.0.0/16 --authorization-mode Node,RBAC \
+    --token-auth-file "$DIR/pki/tokens.csv" \
+    >"$DIR/logs/kube-apiserver.log" 2>&1 &
+started kube-apiserver $!
+
+for _ in $(seq 1 300); do
+    [[ -s $DIR/pki/apiserver/apiserver.crt ]] && break
+    sleep 0.2
+done
+kubeconfig "$DIR/kubeconfig" "$ADMIN_TOKEN"
+kubeconfig "$DIR/controller-manager.kubeconfig" "$CM_TOKEN"
+kubeconfig "$DIR/scheduler.kubeconfig" "$SCHED_TOKEN"
+
+KUBECTL=(kubectl --kubeconfig "$DIR/kubeconfig")
+[[ -x .tools/bin/kubectl ]] && KUBECTL[0]=.tools/bin/kubectl
+ready=""
+for _ in $(seq 1 600); do
+    if "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; then ready=1 && break; fi
+    for pid in "${PIDS[@]}"; do
+        alive "$pid" || failed "a component exited before the API server was ready" "$(ls -t "$DIR"/logs/*.log | head -1)"
+    done
+    sleep 0.2
+done
+[[ -n $ready ]] || failed "the API server was not ready within 120 s" "$DIR/logs/kube-apiserver.log"
+
+"$BIN/kube-controller-manager" --kubeconfig "$DIR/controller-manager.kubeconfig" \
+    --authentication-kubeconfig "$DIR/controller-manager.kubeconfig" \
+    --authorization-kubeconfig "$DIR/controller-manager.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$CM_PORT" --cert-dir "$DIR/pki/controller-manager" \
+    --leader-elect=false --controllers '*' --use-service-account-credentials \
+    --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/apiserver/apiserver.crt" \
+    >"$DIR/logs/kube-controller-manager.log" 2>&1 &
+started kube-controller-manager $!
+
+"$BIN/kube-scheduler" --kubeconfig "$DIR/scheduler.kubeconfig" \
+    --authentication-kubeconfig "$DIR/scheduler.kubeconfig" \
+    --authorization-kubeconfig "$DIR/scheduler.kubeconfig" \
+    --bind-address 127.0.0.1 --secure-port "$SCHED_PORT" --cert-dir "$DIR/pki/scheduler" \
+    --leader-elect=false \
+    >"$DIR/logs/kube-scheduler.log" 2>&1 &
+started kube-scheduler $!
+
+printf '%s\n' "${PIDS[@]}" >"$DIR/pids"
+version=$("${KUBECTL[@]}" version -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])' || echo "?")
+say "cluster ready: Kubernetes $version at https://127.0.0.1:$API_PORT"
+say "  export KUBECONFIG=$DIR/kubeconfig"
+say "  kubectl get namespaces; helm install kvgate charts/kvgate   (.tools/bin has both)"
+say "Ctrl-C stops it and removes $DIR"
+while true; do
+    for pid in "${PIDS[@]}"; do
+        alive "$pid" || failed "a component (pid $pid) exited; stopping everything" "$(ls -t "$DIR"/logs/*.log | head -1)"
+    done
+    sleep 1
+done

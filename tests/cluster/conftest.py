@@ -1,0 +1,132 @@
+"""A real control plane for the cluster tests: `scripts/cluster.sh` (etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler built from Go modules) started once per session.
+
+The build is cold-expensive (about 11 minutes of Go on 2 cores, then cached): `make test` runs
+these tests when it is cached (`make cluster` once builds it) and CI always builds it first
+(scripts/test.sh). Without the build they are skipped, and the skip says how to get it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOLS = ROOT / ".tools" / "bin"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("CI") == "true":
+        return
+    built = (
+        subprocess.run([ROOT / "scripts" / "build_cluster.sh", "--cached"], capture_output=True).returncode
+        == 0
+    )
+    if built:
+        return
+    skip = pytest.mark.skip(
+        reason="the control plane is not built yet: `make cluster` builds it once (~11 min)"
+    )
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            item.add_marker(skip)
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    proc: subprocess.Popen[str]
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "HELM_CACHE_HOME": str(self.kubeconfig.parent / "helm"),
+        }
+
+    def kubectl(
+        self, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [str(TOOLS / "kubectl"), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=120,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {done.stderr.strip()[-3000:]}")
+        return done
+
+    def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(
+            [str(TOOLS / "helm"), *args],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=300,
+            cwd=ROOT,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed: {done.stderr.strip()[-3000:]}")
+        return done
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed for the control plane's keys (Debian package 'openssl')")
+    state = tmp_path_factory.mktemp("cluster") / "state"
+    log = state.parent / "cluster.log"
+    out = log.open("w")
+    proc = subprocess.Popen(
+        [ROOT / "scripts" / "cluster.sh"],
+        env={**os.environ, "KVGATE_CLUSTER_DIR": str(state)},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    # a cold build in CI takes ~11 min on 2 cores; a cached start ~10 s
+    deadline = time.monotonic() + 1500
+    while "cluster ready" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"scripts/cluster.sh did not get ready:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    cluster = Cluster(state / "kubeconfig", proc)
+    try:
+        yield cluster
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out.close()
+        assert not state.exists(), "scripts/cluster.sh left its state behind"
+
+
+def wait_for(what: str, check: Any, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: not within {timeout} s (last: {last!r})")
