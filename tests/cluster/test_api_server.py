@@ -11,6 +11,9 @@ watches across an API-server restart, and the HPA controller against a metrics A
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -217,6 +220,74 @@ def test_the_operators_service_account_may_write_every_child(installed: Cluster,
                            ("list", "pods"), ("create", "events"), ("patch", "deployments.apps")]:  # fmt: skip
         can = installed.kubectl("auth", "can-i", verb, resource, "-n", "models", "--as", who, check=False)
         assert can.stdout.strip() == "yes", (verb, resource, can.stdout, can.stderr)
+
+
+def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
+    installed: Cluster, tmp_path: Path
+) -> None:
+    """`kvgate operator run` as the chart runs it, logged in with a token the API server issued
+    for the chart's ServiceAccount (TokenRequest): no permission beyond the chart's ClusterRole."""
+    sa = installed.get("serviceaccounts", "-n", NS)["items"]
+    name = next(a["metadata"]["name"] for a in sa if a["metadata"]["name"] != "default")
+    token = installed.kubectl("create", "token", name, "-n", NS, "--duration", "1h").stdout.strip()
+    admin = yaml.safe_load(installed.kubeconfig.read_text())
+    admin["users"] = [{"name": "user", "user": {"token": token}}]
+    kubeconfig = tmp_path / "operator.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(admin))
+    log = tmp_path / "operator.log"
+    kvgate = Path(sys.executable).parent / "kvgate"
+    argv = [str(kvgate), "operator", "run", "--all-namespaces", "--resync-seconds=2", "--liveness-port=0"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            argv, env={**os.environ, "KUBECONFIG": str(kubeconfig)}, stdout=out, stderr=out
+        )
+    ns, md_name = "ops", "chat"
+    try:
+        installed.kubectl("create", "namespace", ns, check=False)
+        md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment",
+              "metadata": {"name": md_name, "namespace": ns},
+              "spec": {"model": {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct"}, "replicas": 2}}  # fmt: skip
+        installed.kubectl("apply", "-f", "-", stdin=json.dumps(md))
+        selector = f"kvgate.dev/model-deployment={md_name}"
+        kinds = "deployments,services,serviceaccounts,configmaps,roles,rolebindings,poddisruptionbudgets,networkpolicies,inferencepools"
+
+        def children() -> dict[str, int]:
+            items = installed.get(kinds, "-n", ns, "-l", selector)["items"]
+            counts: dict[str, int] = {}
+            for item in items:
+                counts[item["kind"]] = counts.get(item["kind"], 0) + 1
+            return counts
+
+        def reconciled() -> dict[str, int] | None:
+            got = children()
+            wanted = {"Deployment", "Service", "InferencePool", "Role", "RoleBinding", "ServiceAccount",
+                      "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}  # fmt: skip
+            return got if wanted <= set(got) else None
+
+        got = wait_for("the operator's children", reconciled, 90)
+        assert got["Deployment"] >= 2, got  # the engines and the EPP
+
+        def conditions() -> dict[str, str]:
+            status = installed.get("modeldeployment", md_name, "-n", ns).get("status") or {}
+            return {c["type"]: c["status"] for c in status.get("conditions", [])}
+
+        # no nodes: the engines never become Ready, and the status says so
+        assert "Ready" in wait_for("status conditions", conditions, 60)
+        engine = installed.get("deployment", md_name, "-n", ns)
+        assert engine["spec"]["replicas"] == 2
+        # deleting the ModelDeployment leaves nothing: the GC takes the children, no finalizer sticks
+        installed.kubectl("delete", "modeldeployment", md_name, "-n", ns, "--timeout=60s")
+        wait_for("every child garbage-collected", lambda: not children(), 90)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode is not None
+    assert "Forbidden" not in text and " 403" not in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
 
 
 def test_the_chart_upgrades_and_uninstalls_cleanly(installed: Cluster) -> None:
