@@ -10,9 +10,14 @@ ruff check .
 ruff format --check .
 echo "== mypy"
 scripts/typecheck.sh
-# The real control plane the cluster tests run against: CI builds it (a cold Go build, ~11 min
-# on 2 cores, cached after); elsewhere those tests run once `make cluster` has built it.
+# CI also builds what a user deploys and what the cluster tests run against (elsewhere: `make
+# images && make images-test`, and `make cluster` once). Cold on 2 cores: the images ~10 min and
+# their smoke tests ~1.5 min (the engine image would have crashed at start, and nothing noticed),
+# the control plane's Go build ~11 min; both are cached on the machine after.
 if [[ ${CI:-} == true ]]; then
+    echo "== images (scripts/images.sh) and their smoke tests"
+    scripts/images.sh
+    pytest tests/images -m images -p no:cacheprovider
     echo "== control plane (scripts/build_cluster.sh)"
     scripts/build_cluster.sh >/dev/null
 fi
