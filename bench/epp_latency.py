@@ -405,35 +405,9 @@ _COMPLETION = json.dumps(
 def _upstream_stub(port: int) -> None:
     """A zero-latency OpenAI-shaped upstream with vLLM metrics: isolates what Envoy and the EPP
     add (the simulated engine's own request handling costs milliseconds on a busy 2-core host)."""
-    metrics = (
-        b'vllm:num_requests_waiting{model_name="default"} 0\n'
-        b'vllm:num_requests_running{model_name="default"} 0\n'
-        b'vllm:kv_cache_usage_perc{model_name="default"} 0.0\n'
-    )
+    from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                if length:
-                    await reader.readexactly(length)
-                if head.startswith(b"GET /metrics"):
-                    body, ctype = metrics, b"text/plain"
-                elif head.startswith(b"GET"):
-                    body, ctype = b"{}", b"application/json"
-                else:
-                    body, ctype = _COMPLETION, b"application/json"
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                    % (ctype, len(body), body)
-                )
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
+    serve = stub_handler(vllm_metrics("default"), _COMPLETION)
 
     async def main() -> None:
         server = await asyncio.start_server(serve, "127.0.0.1", port)

@@ -28,15 +28,10 @@ from kvgate.epp.scheduling import config as scheduling_config
 from kvgate.epp.scheduling.framework import SchedulingContext
 from kvgate.epp.server import EppServer, ServerSettings
 from kvgate.testing.processes import Envoy, start_envoy, stop_all
+from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
 
 BLOCK_S = 0.02  # every pick holds the EPP's event loop this long: 50 picks/s at most
 REQUESTS = 250  # at once: 5 s of picks queued, past Envoy's 1 s health-check timeout twice over
-METRICS = (
-    b'vllm:num_requests_waiting{model_name="m"} 0\n'
-    b'vllm:num_requests_running{model_name="m"} 0\n'
-    b'vllm:kv_cache_usage_perc{model_name="m"} 0.0\n'
-)
-COMPLETION = json.dumps({"id": "x", "object": "text_completion", "choices": [{"text": "ok"}]}).encode()
 
 
 @dataclass
@@ -58,24 +53,10 @@ def engine() -> Iterator[str]:
     ready = threading.Event()
     address: list[str] = []
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":", 1)[1])
-                if length:
-                    await reader.readexactly(length)
-                body = METRICS if head.startswith(b"GET /metrics") else COMPLETION
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            writer.close()
-
     def run() -> None:
-        server = loop.run_until_complete(asyncio.start_server(answer, "127.0.0.1", 0))
+        server = loop.run_until_complete(
+            asyncio.start_server(stub_handler(vllm_metrics("m")), "127.0.0.1", 0)
+        )
         address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
         ready.set()
         loop.run_forever()

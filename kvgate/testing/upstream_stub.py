@@ -1,0 +1,61 @@
+"""A zero-latency engine stand-in on keep-alive HTTP/1.1: vLLM's load gauges on GET /metrics, `{}`
+on other GETs, a fixed OpenAI-shaped completion on every POST. For measuring or starving what
+sits in front of engines (Envoy, the EPP) without an engine's own cost in the way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def vllm_metrics(model: str) -> bytes:
+    """An idle engine's gauges, as the EPP's scraper reads them."""
+    return (
+        f'vllm:num_requests_waiting{{model_name="{model}"}} 0\n'
+        f'vllm:num_requests_running{{model_name="{model}"}} 0\n'
+        f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0\n'
+    ).encode()
+
+
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-stub",
+        "object": "text_completion",
+        "model": "default",
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+
+
+def stub_handler(metrics: bytes, completion: bytes = COMPLETION) -> Handler:
+    """The asyncio.start_server callback serving one connection's requests until it closes."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                if length:
+                    await reader.readexactly(length)
+                if head.startswith(b"GET /metrics"):
+                    body, ctype = metrics, b"text/plain"
+                elif head.startswith(b"GET"):
+                    body, ctype = b"{}", b"application/json"
+                else:
+                    body, ctype = completion, b"application/json"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                    % (ctype, len(body), body)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    return serve
