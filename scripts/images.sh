@@ -155,7 +155,7 @@ build_image() {
     archive=$(archive_of "$name")
     log=$OUT/logs/$name.log
     local args=(--layers --pull=never --network host --build-arg "BASE_IMAGE=$BASE_REF"
-        -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore" -t "$ref")
+        -f "docker/$name.Dockerfile" --ignorefile "docker/$name.Dockerfile.dockerignore")
     if [[ $name == engine ]]; then
         args+=(--build-arg "FLAVOR=$FLAVOR" --build-arg "TORCH_VERSION=$TORCH_VERSION")
         [[ $FLAVOR == cpu ]] && stage_cpu_torch
@@ -169,7 +169,7 @@ build_image() {
     started=$(date +%s)
     say "$name: building $ref from docker/$name.Dockerfile (log: $log)"
     set +e
-    nice -n 10 buildah bud "${args[@]}" . 2>&1 | while IFS= read -r line; do
+    nice -n 10 buildah bud "${args[@]}" -t "$ref" . 2>&1 | while IFS= read -r line; do
         printf '%s\n' "$line" >>"$log"
         if [[ $line =~ ^(\[[0-9]+/[0-9]+\]\ )?STEP\ [0-9]+/[0-9]+: ]]; then
             say "$name: ${line:0:120}"
@@ -191,6 +191,12 @@ build_image() {
         die "$name image: failed at ${step:0:160}$hint; full log: $log"
     fi
     rm -f "$log.step"
+    # The build stage tagged too (every step already cached: seconds), so the untagged-image
+    # cleanup below keeps its step caches (the engine's: torch, several GB) for the next build.
+    local stage_tag=latest
+    [[ $name == engine ]] && stage_tag=$FLAVOR
+    buildah bud "${args[@]}" --target build -t "localhost/kvgate-$name-build:$stage_tag" . >>"$log" 2>&1 ||
+        die "$name image: tagging its build stage failed; see $log"
     say "$name: writing $archive"
     rm -f "$archive.partial"
     buildah push --quiet "$ref" "oci-archive:$archive.partial:$ref" >>"$log" 2>&1 ||
@@ -206,8 +212,8 @@ ensure_tools
 t0=$(date +%s)
 ensure_base
 for name in "${images[@]}"; do build_image "$name"; done
-# An image a rebuild replaced, and each finished build stage, is left untagged (dangling): ~11 GB
-# a rebuild of the three. The step caches (--layers) are intermediate images and stay.
+# An image a rebuild replaced (final or build stage) is left untagged (dangling): ~11 GB a rebuild
+# of the three. Removing one keeps the step caches the tagged images still build on.
 mapfile -t dangling < <(buildah images --filter dangling=true --quiet 2>/dev/null || true)
 if ((${#dangling[@]})); then
     buildah rmi "${dangling[@]}" >/dev/null 2>&1 || true
