@@ -101,7 +101,15 @@ def test_inference_objectives_and_model_deployments_from_the_examples_are_accept
         ({"model": {"source": "hf://org/model"}, "replicas": -1}, "spec.replicas"),
         ({"model": {"source": "hf://org/model"}, "routing": {"failureMode": "Maybe"}}, "failureMode"),
         ({"model": {"source": "hf://" + "x" * 100_000}}, "spec.model.source"),
+        (
+            {
+                "model": {"source": "hf://org/model"},
+                "adapters": [{"name": f"a{i}", "source": f"hf://org/a{i}"} for i in range(10_000)],
+            },
+            "spec.adapters",
+        ),
     ],
+    ids=["s3-source", "negative-replicas", "failure-mode", "huge-source", "10000-adapters"],
 )
 def test_invalid_model_deployments_are_refused_with_the_field_named(
     crds: Cluster, spec: dict[str, Any], words: str
@@ -114,6 +122,13 @@ def test_invalid_model_deployments_are_refused_with_the_field_named(
     }
     done = crds.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(doc), check=False)
     assert done.returncode != 0 and words in done.stderr, done.stderr[-2000:]
+
+
+def test_an_invalid_name_is_refused_with_the_rule(crds: Cluster) -> None:
+    doc = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "Bad_Name"},
+           "spec": {"model": {"source": "hf://org/model"}}}  # fmt: skip
+    done = crds.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(doc), check=False)
+    assert done.returncode != 0 and "RFC 1123" in done.stderr, done.stderr[-2000:]
 
 
 def test_kubectl_get_prints_the_printer_columns(crds: Cluster) -> None:
