@@ -36,6 +36,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.testing.processes import Envoy
 
 N_ENDPOINTS = 16
 SYSTEM_PROMPTS = [
@@ -507,18 +511,8 @@ _ENVOY_STATS = (
 )
 
 
-def _envoy_counters(admin_port: int) -> dict[str, int]:
-    from kvgate.testing.processes import http_get
-
-    status, body = http_get(f"http://127.0.0.1:{admin_port}/stats?usedonly", timeout=10)
-    out: dict[str, int] = {}
-    if status != 200:
-        return out
-    for line in body.splitlines():
-        name, _, value = line.partition(": ")
-        if any(key in name for key in _ENVOY_STATS) and value.strip().lstrip("-").isdigit():
-            out[name] = int(value)
-    return out
+def _envoy_counters(envoy: Envoy) -> dict[str, int]:
+    return {name: value for name, value in envoy.stats().items() if any(key in name for key in _ENVOY_STATS)}
 
 
 def _counter_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -600,7 +594,7 @@ def bench_latency(
                     stderr=subprocess.STDOUT,
                 )
             envoys = {"epp": envoy, "floor": floor_envoy, "floor_grpcio": grpcio_envoy}
-            before = {name: _envoy_counters(v.admin_port) for name, v in envoys.items()}
+            before = {name: _envoy_counters(v) for name, v in envoys.items()}
             lat = asyncio.run(_open_loop(routes, rate, seconds, body))
             if spy is not None:
                 spy.wait(30)
@@ -608,8 +602,7 @@ def bench_latency(
                 "errors": dict(zip(routes, lat["errors"], strict=True)),
                 "error_causes": lat["causes"],
                 "envoy_counters": {
-                    name: _counter_delta(before[name], _envoy_counters(v.admin_port))
-                    for name, v in envoys.items()
+                    name: _counter_delta(before[name], _envoy_counters(v)) for name, v in envoys.items()
                 },
             }
             for name in routes:

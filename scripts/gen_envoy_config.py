@@ -62,7 +62,6 @@ def _wrap_tls(text: str, values: str = V) -> str:
         if line.strip() == "transport_socket_matches:":
             matches_indent = indent
         if line.strip() == "transport_socket:" and matches_indent < 0:
-            indent = len(line) - len(line.lstrip())
             block = [line]
             i += 1
             while i < len(lines) and len(lines[i]) - len(lines[i].lstrip()) > indent:

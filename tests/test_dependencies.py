@@ -90,10 +90,18 @@ def module_file(module: str) -> Path | None:
 
 
 @dataclass
-class Imports:
+class ThirdParty:
+    third_party: dict[str, bool] = field(default_factory=dict)  # top-level name -> every import guarded
+    where: dict[str, str] = field(default_factory=dict)  # top-level name -> first file:line
+
+    def note(self, top: str, guarded: bool, where: str) -> None:
+        self.third_party[top] = self.third_party.get(top, True) and guarded
+        self.where.setdefault(top, where)
+
+
+@dataclass
+class Imports(ThirdParty):
     kvgate: set[str] = field(default_factory=set)  # kvgate modules (or module.attribute)
-    third_party: dict[str, bool] = field(default_factory=dict)  # top-level name -> guarded
-    where: dict[str, str] = field(default_factory=dict)  # top-level name -> file:line
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -136,24 +144,21 @@ def scan(path: Path, module_level_only: bool) -> Imports:
         top = name.split(".")[0]
         if top in sys.stdlib_module_names or top == "__future__":
             return
-        found.third_party[top] = found.third_party.get(top, True) and guarded
-        found.where.setdefault(top, f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}")
+        found.note(top, guarded, f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}")
 
-    def visit(node: ast.AST, guarded: bool, in_function: bool) -> None:
+    def visit(node: ast.AST, guarded: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             for child in node.orelse:
-                visit(child, guarded, in_function)
+                visit(child, guarded)
             return
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-            if module_level_only:
-                return
-            in_function = True
+        if module_level_only and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            return
         if isinstance(node, ast.Try):
             catches = any(_guards_import_error(h) for h in node.handlers)
             for child in node.body:
-                visit(child, guarded or catches, in_function)
+                visit(child, guarded or catches)
             for child in [*node.handlers, *node.orelse, *node.finalbody]:
-                visit(child, guarded, in_function)
+                visit(child, guarded)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -170,16 +175,14 @@ def scan(path: Path, module_level_only: bool) -> Imports:
             if re.fullmatch(r"kvgate(\.\w+)+", node.value):
                 found.kvgate.add(node.value)
         for child in ast.iter_child_nodes(node):
-            visit(child, guarded, in_function)
+            visit(child, guarded)
 
-    visit(tree, False, False)
+    visit(tree, False)
     return found
 
 
 @dataclass
-class Closure:
-    third_party: dict[str, bool] = field(default_factory=dict)
-    where: dict[str, str] = field(default_factory=dict)
+class Closure(ThirdParty):
     files: set[Path] = field(default_factory=set)
 
 
@@ -216,8 +219,7 @@ def image_closure(image: str) -> Closure:
         found = scan(path, module_level_only=path.is_relative_to(PACKAGE_ROOTS["kvgate"]))
         todo.extend(found.kvgate)
         for top, guarded in found.third_party.items():
-            closure.third_party[top] = closure.third_party.get(top, True) and guarded
-            closure.where.setdefault(top, found.where[top])
+            closure.note(top, guarded, found.where[top])
     return closure
 
 
