@@ -148,6 +148,9 @@ stage_cpu_torch() {
     fi
 }
 
+# The ID an image reference names in buildah's storage, or nothing.
+image_id() { buildah images --quiet --noheading "$1" 2>/dev/null | head -n 1 || true; }
+
 # Runs buildah bud, printing each Dockerfile step as it starts; on failure names the step.
 build_image() {
     local name=$1 ref archive log started step="" rc
@@ -166,6 +169,12 @@ build_image() {
     if [[ -n ${PIP_CERT:-} && -f $PIP_CERT ]]; then
         args+=(--secret "id=pip_ca,src=$(realpath "$PIP_CERT")")
     fi
+    # The build stage is tagged too, so its step caches (the engine's: torch, several GB) outlive
+    # the removal of what this build replaces, below.
+    local stage_tag=latest
+    [[ $name == engine ]] && stage_tag=$FLAVOR
+    local stage_ref="localhost/kvgate-$name-build:$stage_tag" replaced
+    replaced="$(image_id "$ref") $(image_id "$stage_ref")"
     started=$(date +%s)
     say "$name: building $ref from docker/$name.Dockerfile (log: $log)"
     set +e
@@ -191,12 +200,15 @@ build_image() {
         die "$name image: failed at ${step:0:160}$hint; full log: $log"
     fi
     rm -f "$log.step"
-    # The build stage tagged too (every step already cached: seconds), so the untagged-image
-    # cleanup below keeps its step caches (the engine's: torch, several GB) for the next build.
-    local stage_tag=latest
-    [[ $name == engine ]] && stage_tag=$FLAVOR
-    buildah bud "${args[@]}" --target build -t "localhost/kvgate-$name-build:$stage_tag" . >>"$log" 2>&1 ||
+    # every step already cached: seconds
+    buildah bud "${args[@]}" --target build -t "$stage_ref" . >>"$log" 2>&1 ||
         die "$name image: tagging its build stage failed; see $log"
+    # What the tags pointed at before, now untagged: ~11 GB a rebuild of the three if kept.
+    local id kept
+    kept=" $(image_id "$ref") $(image_id "$stage_ref") "
+    for id in $replaced; do
+        [[ $kept == *" $id "* ]] || buildah rmi "$id" >/dev/null 2>&1 || true
+    done
     say "$name: writing $archive"
     rm -f "$archive.partial"
     buildah push --quiet "$ref" "oci-archive:$archive.partial:$ref" >>"$log" 2>&1 ||
@@ -212,13 +224,6 @@ ensure_tools
 t0=$(date +%s)
 ensure_base
 for name in "${images[@]}"; do build_image "$name"; done
-# An image a rebuild replaced (final or build stage) is left untagged (dangling): ~11 GB a rebuild
-# of the three. Removing one keeps the step caches the tagged images still build on.
-mapfile -t dangling < <(buildah images --filter dangling=true --quiet 2>/dev/null || true)
-if ((${#dangling[@]})); then
-    buildah rmi "${dangling[@]}" >/dev/null 2>&1 || true
-    say "removed ${#dangling[@]} untagged images (replaced ones and build stages)"
-fi
 say "all built in $(($(date +%s) - t0)) s (FLAVOR=$FLAVOR):"
 for name in "${images[@]}"; do
     printf '  %-9s %6s  %s  %s\n' "$name" "$(du -h "$(archive_of "$name")" | cut -f1)" "$(archive_of "$name")" "$(ref_of "$name")"
