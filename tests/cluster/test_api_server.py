@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from .conftest import Cluster, wait_for
+from kvgate.testing.polling import eventually
+
+from .conftest import Cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -167,7 +169,7 @@ def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(installed:
         # (no nodes yet: they stay Pending)
         return len(installed.get("pods", "-n", NS)["items"]) >= len(deployments)
 
-    wait_for("the chart's pods created, or refused", lambda: pods_created() or refusals(), 90)
+    eventually(lambda: pods_created() or refusals(), 90, "the chart's pods created, or refused")
     assert not refusals(), refusals()
 
 
@@ -230,7 +232,7 @@ def test_the_operators_service_account_may_write_every_child(installed: Cluster,
     time.sleep(3)
     assert children() == created, "the garbage collector took children of a live owner"
     installed.kubectl("delete", "modeldeployment", spec_name, "-n", "models")
-    wait_for("every child garbage-collected", lambda: children() == 0, 90)
+    eventually(lambda: children() == 0, 90, "every child garbage-collected")
     for verb, resource in [("watch", "modeldeployments.kvgate.dev"), ("patch", "modeldeployments.kvgate.dev/status"),
                            ("list", "pods"), ("create", "events"), ("patch", "deployments.apps")]:  # fmt: skip
         can = installed.kubectl("auth", "can-i", verb, resource, "-n", "models", "--as", who, check=False)
@@ -279,7 +281,7 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
                       "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}  # fmt: skip
             return got if wanted <= set(got) else None
 
-        got = wait_for("the operator's children", reconciled, 90)
+        got = eventually(reconciled, 90, "the operator's children")
         assert got["Deployment"] >= 2, got  # the engines and the EPP
 
         def conditions() -> dict[str, str]:
@@ -287,12 +289,12 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
             return {c["type"]: c["status"] for c in status.get("conditions", [])}
 
         # no nodes: the engines never become Ready, and the status says so
-        assert "Ready" in wait_for("status conditions", conditions, 60)
+        assert "Ready" in eventually(conditions, 60, "status conditions")
         engine = installed.get("deployment", md_name, "-n", ns)
         assert engine["spec"]["replicas"] == 2
         # deleting the ModelDeployment leaves nothing: the GC takes the children, no finalizer sticks
         installed.kubectl("delete", "modeldeployment", md_name, "-n", ns, "--timeout=60s")
-        wait_for("every child garbage-collected", lambda: not children(), 90)
+        eventually(lambda: not children(), 90, "every child garbage-collected")
     finally:
         proc.terminate()
         try:

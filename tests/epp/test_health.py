@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.health import EXT_PROC, LIVENESS, NOT_SERVING, SERVING, EppHealth, ThreadedHealthServer
+from kvgate.testing.polling import eventually_async
 
 
 def _check(port: int, service: str, timeout: float = 1.0) -> int:
@@ -28,9 +29,12 @@ async def test_a_busy_loop_still_answers_health_and_a_stalled_one_says_not_servi
     await health.start()
     server.start()
     watch = asyncio.create_task(health.watch())
+
+    async def serving() -> bool:
+        return await asyncio.to_thread(_check, server.port, LIVENESS) == SERVING
+
     try:
-        await asyncio.sleep(0.3)
-        assert await asyncio.to_thread(_check, server.port, LIVENESS) == SERVING
+        await eventually_async(serving, 10, "liveness SERVING")
         # The loop held for 1.2 s, as a burst of picks on a saturated host holds it: a check
         # with a 1 s deadline (Envoy's) is answered while the loop is still held.
         answers: list[int] = []
@@ -46,8 +50,7 @@ async def test_a_busy_loop_still_answers_health_and_a_stalled_one_says_not_servi
         # Held past stall_s: every service reports NOT_SERVING until the loop ticks again.
         time.sleep(1.8)  # noqa: ASYNC251
         assert _check(server.port, LIVENESS) == NOT_SERVING
-        await asyncio.sleep(0.5)
-        assert await asyncio.to_thread(_check, server.port, LIVENESS) == SERVING
+        await eventually_async(serving, 10, "liveness SERVING once the loop ticks again")
         with pytest.raises(grpc.RpcError) as err:
             await asyncio.to_thread(_check, server.port, "no-such-service")
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
