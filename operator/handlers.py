@@ -7,7 +7,9 @@ several operators, each against its own API server, in one process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +27,23 @@ LoginFn = Callable[..., Any]
 PREFIX = "kvgate.dev"
 
 
+def _in_cluster_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """The pod's service account, at the address client-go's InClusterConfig uses:
+    $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT. kopf's own login dials
+    https://kubernetes.default.svc, which needs cluster DNS (a hostNetwork pod, or a node
+    without it, has none)."""
+    info = kopf.login_with_service_account(**kwargs)
+    host = os.environ.get("KUBERNETES_SERVICE_HOST")
+    if info is None or not host:
+        return info
+    host = f"[{host}]" if ":" in host else host
+    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    return dataclasses.replace(info, server=f"https://{host}:{port}")
+
+
 def _default_login(**kwargs: Any) -> Any:
     # In a pod: the service account; elsewhere: the current kubeconfig context.
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    return _in_cluster_login(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 class Operator:

@@ -132,6 +132,9 @@ def epp_args(target: EPPTarget) -> list[str]:
         target.owner.namespace,
         "--config-file",
         f"/config/{EPP_CONFIG_KEY}",
+        # every address of the pod: Envoy and the kubelet's probes come from outside it
+        "--host",
+        "0.0.0.0",
         "--grpc-port",
         str(target.grpc_port),
         "--grpc-health-port",

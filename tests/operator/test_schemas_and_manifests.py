@@ -443,7 +443,7 @@ def test_epp_matches_the_gie_flags_and_config() -> None:
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     assert dep["spec"]["replicas"] == 2  # active-active by default
     assert ch.command_line(dep) == (
-        "kvgate epp serve --pool-name p --pool-namespace ns1 --config-file /config/epp-config.yaml "
+        "kvgate epp serve --pool-name p --pool-namespace ns1 --config-file /config/epp-config.yaml --host 0.0.0.0 "
         "--grpc-port 9002 --grpc-health-port 9003 --metrics-port 9090 --kv-replay-port 5558 "
         "--secure-serving=false --tokenizer /models/llama-3-8b"
     )
