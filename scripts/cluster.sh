@@ -2,14 +2,17 @@
 # `make cluster`: a real Kubernetes control plane on 127.0.0.1, in the foreground, built from Go
 # modules (scripts/build_cluster.sh, cached): etcd, kube-apiserver (RBAC, ServiceAccount tokens it
 # signs, the default admission plugins with Pod Security on), kube-controller-manager (garbage
-# collector, Deployment/ReplicaSet, HPA, ...) and kube-scheduler. No nodes yet: pods stay Pending.
+# collector, Deployment/ReplicaSet, HPA, ...), kube-scheduler, and one node: kvgate's node agent
+# (kvgate/testing/node_agent.py), which runs pods of kvgate's images as processes on loopback
+# addresses of their own (127.10.x.y) with their probes, and reports every other pod Running.
 #
 #   scripts/cluster.sh              # builds what is missing, starts, prints "cluster ready"
 #   KVGATE_CLUSTER_DIR=DIR          # state and kubeconfig (default .cluster, git-ignored)
 #   KVGATE_CLUSTER_API_PORT=PORT    # the API server's port (default: a free one)
 #
-# The kubeconfig is DIR/kubeconfig (user kvgate-admin, group system:masters). Ctrl-C or SIGTERM
-# stops every process and removes DIR. Nothing listens beyond 127.0.0.1; the service and pod IP
+# The kubeconfig is DIR/kubeconfig (user kvgate-admin, group system:masters). A kube-apiserver
+# that exits is restarted (DIR/kube-apiserver.pid names it); any other component exiting stops
+# everything. Ctrl-C or SIGTERM stops every process and removes DIR. Nothing listens beyond 127.0.0.1; the service and pod IP
 # ranges are bookkeeping only, never dialled.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -113,15 +116,20 @@ started() { # name pid
 started etcd $!
 
 # --endpoint-reconciler-type none: the default reconciler refuses a loopback advertise address.
-"$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
-    --cert-dir "$DIR/pki/apiserver" --endpoint-reconciler-type none \
-    --service-account-issuer https://kubernetes.default.svc.cluster.local \
-    --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
-    --service-cluster-ip-range 10.96.0.0/16 --authorization-mode Node,RBAC \
-    --token-auth-file "$DIR/pki/tokens.csv" \
-    >"$DIR/logs/kube-apiserver.log" 2>&1 &
-started kube-apiserver $!
+start_apiserver() {
+    "$BIN/kube-apiserver" --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+        --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$API_PORT" \
+        --cert-dir "$DIR/pki/apiserver" --endpoint-reconciler-type none \
+        --service-account-issuer https://kubernetes.default.svc.cluster.local \
+        --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
+        --service-cluster-ip-range 10.96.0.0/16 --authorization-mode Node,RBAC \
+        --token-auth-file "$DIR/pki/tokens.csv" \
+        >>"$DIR/logs/kube-apiserver.log" 2>&1 &
+    APISERVER_PID=$!
+    echo "$APISERVER_PID" >"$DIR/kube-apiserver.pid"
+}
+start_apiserver
+started kube-apiserver "$APISERVER_PID"
 
 for _ in $(seq 1 300); do
     [[ -s $DIR/pki/apiserver/apiserver.crt ]] && break
@@ -160,6 +168,18 @@ started kube-controller-manager $!
     >"$DIR/logs/kube-scheduler.log" 2>&1 &
 started kube-scheduler $!
 
+PY=.venv/bin/python
+[[ -x $PY ]] || PY=python3
+# root makes the pods' private mount namespaces; without it every pod is bookkeeping only
+"$PY" -m kvgate.testing.node_agent --kubeconfig "$DIR/kubeconfig" --name kvgate-node --state "$DIR/node" \
+    >"$DIR/logs/node.log" 2>&1 &
+started node $!
+for _ in $(seq 1 150); do
+    "${KUBECTL[@]}" get node kvgate-node >/dev/null 2>&1 && break
+    alive "${PIDS[0]}" || failed "the node agent exited" "$DIR/logs/node.log"
+    sleep 0.2
+done
+
 printf '%s\n' "${PIDS[@]}" >"$DIR/pids"
 version=$("${KUBECTL[@]}" version -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])' || echo "?")
 say "cluster ready: Kubernetes $version at https://127.0.0.1:$API_PORT"
@@ -167,8 +187,19 @@ say "  export KUBECONFIG=$DIR/kubeconfig"
 say "  kubectl get namespaces; helm install kvgate charts/kvgate   (.tools/bin has both)"
 say "Ctrl-C stops it and removes $DIR"
 while true; do
-    for pid in "${PIDS[@]}"; do
-        alive "$pid" || failed "a component (pid $pid) exited; stopping everything" "$(ls -t "$DIR"/logs/*.log | head -1)"
+    for i in "${!PIDS[@]}"; do
+        pid=${PIDS[$i]}
+        alive "$pid" && continue
+        if [[ $pid == "$APISERVER_PID" ]]; then
+            # as the kubelet restarts a static pod: clients must ride it out (watches resume)
+            wait "$pid" 2>/dev/null || true
+            say "kube-apiserver (pid $pid) exited; restarting it"
+            start_apiserver
+            PIDS[i]=$APISERVER_PID
+            printf '%s\n' "${PIDS[@]}" >"$DIR/pids"
+            continue
+        fi
+        failed "a component (pid $pid) exited; stopping everything" "$(ls -t "$DIR"/logs/*.log | head -1)"
     done
     sleep 1
 done

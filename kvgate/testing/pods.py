@@ -6,8 +6,10 @@ read-only root filesystem when the container asks for one, and its runAsUser/run
 this venv's interpreter is usable by that user).
 
 What cannot run here is substituted, and only that: the image is this checkout's venv (its PATH
-replaces /opt/kvgate/bin), the pod network is the host's loopback (the pod IP is 127.0.0.1),
-and a PVC is a folder the test fills.
+replaces /opt/kvgate/bin), the pod network is the host's loopback (the pod IP is 127.0.0.1, or
+a loopback address of the pod's own: then a container told to bind every address, `0.0.0.0` or
+`tcp://*`, binds that one, as it would inside its own network namespace), and a PVC is a folder
+(the test's, or the hostPath of the PersistentVolume it is bound to).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,9 @@ class Pod:
     image_env: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
     pod_ip: str = "127.0.0.1"
+    node_name: str = "node-1"
+    # Rewrite "bind every address" to the pod IP (pods of their own loopback address).
+    own_address: bool = False
     config_maps: dict[str, dict[str, str]] = field(default_factory=dict)
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)
     claims: dict[str, Path] = field(default_factory=dict)
@@ -113,6 +119,9 @@ class Pod:
                 (path / key).write_text(text)
                 (path / key).chmod(0o644)
             path.chmod(0o755)
+        elif "projected" in spec and self.service_account_dir is not None:
+            # the ServiceAccount admission plugin's kube-api-access volume: token, ca.crt, namespace
+            path = self.service_account_dir
         elif "persistentVolumeClaim" in spec:
             path = self.claims[spec["persistentVolumeClaim"]["claimName"]]
         else:
@@ -125,7 +134,11 @@ class Pod:
             (self.volume(m["name"]), m["mountPath"], bool(m.get("readOnly")))
             for m in container.get("volumeMounts", [])
         ]
-        if self.service_account_dir is not None and self.spec.get("automountServiceAccountToken", True):
+        if (
+            self.service_account_dir is not None
+            and self.spec.get("automountServiceAccountToken", True)
+            and all(target != SA_MOUNT for _, target, _ in mounts)
+        ):
             mounts.append((self.service_account_dir, SA_MOUNT, True))
         # A mount whose target hides another mount's source goes last (e.g. /tmp over pytest's tmp).
         return sorted(mounts, key=lambda m: any(str(o[0]).startswith(m[1] + "/") for o in mounts))
@@ -136,7 +149,7 @@ class Pod:
             "metadata.name": self.name,
             "metadata.namespace": self.namespace,
             "status.podIP": self.pod_ip,
-            "spec.nodeName": "node-1",
+            "spec.nodeName": self.node_name,
         }[path]
 
     def env(self, container: dict[str, Any]) -> dict[str, str]:
@@ -186,6 +199,11 @@ class Pod:
         if security.get("readOnlyRootFilesystem"):
             script.append("mount -o remount,bind,ro /")
         command = [*container["command"], *container.get("args", [])]
+        if self.own_address:
+            command = [
+                a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")
+                for a in command
+            ]
         user = []
         if "runAsUser" in security and interpreter_usable_by_others():
             group = security.get("runAsGroup", security["runAsUser"])
@@ -220,13 +238,15 @@ class Pod:
         self._procs.append(proc)
         return Container(f"{self.name}/{container['name']}", proc, log)
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM, up to `grace` seconds for every container to exit, then SIGKILL."""
         for proc in self._procs:
             if proc.poll() is None:
                 proc.terminate()
+        deadline = time.monotonic() + grace
         for proc in self._procs:
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -3,9 +3,7 @@ accepted and served, GIE v1 objects validate against them and invalid ones are r
 schema's own message, `kubectl get` prints the printer columns, and the chart installs,
 upgrades and uninstalls cleanly with Pod Security admission enforcing `restricted`.
 
-What is not here yet (issue 29): nodes (kwok) so pods run, the operator and the EPP against this
-API server with their ServiceAccounts, garbage collection of a ModelDeployment's children,
-watches across an API-server restart, and the HPA controller against a metrics API.
+The operator and the EPP at work on the node, with traffic, edits and faults: test_workloads.py.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +22,16 @@ import yaml
 
 from kvgate.testing.polling import eventually
 
-from .conftest import Cluster
+from .conftest import CRDS, Cluster
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "tests" / "operator" / "data"
-CRDS = ("inferencepools.inference.networking.k8s.io", "inferenceobjectives.inference.networking.x-k8s.io",
-        "modeldeployments.kvgate.dev")  # fmt: skip
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
-
-
-@pytest.fixture(scope="module")
-def crds(cluster: Cluster) -> Cluster:
-    cluster.kubectl("apply", "--server-side", "-k", str(ROOT / "crds"))
-    for name in CRDS:
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
-    return cluster
 
 
 def test_the_api_server_is_the_pinned_release_with_rbac_on(cluster: Cluster) -> None:
@@ -148,12 +137,17 @@ NS = "kvgate-system"
 
 
 @pytest.fixture(scope="module")
-def installed(crds: Cluster) -> Cluster:
-    """The chart installed as a user would, into a namespace that enforces `restricted`."""
+def installed(crds: Cluster) -> Iterator[Cluster]:
+    """The chart installed as a user would, into a namespace that enforces `restricted`. Its
+    operator pod runs on the node and watches only its own namespace here: these tests write
+    ModelDeployments and their children themselves (test_workloads.py has the operator at work)."""
     crds.kubectl("create", "namespace", NS)
     crds.kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=restricted")
-    crds.helm("install", "kvgate", "charts/kvgate", "--namespace", NS)
-    return crds
+    crds.helm(
+        "install", "kvgate", "charts/kvgate", "--namespace", NS, "--set", f"operator.watchNamespaces={{{NS}}}"
+    )
+    yield crds
+    crds.helm("uninstall", "kvgate", "--namespace", NS, "--wait", check=False)  # if a test failed first
 
 
 def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(installed: Cluster) -> None:
@@ -166,7 +160,7 @@ def test_the_chart_installs_and_its_pods_pass_restricted_pod_security(installed:
 
     def pods_created() -> bool:
         # the ReplicaSet controller made them, so Pod Security admission let the template in
-        # (no nodes yet: they stay Pending)
+        # (the node then runs them)
         return len(installed.get("pods", "-n", NS)["items"]) >= len(deployments)
 
     eventually(lambda: pods_created() or refusals(), 90, "the chart's pods created, or refused")
@@ -288,7 +282,8 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
             status = installed.get("modeldeployment", md_name, "-n", ns).get("status") or {}
             return {c["type"]: c["status"] for c in status.get("conditions", [])}
 
-        # no nodes: the engines never become Ready, and the status says so
+        # a Hub model, and the node lets nothing leave loopback: the engines stay in their init
+        # container and never become Ready, and the status says so
         assert "Ready" in eventually(conditions, 60, "status conditions")
         engine = installed.get("deployment", md_name, "-n", ns)
         assert engine["spec"]["replicas"] == 2
@@ -308,7 +303,16 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
 
 
 def test_the_chart_upgrades_and_uninstalls_cleanly(installed: Cluster) -> None:
-    installed.helm("upgrade", "kvgate", "charts/kvgate", "--namespace", NS, "--set", "operator.verbose=true")
+    installed.helm(
+        "upgrade",
+        "kvgate",
+        "charts/kvgate",
+        "--namespace",
+        NS,
+        "--reuse-values",
+        "--set",
+        "operator.verbose=true",
+    )
     installed.helm("uninstall", "kvgate", "--namespace", NS, "--wait", "--timeout", "120s")
     left = installed.get("deployments,services,serviceaccounts,roles,rolebindings", "-n", NS)["items"]
     assert [i["metadata"]["name"] for i in left if i["metadata"]["name"] != "default"] == []

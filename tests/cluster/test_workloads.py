@@ -1,0 +1,315 @@
+"""The user's path on a real control plane with a node whose pods run (scripts/cluster.sh, the
+node agent in kvgate/testing/node_agent.py): the chart's operator pod, logged in with the token
+the API server issued for its ServiceAccount, turns a ModelDeployment (simulated engines, the
+model on a PersistentVolumeClaim) into engine and EPP pods that run as processes on loopback
+addresses of their own; the EPP pods find the engines through real watches with their own
+tokens, and a real Envoy sends OpenAI requests through them. Then edits roll under traffic
+without a failed request, the operator is SIGKILLed mid-edit, the API server is SIGKILLed under
+every watch, and deleting the ModelDeployment stops every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvgate.testing import pods as pod_process
+from kvgate.testing import processes as harness
+from kvgate.testing.fake_hub import default_tokenizer_files
+from kvgate.testing.polling import eventually
+
+from .conftest import Cluster
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not pod_process.namespaces_work(), reason="the node needs private mount namespaces"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS, NS, MD = "kvgate-ops", "serve", "tiny"
+ENGINES = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=engine"
+EPPS = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=epp"
+
+
+def restricted_namespace(cluster: Cluster, name: str) -> None:
+    cluster.kubectl("create", "namespace", name)
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=restricted")
+
+
+@pytest.fixture(scope="module")
+def operator(crds: Cluster) -> Iterator[Cluster]:
+    """The chart, its operator running as a pod on the node (not on the host)."""
+    restricted_namespace(crds, OPS)
+    crds.helm("install", "kvgate-ops", "charts/kvgate", "--namespace", OPS, "--set", "operator.resyncSeconds=5",
+              "--wait", "--timeout", "120s")  # fmt: skip
+    yield crds
+    crds.helm("uninstall", "kvgate-ops", "--namespace", OPS, "--wait", check=False)
+
+
+@dataclass
+class Traffic:
+    """Requests through Envoy, one after another from a thread, every answer kept."""
+
+    url: str
+    statuses: Counter[int] = field(default_factory=Counter)
+    upstreams: Counter[str] = field(default_factory=Counter)
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def one(self, client: httpx.Client, i: int) -> httpx.Response:
+        body = {"model": MD, "prompt": f"request {i}: tell me a story", "max_tokens": 8}
+        return client.post(f"{self.url}/v1/completions", json=body, timeout=60)
+
+    def _run(self) -> None:
+        with httpx.Client() as client:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                try:
+                    resp = self.one(client, i)
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    continue
+                self.statuses[resp.status_code] += 1
+                self.upstreams[resp.headers.get("x-kvgate-upstream", "?")] += 1
+                if resp.status_code != 200:
+                    self.errors.append(f"{resp.status_code} {resp.text[:300]}")
+
+    def __enter__(self) -> Traffic:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join(90)
+
+
+@dataclass
+class Served:
+    cluster: Cluster
+    envoy: harness.Envoy
+
+    def pods(self, selector: str, ready_only: bool = True) -> list[dict[str, Any]]:
+        items = self.cluster.get("pods", "-n", NS, "-l", selector)["items"]
+        live = [p for p in items if not p["metadata"].get("deletionTimestamp")]
+        return [p for p in live if _ready(p)] if ready_only else live
+
+    def patch(self, spec: dict[str, Any]) -> None:
+        self.cluster.kubectl("patch", "modeldeployment", MD, "-n", NS, "--type", "merge", "-p",
+                             json.dumps({"spec": spec}))  # fmt: skip
+
+    def rolled_out(self, replicas: int) -> bool:
+        dep = self.cluster.get("deployment", MD, "-n", NS)
+        status = dep.get("status") or {}
+        return (
+            dep["spec"].get("replicas") == replicas
+            and status.get("observedGeneration") == dep["metadata"]["generation"]
+            and status.get("updatedReplicas") == replicas
+            and status.get("readyReplicas") == replicas
+            and status.get("replicas") == replicas  # old pods gone
+            and len(self.pods(ENGINES)) == replicas
+        )
+
+    def epp_sees(self) -> list[set[str]]:
+        """The engine pods each EPP replica routes to, from its own metrics."""
+        seen = []
+        for epp in self.pods(EPPS):
+            text = httpx.get(f"http://{epp['status']['podIP']}:9090/metrics", timeout=5).text
+            seen.append(
+                set(re.findall(r'inference_pool_per_pod_queue_size\{[^}]*model_server_pod="([^"]+)"', text))
+            )
+        return seen
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+@pytest.fixture(scope="module")
+def served(operator: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    cluster = operator
+    models = tmp_path_factory.mktemp("models")
+    (models / "tiny").mkdir()
+    for name, data in default_tokenizer_files().items():
+        if name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            (models / "tiny" / name).write_bytes(data)
+    models.chmod(0o755)
+    restricted_namespace(cluster, NS)
+    docs = [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{NS}-models"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                  "hostPath": {"path": str(models)}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": NS},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{NS}-models",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+        {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": NS},
+         "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
+                  "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
+                  "replicas": 2}},
+    ]  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+    served = Served(cluster, envoy=None)  # type: ignore[arg-type]
+    eventually(lambda: len(served.pods(ENGINES)) == 2 and len(served.pods(EPPS)) == 2, 180,
+               "two engine and two EPP pods Ready")  # fmt: skip
+    epp_ips = [p["status"]["podIP"] for p in served.pods(EPPS)]
+    log_dir = tmp_path_factory.mktemp("envoy")
+    served.envoy = harness.start_envoy(
+        log_dir, 9002, None, epp_addresses=[f"{ip}:9002" for ip in epp_ips], epp_health_ports=[9003] * len(epp_ips),
+        epp_tls=True,
+    )  # fmt: skip
+    try:
+        served.envoy.wait_ready()
+        served.envoy.wait_epp_healthy()
+        yield served
+    finally:
+        served.envoy.proc.stop()
+
+
+def test_the_operator_pod_turns_a_model_deployment_into_ready_pods_on_the_node(served: Served) -> None:
+    cluster = served.cluster
+    engines, epps = served.pods(ENGINES), served.pods(EPPS)
+    ips = [p["status"]["podIP"] for p in engines + epps]
+    assert len(set(ips)) == 4 and all(ip.startswith("127.10.") for ip in ips), ips
+    assert {p["spec"]["nodeName"] for p in engines + epps} == {"kvgate-node"}
+
+    def md_ready() -> dict[str, str]:
+        status = cluster.get("modeldeployment", MD, "-n", NS).get("status") or {}
+        conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
+        return conditions if conditions.get("Ready") == "True" else {}
+
+    eventually(md_ready, 60, "the ModelDeployment's Ready condition")
+    table = cluster.kubectl("get", "modeldeployments", "-n", NS).stdout.splitlines()
+    row = dict(zip(table[0].split(), table[1].split(), strict=False))
+    assert row["READY"] == "2" and row["POOL"] == MD and row["ENDPOINTS"] == "2", table
+    pools = cluster.kubectl("get", "inferencepools", "-n", NS).stdout.splitlines()
+    assert pools[1].split()[0] == MD and "8000" in pools[1] and f"{MD}-epp" in pools[1], pools
+    # the operator is the chart's pod, not a process of this test
+    operator_pod = cluster.get("pods", "-n", OPS)["items"][0]
+    assert _ready(operator_pod) and operator_pod["status"]["podIP"].startswith("127.10.")
+
+
+def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch(served: Served) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{served.envoy.url}/v1", api_key="unused", max_retries=0)
+    engines = {f"{p['status']['podIP']}:8000" for p in served.pods(ENGINES)}
+    seen = set()
+    for i in range(8):
+        raw = client.completions.with_raw_response.create(model=MD, prompt=f"hello {i}", max_tokens=4)
+        assert raw.parse().choices[0].text
+        seen.add(raw.headers["x-kvgate-upstream"])
+    assert seen <= engines, (seen, engines)
+    names = {p["metadata"]["name"] for p in served.pods(ENGINES)}
+    assert all(view == names for view in served.epp_sees()), (served.epp_sees(), names)
+
+
+def test_edits_roll_without_a_failed_request(served: Served) -> None:
+    before = {p["metadata"]["name"] for p in served.pods(ENGINES)}
+    with Traffic(served.envoy.url) as traffic:
+        served.patch({"replicas": 3})
+        eventually(lambda: served.rolled_out(3), 120, "scaled to 3")
+        served.patch({"engine": {"args": ["--simulate", "--max-num-seqs", "64"]}})
+        eventually(lambda: served.rolled_out(3) and not before & {p["metadata"]["name"] for p in served.pods(ENGINES)},
+                   240, "the engines replaced with the new args")  # fmt: skip
+        new = {f"{p['status']['podIP']}:8000" for p in served.pods(ENGINES)}
+        eventually(lambda: set(traffic.upstreams) & new, 60, "traffic on the new engines")
+        served.patch({"replicas": 1})
+        eventually(lambda: served.rolled_out(1), 120, "scaled to 1")
+        served.patch({"replicas": 2})
+        eventually(lambda: served.rolled_out(2), 120, "scaled back to 2")
+    assert traffic.statuses[200] >= 20 and not traffic.errors, (traffic.statuses, traffic.errors[:5])
+    dep = served.cluster.get("deployment", MD, "-n", NS)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[-3:] == ["--simulate", "--max-num-seqs", "64"], args
+
+
+def _pids(pattern: str) -> list[int]:
+    done = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return [int(p) for p in done.stdout.split()]
+
+
+def test_the_operator_sigkilled_mid_edit_is_restarted_and_converges(served: Served) -> None:
+    (pid,) = _pids("kvgate operator run .*--resync-seconds=5")
+    os.kill(pid, signal.SIGKILL)
+    served.patch({"replicas": 3})  # written while no operator runs
+
+    def restarted() -> bool:
+        pod = served.cluster.get("pods", "-n", OPS)["items"][0]
+        status = pod["status"]["containerStatuses"][0]
+        return status["restartCount"] >= 1 and status["ready"]
+
+    eventually(restarted, 60, "the node restarted the operator's container")
+    eventually(lambda: served.rolled_out(3), 120, "the restarted operator applied the edit")
+    served.patch({"replicas": 2})
+    eventually(lambda: served.rolled_out(2), 120, "back to 2")
+
+
+def test_the_api_server_sigkilled_under_every_watch_is_ridden_out(served: Served) -> None:
+    cluster = served.cluster
+    pid = int((cluster.kubeconfig.parent / "kube-apiserver.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    # scripts/cluster.sh restarts it; meanwhile the watches of the operator, both EPPs, the
+    # controllers and the node are cut
+    eventually(lambda: int((cluster.kubeconfig.parent / "kube-apiserver.pid").read_text()) != pid, 30,
+               "the API server restarted")  # fmt: skip
+    eventually(lambda: cluster.kubectl("get", "--raw", "/readyz", check=False).returncode == 0, 120,
+               "the API server ready again")  # fmt: skip
+    with Traffic(served.envoy.url) as traffic:
+        served.patch({"replicas": 3})  # the operator must see it: its watch resumed
+        eventually(lambda: served.rolled_out(3), 180, "the operator acted on an edit made after the restart")
+        names = {p["metadata"]["name"] for p in served.pods(ENGINES)}
+        # both EPPs must see the new pod: their pod watches resumed too
+        eventually(lambda: all(view == names for view in served.epp_sees()), 60, "every EPP sees the new pod")
+        served.patch({"replicas": 2})
+        eventually(lambda: served.rolled_out(2), 120, "back to 2")
+        names = {p["metadata"]["name"] for p in served.pods(ENGINES)}
+        eventually(
+            lambda: all(view == names for view in served.epp_sees()), 60, "every EPP forgot the old pod"
+        )
+    assert traffic.statuses[200] >= 5 and not traffic.errors, (traffic.statuses, traffic.errors[:5])
+
+
+def test_deleting_the_model_deployment_stops_every_process(served: Served) -> None:
+    cluster = served.cluster
+    roots = [Path(p) for p in _pids_with_pod_folders()]
+    assert roots, "no pod process found"
+    cluster.kubectl("delete", "modeldeployment", MD, "-n", NS, "--timeout=120s")
+    eventually(lambda: not cluster.get("pods", "-n", NS)["items"], 120, "every pod gone")
+    left = cluster.get("deployments,services,inferencepools,configmaps,serviceaccounts", "-n", NS,
+                       "-l", f"kvgate.dev/model-deployment={MD}")["items"]  # fmt: skip
+    assert not left, [i["metadata"]["name"] for i in left]
+    eventually(
+        lambda: not [p for p in _pids_with_pod_folders() if f"/{NS}_" in p], 30, "no process of the pods left"
+    )
+
+
+def _pids_with_pod_folders() -> list[str]:
+    """The log file of every live container process the node started (its stdout)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            target = os.readlink(proc / "fd" / "1")
+        except OSError:
+            continue
+        if "/node/pods/" in target:
+            out.append(target)
+    return out
