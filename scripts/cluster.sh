@@ -2,9 +2,10 @@
 # `make cluster`: a real Kubernetes control plane on 127.0.0.1, in the foreground, built from Go
 # modules (scripts/build_cluster.sh, cached): etcd, kube-apiserver (RBAC, ServiceAccount tokens it
 # signs, the default admission plugins with Pod Security on), kube-controller-manager (garbage
-# collector, Deployment/ReplicaSet, HPA, ...), kube-scheduler, and one node: kvgate's node agent
-# (kvgate/testing/node_agent.py), which runs pods of kvgate's images as processes on loopback
-# addresses of their own (127.10.x.y) with their probes, and reports every other pod Running.
+# collector, Deployment/ReplicaSet, HPA, ...), kube-scheduler, Gateway API's CRDs, and one node:
+# kvgate's node agent (kvgate/testing/node_agent.py), which runs pods of kvgate's images as
+# processes on loopback addresses of their own (127.10.x.y) with their probes, and reports every
+# other pod Running.
 #
 #   scripts/cluster.sh              # builds what is missing, starts, prints "cluster ready"
 #   KVGATE_CLUSTER_DIR=DIR          # state and kubeconfig (default .cluster, git-ignored)
@@ -167,6 +168,13 @@ started kube-controller-manager $!
     --leader-elect=false \
     >"$DIR/logs/kube-scheduler.log" 2>&1 &
 started kube-scheduler $!
+
+# Gateway API's CRDs, so the operator writes the HTTPRoute a ModelDeployment asks for
+GATEWAY_CRDS=$(scripts/gateway_api_crds.sh) || die "fetching Gateway API's CRDs failed"
+"${KUBECTL[@]}" apply --server-side -f "$GATEWAY_CRDS" >/dev/null ||
+    failed "applying Gateway API's CRDs failed" "$DIR/logs/kube-apiserver.log"
+version=${GATEWAY_CRDS#*gateway-api@}
+say "Gateway API ${version%%/*} CRDs applied"
 
 PY=.venv/bin/python
 [[ -x $PY ]] || PY=python3

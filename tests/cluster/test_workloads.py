@@ -162,7 +162,7 @@ def served(operator: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": NS},
          "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
                   "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
-                  "replicas": 2}},
+                  "replicas": 2, "httpRoute": {"parentRefs": [{"name": "inference-gateway"}]}}},
     ]  # fmt: skip
     cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
     served = Served(cluster, envoy=None)  # type: ignore[arg-type]
@@ -203,6 +203,20 @@ def test_the_operator_pod_turns_a_model_deployment_into_ready_pods_on_the_node(s
     # the operator is the chart's pod, not a process of this test
     operator_pod = cluster.get("pods", "-n", OPS)["items"][0]
     assert _ready(operator_pod) and operator_pod["status"]["podIP"].startswith("127.10.")
+
+
+def test_the_http_route_is_accepted_by_gateway_apis_own_crd(served: Served) -> None:
+    """Gateway API's real CRDs (with their CEL rules), not our schema of them."""
+    route = served.cluster.get("httproute", MD, "-n", NS)
+    (rule,) = route["spec"]["rules"]
+    (backend,) = rule["backendRefs"]
+    assert (backend["group"], backend["kind"], backend["name"]) == (
+        "inference.networking.k8s.io",
+        "InferencePool",
+        MD,
+    )
+    assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+    assert route["metadata"]["ownerReferences"][0]["kind"] == "ModelDeployment"
 
 
 def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch(served: Served) -> None:
