@@ -127,7 +127,7 @@ class EppServer:
         self._servers = []
         tls = None
         if s.secure_serving:
-            from kvgate.epp.tls import self_signed_cert
+            from kvgate.api.tls import self_signed_cert
 
             tls = self_signed_cert()
         if s.grpc_server == "grpclib":

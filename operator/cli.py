@@ -71,6 +71,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="watch for namespaces and CRDs appearing at run time (needs list/watch on both)",
     )
     p.add_argument("--run-as-user", type=int, default=65532, help="uid the engine and EPP pods run as")
+    p.add_argument(
+        "--metrics-api-port",
+        type=int,
+        default=0,
+        help="serve the External Metrics API (external.metrics.k8s.io/v1beta1) the operator's HPAs scale "
+        "on, read from the pools' endpoint pickers, over TLS on this port for the API server's "
+        "aggregation layer (an APIService; the chart's metricsApi.enabled); 0: off",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     add_log_format(p)
 
@@ -80,6 +88,8 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         url = urlparse(args.prometheus_url)
         if url.scheme not in ("http", "https") or not url.netloc:
             raise ValueError(f"--prometheus-url must be an http(s) URL, got {args.prometheus_url!r}")
+    if not 0 <= args.metrics_api_port <= 65535:
+        raise ValueError(f"--metrics-api-port must be 0-65535, got {args.metrics_api_port}")
     all_namespaces = args.all_namespaces or not args.namespace
     return OperatorConfig(
         engine_image=args.engine_image,
@@ -93,6 +103,7 @@ def _config(args: argparse.Namespace) -> OperatorConfig:
         scanning=args.scanning,
         liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
         run_as_user=args.run_as_user,
+        metrics_api_port=args.metrics_api_port,
     )
 
 

@@ -28,3 +28,5 @@ class OperatorConfig:
     # Non-root uid/gid the images run as (docker/*.Dockerfile create this user).
     run_as_user: int = 65532
     extra_labels: dict[str, str] = field(default_factory=dict)
+    # Serve external.metrics.k8s.io for the HPAs it writes on this port (0: off).
+    metrics_api_port: int = 0

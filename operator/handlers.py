@@ -24,6 +24,7 @@ from kvgate.operator.resources import DEPLOYMENTS, INFERENCE_POOLS, MODEL_DEPLOY
 from kvgate.operator.signals import SignalReader
 
 LoginFn = Callable[..., Any]
+log = logging.getLogger("kvgate.operator")
 PREFIX = "kvgate.dev"
 
 
@@ -52,6 +53,7 @@ class Operator:
         self.registry = kopf.OperatorRegistry()
         self._login = login or _default_login
         self._client: KubeClient | None = None
+        self._logged_in = asyncio.Event()
         self._reconciler: Reconciler | None = None
         self._locks: dict[tuple[str, str, str], asyncio.Lock] = {}
         self._signals = SignalReader(config.prometheus_url) if config.prometheus_url else None
@@ -74,6 +76,7 @@ class Operator:
             await self._client.close()
         self._client = KubeClient(Credentials.from_connection_info(info))
         self._reconciler = Reconciler(self._client, self.config, self._signals)
+        self._logged_in.set()
 
     async def close(self) -> None:
         if self._client is not None:
@@ -245,7 +248,22 @@ class Operator:
 
     # -- running ----------------------------------------------------------------------------
 
+    async def _serve_metrics_api(self) -> None:
+        """The External Metrics API, once logged in (it reads through the operator's client)."""
+        from kvgate.operator.metrics_api import ExternalMetricsApi
+
+        await self._logged_in.wait()
+        api = ExternalMetricsApi(lambda: self._client, self.config.metrics_api_port)
+        try:
+            await api.start()
+            await asyncio.Event().wait()
+        except Exception as exc:  # the operator goes on reconciling; the HPAs see no metric
+            log.error("the External Metrics API cannot serve: %s", exc)
+        finally:
+            await api.close()
+
     async def run(self, stop_flag: Any = None, ready_flag: Any = None) -> None:
+        metrics_api = asyncio.create_task(self._serve_metrics_api()) if self.config.metrics_api_port else None
         try:
             await kopf.operator(
                 registry=self.registry,
@@ -257,4 +275,7 @@ class Operator:
                 ready_flag=ready_flag,
             )
         finally:
+            if metrics_api is not None:
+                metrics_api.cancel()
+                await asyncio.gather(metrics_api, return_exceptions=True)
             await self.close()

@@ -82,6 +82,14 @@ $ADMIN_TOKEN,kvgate-admin,kvgate-admin,"system:masters"
 $CM_TOKEN,system:kube-controller-manager,system:kube-controller-manager
 $SCHED_TOKEN,system:kube-scheduler,system:kube-scheduler
 EOF
+# The aggregation layer's front proxy: a CA and the client certificate the API server presents to
+# aggregated APIs (the operator's External Metrics API trusts exactly this CA and name).
+openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN=kvgate-front-proxy-ca \
+    -keyout "$DIR/pki/front-proxy-ca.key" -out "$DIR/pki/front-proxy-ca.crt" 2>/dev/null
+openssl req -newkey rsa:2048 -nodes -subj /CN=front-proxy-client \
+    -keyout "$DIR/pki/front-proxy-client.key" -out "$DIR/pki/front-proxy-client.csr" 2>/dev/null
+openssl x509 -req -days 2 -in "$DIR/pki/front-proxy-client.csr" -CA "$DIR/pki/front-proxy-ca.crt" \
+    -CAkey "$DIR/pki/front-proxy-ca.key" -CAcreateserial -out "$DIR/pki/front-proxy-client.crt" 2>/dev/null
 chmod 600 "$DIR/pki/"*
 
 kubeconfig() { # file token
@@ -125,6 +133,10 @@ start_apiserver() {
         --service-account-key-file "$DIR/pki/sa.pub" --service-account-signing-key-file "$DIR/pki/sa.key" \
         --service-cluster-ip-range 10.96.0.0/16 --authorization-mode Node,RBAC \
         --token-auth-file "$DIR/pki/tokens.csv" \
+        --requestheader-client-ca-file "$DIR/pki/front-proxy-ca.crt" --requestheader-allowed-names front-proxy-client \
+        --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
+        --requestheader-extra-headers-prefix X-Remote-Extra- \
+        --proxy-client-cert-file "$DIR/pki/front-proxy-client.crt" --proxy-client-key-file "$DIR/pki/front-proxy-client.key" \
         >>"$DIR/logs/kube-apiserver.log" 2>&1 &
     APISERVER_PID=$!
     echo "$APISERVER_PID" >"$DIR/kube-apiserver.pid"
@@ -157,6 +169,7 @@ done
     --authorization-kubeconfig "$DIR/controller-manager.kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$CM_PORT" --cert-dir "$DIR/pki/controller-manager" \
     --leader-elect=false --controllers '*' --use-service-account-credentials \
+    --horizontal-pod-autoscaler-sync-period 5s \
     --service-account-private-key-file "$DIR/pki/sa.key" --root-ca-file "$DIR/pki/apiserver/apiserver.crt" \
     >"$DIR/logs/kube-controller-manager.log" 2>&1 &
 started kube-controller-manager $!

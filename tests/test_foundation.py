@@ -61,7 +61,8 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 # 2. The components (engine, epp, operator): their own package and kvgate.api, never each other
 #    and never the floor above. Each image installs only its own extra, so the operator
 #    (no tokenizers, jinja2, huggingface_hub) uses only the contracts, the Kubernetes types and
-#    the stdlib-only CLI argument types and logging set-up, and the engine, which knows nothing of Kubernetes, no
+#    the stdlib-only CLI argument types and logging set-up, and the self-signed serving certificate
+#    (cryptography, which its extra declares), and the engine, which knows nothing of Kubernetes, no
 #    Kubernetes types.
 # 3. kvgate/ (the CLI, the local stack, the bench, kvgate.testing): anything.
 CONTRACTS = ("kvgate.api.contracts",)
@@ -72,7 +73,14 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "api": ("kvgate.api",),  # top-level modules; the k8s/contracts exclusions are checked below
     "engine": ("kvgate.engine", "kvgate.api"),
     "epp": ("kvgate.epp", "kvgate.api"),
-    "operator": ("kvgate.operator", *CONTRACTS, *K8S_TYPES, "kvgate.api.cli_args", "kvgate.api.logs"),
+    "operator": (
+        "kvgate.operator",
+        *CONTRACTS,
+        *K8S_TYPES,
+        "kvgate.api.cli_args",
+        "kvgate.api.logs",
+        "kvgate.api.tls",
+    ),
 }
 
 

@@ -465,6 +465,12 @@ class AutoscalingSpec(K8sModel):
     prometheus_address: str | None = Field(
         default=None, description="Prometheus the ScaledObject queries; the operator's default when unset."
     )
+    scale_down_stabilization_seconds: int = Field(
+        default=300,
+        ge=0,
+        le=3600,
+        description="How long the HPA waits on a lower recommendation before scaling down (its behavior.scaleDown.stabilizationWindowSeconds).",
+    )
 
     model_config = ConfigDict(
         json_schema_extra={

@@ -18,7 +18,7 @@ import aiohttp.test_utils
 import httpx
 import kmock
 
-from kvgate.epp.tls import self_signed_cert
+from kvgate.api.tls import self_signed_cert
 
 
 class TokenCheckingEmulator(kmock.KubernetesEmulator):

@@ -106,7 +106,9 @@ def horizontal_pod_autoscaler(
                     },
                 }
             ],
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}},
+            "behavior": {
+                "scaleDown": {"stabilizationWindowSeconds": autoscaling.scale_down_stabilization_seconds}
+            },
         },
     }
 

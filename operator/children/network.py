@@ -70,6 +70,9 @@ def network_policies(
     if spec.lora_enabled():
         # The operator loads and unloads adapters through the engines' API (the chart's operator pods).
         engine_rules.append({"from": [OPERATOR_PEER], "ports": _tcp(eng.port)})
+    if spec.autoscaling.backend != "off":
+        # An HPA's metric may come from the operator's External Metrics API, which reads the pickers.
+        epp_rules.append({"from": [OPERATOR_PEER], "ports": _tcp(EPP_METRICS_PORT)})
     if metrics:
         epp_rules.append({"from": metrics, "ports": _tcp(EPP_METRICS_PORT)})
         # /metrics shares the serving port: scrapers reach the API too (the engine's API key guards it).

@@ -39,7 +39,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS, NS, MD = "kvgate-ops", "serve", "tiny"
+OPS, NS, SCALED, MD = "kvgate-ops", "serve", "scaled", "tiny"
 ENGINES = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=engine"
 EPPS = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=epp"
 
@@ -51,12 +51,48 @@ def restricted_namespace(cluster: Cluster, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def operator(crds: Cluster) -> Iterator[Cluster]:
-    """The chart, its operator running as a pod on the node (not on the host)."""
+    """The chart, its operator running as a pod on the node (not on the host), serving the
+    External Metrics API (registered by test_an_hpa_scales..., not by the chart: the chart's
+    APIService would send the API server to the Service's ClusterIP, which is not on loopback)."""
     restricted_namespace(crds, OPS)
     crds.helm("install", "kvgate-ops", "charts/kvgate", "--namespace", OPS, "--set", "operator.resyncSeconds=5",
-              "--wait", "--timeout", "120s")  # fmt: skip
+              "--set", f"operator.watchNamespaces={{{NS},{SCALED}}}", "--set", "metricsApi.enabled=true",
+              "--set", "metricsApi.apiService=false", "--wait", "--timeout", "120s")  # fmt: skip
     yield crds
     crds.helm("uninstall", "kvgate-ops", "--namespace", OPS, "--wait", check=False)
+
+
+def model_claim(namespace: str, folder: Path) -> list[dict[str, Any]]:
+    """A PersistentVolume (hostPath: the default model's tokenizer, all a simulated engine
+    needs) and the claim the ModelDeployment mounts as pvc://models/tiny."""
+    (folder / "tiny").mkdir()
+    for name, data in default_tokenizer_files().items():
+        if name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+            (folder / "tiny" / name).write_bytes(data)
+    folder.chmod(0o755)
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{namespace}-models"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                  "hostPath": {"path": str(folder)}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": namespace},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{namespace}-models",
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]  # fmt: skip
+
+
+def apply(cluster: Cluster, docs: list[dict[str, Any]]) -> None:
+    cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+
+
+def start_envoy(served: Served, log_dir: Path) -> harness.Envoy:
+    epp_ips = [p["status"]["podIP"] for p in served.pods(served.epps)]
+    envoy = harness.start_envoy(
+        log_dir, 9002, None, epp_addresses=[f"{ip}:9002" for ip in epp_ips], epp_health_ports=[9003] * len(epp_ips),
+        epp_tls=True,
+    )  # fmt: skip
+    envoy.wait_ready()
+    envoy.wait_epp_healthy()
+    return envoy
 
 
 @dataclass
@@ -103,19 +139,28 @@ class Traffic:
 @dataclass
 class Served:
     cluster: Cluster
-    envoy: harness.Envoy
+    namespace: str = NS
+    envoy: harness.Envoy = field(init=False)
+
+    @property
+    def engines(self) -> str:
+        return f"kvgate.dev/model-deployment={MD},kvgate.dev/role=engine"
+
+    @property
+    def epps(self) -> str:
+        return f"kvgate.dev/model-deployment={MD},kvgate.dev/role=epp"
 
     def pods(self, selector: str, ready_only: bool = True) -> list[dict[str, Any]]:
-        items = self.cluster.get("pods", "-n", NS, "-l", selector)["items"]
+        items = self.cluster.get("pods", "-n", self.namespace, "-l", selector)["items"]
         live = [p for p in items if not p["metadata"].get("deletionTimestamp")]
         return [p for p in live if _ready(p)] if ready_only else live
 
     def patch(self, spec: dict[str, Any]) -> None:
-        self.cluster.kubectl("patch", "modeldeployment", MD, "-n", NS, "--type", "merge", "-p",
+        self.cluster.kubectl("patch", "modeldeployment", MD, "-n", self.namespace, "--type", "merge", "-p",
                              json.dumps({"spec": spec}))  # fmt: skip
 
     def rolled_out(self, replicas: int) -> bool:
-        dep = self.cluster.get("deployment", MD, "-n", NS)
+        dep = self.cluster.get("deployment", MD, "-n", self.namespace)
         status = dep.get("status") or {}
         return (
             dep["spec"].get("replicas") == replicas
@@ -145,38 +190,17 @@ def _ready(pod: dict[str, Any]) -> bool:
 @pytest.fixture(scope="module")
 def served(operator: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     cluster = operator
-    models = tmp_path_factory.mktemp("models")
-    (models / "tiny").mkdir()
-    for name, data in default_tokenizer_files().items():
-        if name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-            (models / "tiny" / name).write_bytes(data)
-    models.chmod(0o755)
     restricted_namespace(cluster, NS)
-    docs = [
-        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{NS}-models"},
-         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                  "hostPath": {"path": str(models)}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models", "namespace": NS},
-         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"{NS}-models",
-                  "resources": {"requests": {"storage": "1Gi"}}}},
-        {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": NS},
-         "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
-                  "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
-                  "replicas": 2, "httpRoute": {"parentRefs": [{"name": "inference-gateway"}]}}},
-    ]  # fmt: skip
-    cluster.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
-    served = Served(cluster, envoy=None)  # type: ignore[arg-type]
+    md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": NS},
+          "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
+                   "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
+                   "replicas": 2, "httpRoute": {"parentRefs": [{"name": "inference-gateway"}]}}}  # fmt: skip
+    apply(cluster, [*model_claim(NS, tmp_path_factory.mktemp("models")), md])
+    served = Served(cluster)
     eventually(lambda: len(served.pods(ENGINES)) == 2 and len(served.pods(EPPS)) == 2, 180,
                "two engine and two EPP pods Ready")  # fmt: skip
-    epp_ips = [p["status"]["podIP"] for p in served.pods(EPPS)]
-    log_dir = tmp_path_factory.mktemp("envoy")
-    served.envoy = harness.start_envoy(
-        log_dir, 9002, None, epp_addresses=[f"{ip}:9002" for ip in epp_ips], epp_health_ports=[9003] * len(epp_ips),
-        epp_tls=True,
-    )  # fmt: skip
+    served.envoy = start_envoy(served, tmp_path_factory.mktemp("envoy"))
     try:
-        served.envoy.wait_ready()
-        served.envoy.wait_epp_healthy()
         yield served
     finally:
         served.envoy.proc.stop()
@@ -246,8 +270,6 @@ def test_edits_roll_without_a_failed_request(served: Served) -> None:
         eventually(lambda: set(traffic.upstreams) & new, 60, "traffic on the new engines")
         served.patch({"replicas": 1})
         eventually(lambda: served.rolled_out(1), 120, "scaled to 1")
-        served.patch({"replicas": 2})
-        eventually(lambda: served.rolled_out(2), 120, "scaled back to 2")
     assert traffic.statuses[200] >= 20 and not traffic.errors, (traffic.statuses, traffic.errors[:5])
     dep = served.cluster.get("deployment", MD, "-n", NS)
     args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -327,3 +349,77 @@ def _pids_with_pod_folders() -> list[str]:
         if "/node/pods/" in target:
             out.append(target)
     return out
+
+
+def register_metrics_api(cluster: Cluster) -> None:
+    """The APIService for the operator's External Metrics API, through an ExternalName Service
+    naming the operator pod's loopback address (a ClusterIP is never dialled here)."""
+    (pod,) = cluster.get("pods", "-n", OPS)["items"]
+    port = next(
+        p["containerPort"] for p in pod["spec"]["containers"][0]["ports"] if p["name"] == "metrics-api"
+    )
+    apply(cluster, [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "kvgate-metrics-api", "namespace": OPS},
+         "spec": {"type": "ExternalName", "externalName": pod["status"]["podIP"], "ports": [{"port": port}]}},
+        {"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+         "metadata": {"name": "v1beta1.external.metrics.k8s.io"},
+         "spec": {"group": "external.metrics.k8s.io", "version": "v1beta1", "insecureSkipTLSVerify": True,
+                  "groupPriorityMinimum": 100, "versionPriority": 100,
+                  "service": {"name": "kvgate-metrics-api", "namespace": OPS, "port": port}}},
+    ])  # fmt: skip
+
+    def available() -> bool:
+        status = cluster.get("apiservice", "v1beta1.external.metrics.k8s.io").get("status") or {}
+        return any(c["type"] == "Available" and c["status"] == "True" for c in status.get("conditions", []))
+
+    eventually(available, 60, "the External Metrics APIService Available")
+
+
+def test_an_hpa_scales_the_engines_on_the_pools_queue_and_the_drain_loses_nothing(
+    operator: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """kube-controller-manager's HPA controller, through the aggregation layer, on the
+    operator's External Metrics API, which reads the pool's queue from its EPP replicas."""
+    cluster = operator
+    register_metrics_api(cluster)
+    restricted_namespace(cluster, SCALED)
+    md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": SCALED},
+          "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
+                   "engine": {"accelerator": "none", "drainSeconds": 2,
+                              "args": ["--simulate", "--max-num-seqs", "1", "--sim-itl", "0.05"]},
+                   "autoscaling": {"backend": "hpa", "minReplicas": 1, "maxReplicas": 3, "metric": "queue-size",
+                                   "target": "2", "scaleDownStabilizationSeconds": 10}}}  # fmt: skip
+    apply(cluster, [*model_claim(SCALED, tmp_path_factory.mktemp("models")), md])
+    scaled = Served(cluster, SCALED)
+    eventually(
+        lambda: len(scaled.pods(ENGINES)) == 1 and len(scaled.pods(EPPS)) == 2, 180, "one engine, two EPPs"
+    )
+    metric = f"/apis/external.metrics.k8s.io/v1beta1/namespaces/{SCALED}/inference_pool_average_queue_size"
+
+    def value() -> list[dict[str, Any]]:
+        got = json.loads(cluster.kubectl("get", "--raw", f"{metric}?labelSelector=name%3D{MD}").stdout)
+        return list(got["items"])
+
+    (item,) = eventually(value, 60, "the pool's queue through the aggregation layer")
+    assert item["metricLabels"] == {"name": MD} and item["value"] == "0", item
+    scaled.envoy = start_envoy(scaled, tmp_path_factory.mktemp("envoy"))
+    try:
+        burst = [Traffic(scaled.envoy.url) for _ in range(12)]
+        for t in burst:
+            t.__enter__()
+        try:
+            eventually(lambda: scaled.rolled_out(3), 180, "the HPA scaled the engines up to 3")
+        finally:
+            for t in burst:
+                t.__exit__()
+        hpa = cluster.get("hpa", MD, "-n", SCALED)
+        assert hpa["status"]["desiredReplicas"] >= 2, hpa["status"]
+        # the load gone, the HPA scales down; requests go on meanwhile and none may fail
+        with Traffic(scaled.envoy.url) as light:
+            eventually(lambda: scaled.rolled_out(1), 180, "the HPA scaled back down to 1")
+        every = [*burst, light]
+        failed = [e for t in every for e in t.errors]
+        assert sum(t.statuses[200] for t in every) >= 30 and not failed, failed[:5]
+    finally:
+        scaled.envoy.proc.stop()
+        cluster.kubectl("delete", "modeldeployment", MD, "-n", SCALED, "--wait=false")

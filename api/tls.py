@@ -1,4 +1,5 @@
-"""A self-signed serving certificate made at start-up (GIE's --secure-serving default)."""
+"""A self-signed serving certificate made at start-up: the EPP's (GIE's --secure-serving default)
+and the operator's External Metrics API (the aggregation layer is told to skip verifying it)."""
 
 from __future__ import annotations
 
