@@ -297,6 +297,23 @@ def test_the_operator_sigkilled_mid_edit_is_restarted_and_converges(served: Serv
     eventually(lambda: served.rolled_out(2), 120, "back to 2")
 
 
+def test_a_concurrent_writer_of_the_engine_deployment_is_overruled(served: Served) -> None:
+    """Another writer (`kubectl scale`, a hand edit) changes what the operator owns: the operator
+    sees it through its Deployment watch and puts its spec back; its merge patches carry no
+    resourceVersion, so they never fail with 409 against the other writer's."""
+    cluster = served.cluster
+    wanted = cluster.get("deployment", MD, "-n", NS)["spec"]["template"]["spec"]["containers"][0]["args"]
+    cluster.kubectl("scale", "deployment", MD, "-n", NS, "--replicas=4")
+    cluster.kubectl("patch", "deployment", MD, "-n", NS, "--type", "json", "-p",
+                    json.dumps([{"op": "add", "path": "/spec/template/spec/containers/0/args/-", "value": "--seed=7"}]))  # fmt: skip
+
+    def restored() -> bool:
+        dep = cluster.get("deployment", MD, "-n", NS)
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"] == wanted and served.rolled_out(2)
+
+    eventually(restored, 120, "the operator restored the replicas and args it wants")
+
+
 def test_the_api_server_sigkilled_under_every_watch_is_ridden_out(served: Served) -> None:
     cluster = served.cluster
     pid = int((cluster.kubeconfig.parent / "kube-apiserver.pid").read_text())
