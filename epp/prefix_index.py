@@ -225,21 +225,57 @@ class RecentPicks:
     Picks are grouped by their first block key (different first keys share nothing), and only
     the newest ``per_endpoint`` picks of a group per endpoint are kept, so a query costs a few
     binary searches per endpoint however high the pick rate.
+
+    Bounded whatever engines report: a pick counts at most ``max_hold_seconds`` (an engine
+    predicting a huge pending prefill would otherwise hold every pick for that long, and memory
+    would grow with the pick rate), and at most ``max_groups`` first keys are kept, the least
+    recently picked going first.
     """
 
-    def __init__(self, window_seconds: float, per_endpoint: int = 8) -> None:
+    def __init__(
+        self,
+        window_seconds: float,
+        per_endpoint: int = 8,
+        max_hold_seconds: float = 120.0,
+        max_groups: int = 65_536,
+    ) -> None:
         self.window_seconds = window_seconds
         self.per_endpoint = per_endpoint
-        self._groups: dict[int, dict[str, deque[_RecentPick]]] = {}
+        self.max_hold_seconds = max(max_hold_seconds, window_seconds)
+        self.max_groups = max_groups
+        self._groups: OrderedDict[int, dict[str, deque[_RecentPick]]] = OrderedDict()
         self._expiry: list[tuple[float, int]] = []  # heap of (until, first key)
 
     def record(self, keys: Sequence[int], endpoint: str, when: float, until: float | None = None) -> None:
         if not keys:
             return
-        until = max(when + self.window_seconds, until or 0.0)
-        picks = self._groups.setdefault(keys[0], {}).setdefault(endpoint, deque(maxlen=self.per_endpoint))
-        picks.append(_RecentPick(when, keys, until))
-        heapq.heappush(self._expiry, (until, keys[0]))
+        until = min(max(when + self.window_seconds, until or 0.0), when + self.max_hold_seconds)
+        first = keys[0]
+        group = self._groups.get(first)
+        if group is None:
+            group = self._groups[first] = {}
+            while len(self._groups) > self.max_groups:
+                self._groups.popitem(last=False)  # its heap entries expire as no-ops
+        else:
+            self._groups.move_to_end(first)
+        group.setdefault(endpoint, deque(maxlen=self.per_endpoint)).append(_RecentPick(when, keys, until))
+        heapq.heappush(self._expiry, (until, first))
+        if len(self._expiry) > 2 * self.max_groups + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """One expiry entry per group (its latest pick's), instead of one per pick ever made:
+        the heap stays proportional to the groups kept, not to the pick rate."""
+        self._expiry = [
+            (max(p.until for picks in group.values() for p in picks), first)
+            for first, group in self._groups.items()
+            if any(group.values())
+        ]
+        heapq.heapify(self._expiry)
+
+    def __len__(self) -> int:
+        """Picks held (what memory grows with)."""
+        return sum(len(picks) for group in self._groups.values() for picks in group.values())
 
     def _expire(self, now: float) -> None:
         expiry = self._expiry

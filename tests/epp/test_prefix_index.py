@@ -167,3 +167,29 @@ def test_block_keys_are_the_same_in_every_process() -> None:
         for _ in range(2)
     }
     assert runs == {f"{block_keys(list(range(64)), 16)} {block_keys(list(range(64)), 16, 7)}\n"}
+
+
+def test_a_pick_hold_is_bounded_whatever_the_engine_predicts() -> None:
+    """An engine reporting a huge pending prefill asks for a pick to count for hours: it counts
+    max_hold_seconds at most, then nothing of it is kept."""
+    recent = RecentPicks(window_seconds=2.0, max_hold_seconds=30.0)
+    keys = [11, 12, 13]
+    recent.record(keys, "a:1", when=0.0, until=1e9)
+    assert recent.prefix_blocks(keys, ["a:1"], now=29.0) == {"a:1": 3}
+    assert recent.prefix_blocks(keys, ["a:1"], now=31.0) == {"a:1": 0}
+    assert len(recent) == 0
+    # the short window still applies when the engine predicts less
+    recent.record(keys, "a:1", when=100.0, until=100.5)
+    assert recent.prefix_blocks(keys, ["a:1"], now=101.5) == {"a:1": 3}
+
+
+def test_memory_stays_bounded_at_any_pick_rate() -> None:
+    """100,000 distinct prompts picked within one hold: the picks and the expiry heap stay
+    proportional to max_groups, and the most recent prompts are the ones kept."""
+    recent = RecentPicks(window_seconds=2.0, max_hold_seconds=60.0, max_groups=1000)
+    for i in range(100_000):
+        recent.record([i, i + 1], f"e{i % 8}:1", when=i * 1e-4, until=1e9)
+    assert len(recent) <= 1000
+    assert len(recent._expiry) <= 2 * 1000 + 1024
+    assert recent.prefix_blocks([99_999, 100_000], ["e7:1"], now=11.0) == {"e7:1": 2}
+    assert recent.prefix_blocks([0, 1], ["e0:1"], now=11.0) == {"e0:1": 0}  # evicted, oldest first
