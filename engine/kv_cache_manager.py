@@ -10,10 +10,22 @@ means n > 1 samples or a burst of requests sharing a prompt compute it once, not
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from kvgate.engine.request import Request
+
+
+class CacheHit(NamedTuple):
+    """A request's prefix-cache hit, as the scheduler holds it until it hands it back to
+    `allocate`: it reads the token count, never the blocks (vLLM's KVCacheBlocks)."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+    def first_blocks(self, count: int, block_size: int) -> CacheHit:
+        return CacheHit(self.blocks[:count], min(self.num_tokens, count * block_size))
 
 
 class KVCacheManager:
@@ -58,14 +70,14 @@ class KVCacheManager:
             hashes.append(parent)
 
     # -- lookups and allocation ----------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> CacheHit:
         """The longest cached prefix of the request's tokens: (blocks, number of tokens).
 
         Never the whole sequence: the last token must be computed so the model can sample.
         Has no side effects; the hit is counted when `allocate` accepts it.
         """
         if not self.enable_caching:
-            return [], 0
+            return CacheHit([], 0)
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks * self.block_size)
         hits: list[KVBlock] = []
@@ -74,7 +86,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return CacheHit(hits, len(hits) * self.block_size)
 
     def recomputed_tokens(self, request: Request, num_hit: int) -> int:
         """Prompt tokens the cache holds that this schedule computes anyway: a block-aligned

@@ -120,5 +120,4 @@ def commit_import(
 
 def runner_kv_layout(engine: LLMEngine) -> dict[str, Any] | None:
     """How the runner lays out one block's KV (None: it cannot move blocks)."""
-    layout = getattr(engine.runner, "kv_layout", None)
-    return layout() if callable(layout) else None
+    return engine.kv_runner.kv_layout() if engine.kv_runner is not None else None

@@ -18,7 +18,13 @@ from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
 from kvgate.engine.kv_cache_manager import KVCacheManager
 from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput, TokenLogprob
 from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner_api import ModelRunner, PromptLogprobsChunk, SampledToken
+from kvgate.engine.runner_api import (
+    ModelRunner,
+    PromptLogprobsChunk,
+    SampledToken,
+    SupportsKVTransfer,
+    SupportsLoRA,
+)
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.structured.manager import StructuredOutputManager
@@ -103,6 +109,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config)
         self.runner: ModelRunner = runner if runner is not None else _build_runner(config, self.tokenizer)
+        # its capabilities beyond `execute`, resolved once (None: this runner has none)
+        self.lora_runner = self.runner if isinstance(self.runner, SupportsLoRA) else None
+        self.kv_runner = self.runner if isinstance(self.runner, SupportsKVTransfer) else None
         self.block_size = self.runner.block_size
         # The runner sized its cache tensors (honouring config.num_kv_blocks); never hand out
         # block ids beyond them.
@@ -225,10 +234,9 @@ class LLMEngine:
     def load_lora(self, name: str, path: str) -> LoadedLoRA:
         """Read and check an adapter folder. Touches no engine state, so a server runs it in a
         worker thread while steps go on; `add_lora` then registers the result."""
-        load = getattr(self.runner, "load_lora", None)
-        if load is None or not self.config.enable_lora:
+        if self.lora_runner is None or not self.config.enable_lora:
             raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
-        return LoadedLoRA(path, load(name, path))
+        return LoadedLoRA(path, self.lora_runner.load_lora(name, path))
 
     def add_lora(self, name: str, loaded: LoadedLoRA, *, inplace: bool = False) -> int:
         """Register what `load_lora` returned (between steps). A name already registered
@@ -250,7 +258,9 @@ class LLMEngine:
             log.info("adapter %s has new weights: %d cached KV blocks dropped", name, dropped)
         self._lora_paths[lora_id] = loaded.path
         self._unloading.discard(lora_id)
-        self.runner.add_lora(lora_id, loaded.weights)  # type: ignore[attr-defined]
+        if self.lora_runner is None:
+            raise ValueError("LoRA adapters are not enabled (start the engine with --enable-lora)")
+        self.lora_runner.add_lora(lora_id, loaded.weights)
         self.loras[lora_id] = name
         return lora_id
 
@@ -273,7 +283,8 @@ class LLMEngine:
         for lora_id in list(self._unloading - in_use):
             self._unloading.discard(lora_id)
             del self.loras[lora_id]
-            self.runner.remove_lora(lora_id)  # type: ignore[attr-defined]
+            if self.lora_runner is not None:
+                self.lora_runner.remove_lora(lora_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False when it is not known."""
@@ -415,7 +426,7 @@ class LLMEngine:
             prefill_tokens_pending=self.scheduler.pending_prefill_tokens(),
             running_loras=self._lora_names(self.scheduler.running_lora_ids()),
             waiting_loras=self._lora_names(self.scheduler.waiting_lora_ids()),
-            lora_loads_total=int(getattr(self.runner, "lora_loads_total", 0)),
+            lora_loads_total=self.lora_runner.lora_loads_total if self.lora_runner is not None else 0,
         )
 
     def _lora_names(self, ids: set[int]) -> tuple[str, ...]:

@@ -25,7 +25,15 @@ from kvgate.engine.layers.attention import (
 from kvgate.engine.layers.sampler import Sampler, SampleRequest
 from kvgate.engine.loader import Checkpoint, load_model, open_checkpoint
 from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
-from kvgate.engine.runner_api import PromptLogprobsChunk, SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.runner_api import (
+    ModelRunner,
+    PromptLogprobsChunk,
+    SampledToken,
+    ScheduledBatch,
+    ScheduledSeq,
+    SupportsKVTransfer,
+    SupportsLoRA,
+)
 
 if TYPE_CHECKING:
     from kvgate.api.tokenizer import Tokenizer
@@ -447,3 +455,11 @@ def _cumsum_minus1(lengths: list[int]) -> list[int]:
         total += n
         out.append(total - 1)
     return out
+
+
+if TYPE_CHECKING:  # mypy holds this runner to every contract the engine resolves on it
+    _contracts: tuple[type[ModelRunner], type[SupportsLoRA], type[SupportsKVTransfer]] = (
+        TorchModelRunner,
+        TorchModelRunner,
+        TorchModelRunner,
+    )

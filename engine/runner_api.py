@@ -13,8 +13,9 @@ computing in this very step (as in vLLM).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvgate.engine.sampling_params import SamplingParams
 
@@ -86,3 +87,44 @@ class ModelRunner(Protocol):
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         """Run one step. Returns one SampledToken per seq with `sample=True`, in batch order."""
         ...
+
+
+# Capabilities beyond `execute`: the engine resolves each once (isinstance) when it is built, and
+# mypy checks both runners (TorchModelRunner, SimulatedRunner) against them.
+
+
+@runtime_checkable
+class SupportsLoRA(Protocol):
+    """Serves LoRA adapters (--enable-lora): `load_lora` reads one in any thread, `add_lora` and
+    `remove_lora` (between steps) register and drop it under an id."""
+
+    @property
+    def lora_loads_total(self) -> int:
+        """Adapter loads into a slot so far (a metric)."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> object: ...
+
+    def add_lora(self, lora_id: int, adapter: object) -> None: ...
+
+    def remove_lora(self, lora_id: int) -> None: ...
+
+
+@runtime_checkable
+class SupportsKVTransfer(Protocol):
+    """Copies KV blocks out and in (prefill/decode disaggregation), in any thread."""
+
+    def kv_layout(self) -> dict[str, Any]:
+        """What one block's KV is: a consumer takes blocks only from a producer laid out alike."""
+        ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> Sequence[bytes | memoryview]: ...
+
+    def write_kv_blocks(self, block_ids: list[int], blobs: list[bytes]) -> None: ...
+
+
+@runtime_checkable
+class SimulatesTransfer(Protocol):
+    """Moves no bytes (a simulated runner) but says how long moving them would take."""
+
+    def transfer_seconds(self, num_blocks: int) -> float: ...

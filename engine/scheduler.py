@@ -15,8 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvgate.engine.block_pool import KVBlock
-from kvgate.engine.kv_cache_manager import KVCacheManager
+from kvgate.engine.kv_cache_manager import CacheHit, KVCacheManager
 from kvgate.engine.request import Request, RequestStatus
 from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
 
@@ -54,7 +53,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         # What its prefill will cost as things stand now (a router reads the sum, see
         # pending_prefill_tokens); the lookup hashes the prompt once, which scheduling reuses.
-        request.expected_cached_tokens = self.kv.get_computed_blocks(request)[1]
+        request.expected_cached_tokens = self.kv.get_computed_blocks(request).num_tokens
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -181,14 +180,15 @@ class Scheduler:
             if cfg.max_loras and lora is not None and lora not in adapters and len(adapters) >= cfg.max_loras:
                 passed_over.append(self.waiting.popleft())
                 continue
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            hit = self.kv.get_computed_blocks(request)
             if request.prompt_logprobs is not None:
-                hit_blocks, num_hit = _limit_cache_hit(request, hit_blocks, num_hit, block_size)
+                hit = _limit_cache_hit(request, hit, block_size)
+            num_hit = hit.num_tokens
             num_new = request.num_tokens - num_hit
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate(request, num_new, hit_blocks, num_hit) is None:
+            if self.kv.allocate(request, num_new, *hit) is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -277,16 +277,13 @@ class Scheduler:
         return None, None
 
 
-def _limit_cache_hit(
-    request: Request, hit_blocks: list[KVBlock], num_hit: int, block_size: int
-) -> tuple[list[KVBlock], int]:
+def _limit_cache_hit(request: Request, hit: CacheHit, block_size: int) -> CacheHit:
     """A request still owed prompt logprobs takes no cache hit past the first position it needs:
     those positions must go through the model. Requests that do not ask keep full cache use."""
     need = request.next_prompt_logprob_pos
-    if need is None or num_hit <= need:
-        return hit_blocks, num_hit
-    keep = need // block_size
-    return hit_blocks[:keep], keep * block_size
+    if need is None or hit.num_tokens <= need:
+        return hit
+    return hit.first_blocks(need // block_size, block_size)
 
 
 def _ask_prompt_logprobs(seq: ScheduledSeq, request: Request) -> None:

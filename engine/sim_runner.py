@@ -19,10 +19,19 @@ import math
 import re
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.runner_api import PromptLogprobsChunk, SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.runner_api import (
+    ModelRunner,
+    PromptLogprobsChunk,
+    SampledToken,
+    ScheduledBatch,
+    ScheduledSeq,
+    SimulatesTransfer,
+    SupportsKVTransfer,
+    SupportsLoRA,
+)
 
 _MASK = 0xFFFFFFFFFFFFFFFF
 _WORD = re.compile(r"^[Ġ▁ ][a-z]{2,9}$")
@@ -274,3 +283,9 @@ class SimulatedRunner:
             out.top_ids.append(ids[:k])
             out.top_logprobs.append(values[:k])
         return out
+
+
+if TYPE_CHECKING:  # mypy holds this runner to every contract the engine resolves on it
+    _contracts: tuple[
+        type[ModelRunner], type[SupportsLoRA], type[SupportsKVTransfer], type[SimulatesTransfer]
+    ] = (SimulatedRunner, SimulatedRunner, SimulatedRunner, SimulatedRunner)

@@ -65,10 +65,8 @@ class Director:
         # What our own routing remembers about an endpoint dies with it (the KV-event index is
         # cleared by the datastore itself).
         if not added:
-            for scorer, _ in self.profile.scorers:
-                forget = getattr(scorer, "forget_endpoint", None)
-                if forget is not None:
-                    forget(endpoint.address)
+            for plugin in self.profile.forgetters:
+                plugin.forget_endpoint(endpoint.address)
             if self.pd is not None:
                 self.pd.forget_endpoint(endpoint.address)
 
@@ -83,12 +81,10 @@ class Director:
         tokens = admission.token_ids
         index = self.datastore.index
         uncached: int | None = None
-        for scorer, _ in self.profile.scorers:
-            observe = getattr(scorer, "observe_admission", None)
-            if observe is not None:
-                found = observe(address, tokens, now, index, admission.lora_id, state=state)
-                if uncached is None and isinstance(found, int):
-                    uncached = found
+        for observer in self.profile.admission_observers:
+            found = observer.observe_admission(address, tokens, now, index, admission.lora_id, state=state)
+            if uncached is None:
+                uncached = found
         if self.pd is not None:
             self.pd.observe_admission(address, tokens, now, index, admission.lora_id)
         if uncached is None:  # no prefix-aware scorer: what the index says is cached there

@@ -62,11 +62,11 @@ class ServerSettings:
 
 
 def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
-    """Whether any scorer keys on prompt tokens (it declares `uses_tokens`), or P/D is on (it
-    counts uncached prompt tokens)."""
+    """Whether any plugin keys on prompt tokens (`UsesTokens`), or P/D is on (it counts
+    uncached prompt tokens)."""
     if pd_threshold is not None or config.pd_threshold is not None:
         return True
-    return any(getattr(s, "uses_tokens", False) for p in build_profiles(config) for s, _ in p.scorers)
+    return any(p.uses_tokens() for p in build_profiles(config))
 
 
 class EppServer:

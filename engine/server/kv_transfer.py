@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 
 from kvgate.engine import kv_transfer as core
+from kvgate.engine.runner_api import SimulatesTransfer, SupportsKVTransfer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.metrics import EngineMetrics
 
@@ -130,6 +131,11 @@ class KVTransfer:
         if settings.role != "none" and self.layout is None:
             raise ValueError("--kv-role needs a model runner that can read and write KV blocks")
 
+    def _kv_runner(self) -> SupportsKVTransfer:
+        runner = self.engine.engine.kv_runner
+        assert runner is not None, "a KV transfer needs a runner that reads and writes blocks"
+        return runner
+
     @property
     def pinned_blocks(self) -> int:
         return sum(len(p.pin.blocks) for p in self._pins.values())
@@ -194,7 +200,7 @@ class KVTransfer:
         if entry.timer is not None:
             entry.timer.cancel()
             entry.timer = None
-        runner = self.engine.engine.runner
+        runner = self._kv_runner()
         layout = self.layout or {}
         size = int(0 if layout.get("simulated") else layout.get("bytes_per_block", 0))
         # a simulated engine moves no bytes but counts the ones its model stands for
@@ -211,7 +217,7 @@ class KVTransfer:
                 ids = entry.pin.block_ids
                 for start in range(0, len(ids), _READ_CHUNK_BLOCKS):
                     chunk = ids[start : start + _READ_CHUNK_BLOCKS]
-                    blobs = await asyncio.to_thread(runner.read_kv_blocks, chunk)  # type: ignore[attr-defined]
+                    blobs = await asyncio.to_thread(runner.read_kv_blocks, chunk)
                     for blob in blobs:
                         digest = _digest(blob)
                         tag.update(digest)
@@ -348,7 +354,7 @@ class KVTransfer:
                 if matched == 0:
                     raise TransferFailed("no_match", "the producer's blocks are not this prompt's")
                 plan = await self.engine.call(lambda llm: core.reserve_import(llm, ours[:matched]))
-                runner = self.engine.engine.runner
+                runner = self._kv_runner()
                 tag = self._tagger(tid, head_line)
                 pending_ids: list[int] = []
                 pending: list[bytes] = []
@@ -365,16 +371,16 @@ class KVTransfer:
                         pending_ids.append(plan.block_ids[i])
                         pending.append(data)
                     if len(pending) >= _READ_CHUNK_BLOCKS:
-                        await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)  # type: ignore[attr-defined]
+                        await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)
                         pending_ids, pending = [], []
                 if pending:
-                    await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)  # type: ignore[attr-defined]
+                    await asyncio.to_thread(runner.write_kv_blocks, pending_ids, pending)
                 if not hmac.compare_digest(await frames.exactly(TAG_BYTES), tag.digest()):
                     raise TransferFailed(
                         "unauthenticated", "the transfer's tag does not match (another secret?)"
                     )
-                if self.layout and self.layout.get("simulated"):
-                    await asyncio.sleep(runner.transfer_seconds(sum(plan.fresh)))  # type: ignore[attr-defined]
+                if isinstance(runner, SimulatesTransfer):
+                    await asyncio.sleep(runner.transfer_seconds(sum(plan.fresh)))
         except TransferFailed:
             await self._abandon(plan)
             raise

@@ -108,10 +108,8 @@ class PrefillDecodeHandler:
     def forget_endpoint(self, address: str) -> None:
         """The endpoint left the pool: a new pod on its ip:port inherits nothing."""
         self.decode_prefix.forget_endpoint(address)
-        for scorer, _ in self.prefill_profile.scorers:
-            forget = getattr(scorer, "forget_endpoint", None)
-            if forget is not None:
-                forget(address)
+        for plugin in self.prefill_profile.forgetters:
+            plugin.forget_endpoint(address)
 
     def observe_admission(
         self, address: str, token_ids: list[int], now: float, index: PreciseIndex, lora_id: int | None

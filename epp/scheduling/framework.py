@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from kvgate.epp.datastore import Datastore, EndpointState
 from kvgate.epp.request import InferenceRequest
+
+if TYPE_CHECKING:
+    from kvgate.epp.prefix_index import PreciseIndex
 
 # ctx.cache key: {address: prompt tokens the request would have to prefill there}, published by
 # the prefix-aware scorers; the director records the chosen one's with the pick (load estimates).
@@ -58,6 +61,39 @@ class PreRequest(Plugin, Protocol):
     def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None: ...
 
 
+@runtime_checkable
+class EndpointForgetter(Protocol):
+    """Keeps something per endpoint (recent picks, learned speeds) that dies with it: told when
+    an endpoint leaves the pool, so a new pod on its ip:port inherits nothing."""
+
+    def forget_endpoint(self, address: str) -> None: ...
+
+
+@runtime_checkable
+class AdmissionObserver(Protocol):
+    """Counts another EPP replica's pick, announced by the engine that admitted it, as its own
+    pick would have been counted, so active-active replicas judge queues and placement alike."""
+
+    def observe_admission(
+        self,
+        address: str,
+        token_ids: list[int],
+        now: float,
+        index: PreciseIndex,
+        lora_id: int | None = None,
+        state: EndpointState | None = None,
+    ) -> int:
+        """The prompt tokens the engine must compute for it (the rest it holds cached)."""
+        ...
+
+
+@runtime_checkable
+class UsesTokens(Protocol):
+    """A plugin that keys on prompt tokens: the EPP loads the served model's tokenizer for it."""
+
+    uses_tokens: ClassVar[bool]
+
+
 @dataclass
 class ProfileResult:
     targets: list[EndpointState]  # empty: filters left nothing
@@ -73,10 +109,18 @@ class SchedulingProfile:
     scorers: list[tuple[Scorer, float]]
     picker: Picker
     _pre_request: list[PreRequest] = field(default_factory=list, repr=False)
+    forgetters: list[EndpointForgetter] = field(default_factory=list, repr=False)
+    admission_observers: list[AdmissionObserver] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         # resolved once here: isinstance() against a Protocol costs microseconds per call
         self._pre_request = [p for p in self.plugins() if isinstance(p, PreRequest)]
+        scorers = [s for s, _ in self.scorers]
+        self.forgetters = [s for s in scorers if isinstance(s, EndpointForgetter)]
+        self.admission_observers = [s for s in scorers if isinstance(s, AdmissionObserver)]
+
+    def uses_tokens(self) -> bool:
+        return any(isinstance(p, UsesTokens) and p.uses_tokens for p in self.plugins())
 
     def plugins(self) -> list[Plugin]:
         return [*self.filters, *(s for s, _ in self.scorers), self.picker]

@@ -24,11 +24,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvgate.epp.datastore import EndpointState
 from kvgate.epp.prefix_index import PreciseIndex
-from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
+from kvgate.epp.scheduling.framework import (
+    PREFILL_TOKENS,
+    AdmissionObserver,
+    EndpointForgetter,
+    SchedulingContext,
+    UsesTokens,
+)
 from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
 
 
@@ -401,3 +407,11 @@ class PredictedLatencyScorer:
         self.prefix.forget_endpoint(address)
         self.model.forget(address)
         self.working_sets.forget(address)
+
+
+if TYPE_CHECKING:  # mypy holds the scorer to the contracts the profile resolves on it
+    _contracts: tuple[type[EndpointForgetter], type[AdmissionObserver], type[UsesTokens]] = (
+        PredictedLatencyScorer,
+        PredictedLatencyScorer,
+        PredictedLatencyScorer,
+    )

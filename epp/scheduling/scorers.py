@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvgate.epp.datastore import EndpointState
 from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, RecentPicks, block_keys, root_key
 from kvgate.epp.scheduling.adapters import request_adapter, request_lora_id
-from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.framework import (
+    AdmissionObserver,
+    EndpointForgetter,
+    SchedulingContext,
+    UsesTokens,
+)
 
 
 @dataclass
@@ -277,3 +282,14 @@ __all__ = [
     "PrefixCacheScorer",
     "QueueScorer",
 ]
+
+
+if TYPE_CHECKING:  # mypy holds each scorer to the contracts the profile resolves on it
+    _contracts: tuple[
+        type[EndpointForgetter], type[EndpointForgetter], type[AdmissionObserver], type[UsesTokens]
+    ] = (
+        PrefixCacheScorer,
+        PrecisePrefixCacheScorer,
+        PrecisePrefixCacheScorer,
+        PrecisePrefixCacheScorer,
+    )
