@@ -91,13 +91,10 @@ async def epp_ready() -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-@pytest.mark.parametrize("source", ["hf", "pvc"])
-async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path) -> None:
+async def test_operator_written_pods_start_and_serve(tmp_path: Path) -> None:
+    """A Hub model (a PVC model on a real API server and node: tests/cluster/test_workloads.py)."""
     model = tiny_model(tmp_path / "model")
-    if source == "hf":
-        md = spec("hf://acme/tiny-chat@main", hfTokenSecret="hf-token")
-    else:
-        md = spec("pvc://weights/tiny")
+    md = spec("hf://acme/tiny-chat@main", hfTokenSecret="hf-token")
     owner = ch.model_deployment_owner(NAME, NS, "uid-1")
     kids = ch.model_deployment_children(
         NAME, owner, md, OperatorConfig(), ch.Capabilities(keda=False, gateway_api=False)
@@ -109,14 +106,6 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
 
     hub = fake_hub.FakeHub()
     hub.add_folder("acme/tiny-chat", model, token=HF_TOKEN)
-    claims = {"weights": tmp_path / "claim"}
-    if source == "pvc":
-        (claims["weights"]).mkdir(mode=0o755)
-        target = claims["weights"] / "tiny"
-        target.mkdir(mode=0o755)
-        for f in model.iterdir():
-            (target / f.name).write_bytes(f.read_bytes())
-            (target / f.name).chmod(0o644)
 
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -134,7 +123,6 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
                 ).raise_for_status()
                 common: dict[str, Any] = {
                     "secrets": {"hf-token": {"token": HF_TOKEN}},
-                    "claims": claims,
                     "config_maps": config_maps,
                 }
                 engine = pod_process.pod_from_deployment(
@@ -144,8 +132,7 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
                 for init in engine.spec.get("initContainers", []):
                     done = await asyncio.to_thread(engine.run, init, 180)
                     assert done.returncode == 0, done.stderr[-3000:]
-                if source == "hf":
-                    assert "model.safetensors" in hub.downloaded()
+                assert "model.safetensors" in hub.downloaded()
                 (container,) = engine.spec["containers"]
                 running = [engine.start(container, logs / "engine.log")]
 
@@ -186,9 +173,8 @@ async def test_operator_written_pods_start_and_serve(source: str, tmp_path: Path
                     if line.startswith("kvgate_epp_prefix_index_blocks{") and f":{md.engine.port}" in line
                 ]
                 assert held and held[0] >= 8, text[-2000:]  # the early prompt's blocks, replayed
-                if source == "hf":
-                    fetched = hub.downloaded()
-                    assert "tokenizer.json" in fetched and "model.safetensors" not in fetched
+                fetched = hub.downloaded()
+                assert "tokenizer.json" in fetched and "model.safetensors" not in fetched
 
                 # A real Envoy (TLS to the picker, as the chart's gateway) routes through it.
                 envoy = harness.start_envoy(logs, ch.EPP_GRPC_PORT, epp_tls=True)

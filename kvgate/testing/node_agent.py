@@ -39,6 +39,7 @@ import signal
 import ssl
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -748,8 +749,12 @@ class NodeAgent:
             self._returned.append(worker.ip)
 
     def shutdown(self) -> None:
-        for uid in list(self.workers):
-            self._forget(uid)
+        """Every pod's processes stopped at once (each gets its short grace in parallel)."""
+        workers = list(self.workers.values())
+        self.workers.clear()
+        if workers:
+            with ThreadPoolExecutor(max_workers=len(workers)) as pool:
+                list(pool.map(PodWorker.shutdown, workers))
 
 
 def main(argv: list[str] | None = None) -> int:

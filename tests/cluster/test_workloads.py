@@ -261,13 +261,13 @@ def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch
 def test_edits_roll_without_a_failed_request(served: Served) -> None:
     before = {p["metadata"]["name"] for p in served.pods(ENGINES)}
     with Traffic(served.envoy.url) as traffic:
-        served.patch({"replicas": 3})
-        eventually(lambda: served.rolled_out(3), 120, "scaled to 3")
         served.patch({"engine": {"args": ["--simulate", "--max-num-seqs", "64"]}})
-        eventually(lambda: served.rolled_out(3) and not before & {p["metadata"]["name"] for p in served.pods(ENGINES)},
+        eventually(lambda: served.rolled_out(2) and not before & {p["metadata"]["name"] for p in served.pods(ENGINES)},
                    240, "the engines replaced with the new args")  # fmt: skip
         new = {f"{p['status']['podIP']}:8000" for p in served.pods(ENGINES)}
         eventually(lambda: set(traffic.upstreams) & new, 60, "traffic on the new engines")
+        served.patch({"replicas": 3})
+        eventually(lambda: served.rolled_out(3), 120, "scaled to 3")
         served.patch({"replicas": 1})
         eventually(lambda: served.rolled_out(1), 120, "scaled to 1")
     assert traffic.statuses[200] >= 20 and not traffic.errors, (traffic.statuses, traffic.errors[:5])

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvgate.api.tokenizer import resolve_model
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.layers.attention import build_attention_metadata
 from kvgate.engine.model_runner import TorchModelRunner
@@ -60,11 +59,8 @@ def runner() -> TorchModelRunner:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
-    path = resolve_model("default")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+def reference(hf_default_model: Any) -> Any:
+    return hf_default_model
 
 
 @pytest.fixture(scope="module")

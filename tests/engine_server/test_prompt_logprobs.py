@@ -17,7 +17,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from kvgate.api.tokenizer import load_tokenizer, resolve_model
+from kvgate.api.tokenizer import load_tokenizer
 from kvgate.testing.engine_server import EngineProcess, launch
 
 pytestmark = pytest.mark.slow
@@ -55,12 +55,9 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="module")
-def reference() -> Any:
+def reference(hf_default_model: Any) -> Any:
     torch.set_num_threads(1)  # shared cores
-    path = resolve_model(MODEL)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    return hf_default_model
 
 
 def hf_logprobs(reference: Any, ids: list[int]) -> torch.Tensor:
