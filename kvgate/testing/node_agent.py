@@ -165,6 +165,9 @@ class PodWorker:
         self.runnable = agent.run_pods and all(self.components)
         self.runtime: pod_process.Pod | None = None
         self.containers = [ContainerRun(c) for c in spec["containers"]]
+        # native sidecars (init containers with restartPolicy Always): started in init order,
+        # then supervised, probed and restarted like the containers, for the pod's whole life
+        self.sidecars: list[ContainerRun] = []
         self.initialized = not spec.get("initContainers")
         self.reason = ""
         self._sent: dict[str, Any] = {}
@@ -346,6 +349,16 @@ class PodWorker:
     async def _init_containers(self) -> None:
         assert self.runtime is not None
         for container in self.pod["spec"].get("initContainers", []):
+            if container.get("restartPolicy") == "Always":
+                sidecar = ContainerRun(container)
+                self._start(sidecar)
+                self.sidecars.append(sidecar)
+                while not sidecar.started:  # the next one waits for its startup probe
+                    self.reason = f"Init:{container['name']}"
+                    await self._tick()
+                    await self.report()
+                    await asyncio.sleep(0.5)
+                continue
             backoff = 1.0
             while True:
                 self.reason = f"Init:{container['name']}"
@@ -375,7 +388,7 @@ class PodWorker:
         sa_dir = self.runtime.service_account_dir
         if sa_dir is not None and clock - self._token_at > 0.8 * TOKEN_SECONDS:
             await self._write_token(sa_dir)
-        for c in self.containers:
+        for c in [*self.sidecars, *(self.containers if self.initialized else [])]:
             if c.proc is None or not c.proc.alive():
                 if c.proc is not None and c.last_exit is None:
                     c.last_exit = {"exitCode": c.proc.popen.returncode, "finishedAt": now()}
@@ -487,7 +500,7 @@ class PodWorker:
     # -- status ----------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         spec = self.pod["spec"]
-        containers_ready = self.initialized and all(c.ready for c in self.containers)
+        containers_ready = self.initialized and all(c.ready for c in [*self.sidecars, *self.containers])
         have = {c["type"]: c.get("status") for c in (self.pod.get("status") or {}).get("conditions", [])}
         gates = [g["conditionType"] for g in spec.get("readinessGates", [])]
         ready = containers_ready and all(have.get(g) == "True" for g in gates)
@@ -496,8 +509,7 @@ class PodWorker:
         def condition(kind: str, ok: bool) -> dict[str, Any]:
             return {"type": kind, "status": "True" if ok else "False"}
 
-        statuses = []
-        for c in self.containers:
+        def container_status(c: ContainerRun) -> dict[str, Any]:
             alive = (c.proc is not None and c.proc.alive()) or not self.runnable
             if alive:
                 state: dict[str, Any] = {"running": {"startedAt": c.started_at}}
@@ -516,7 +528,8 @@ class PodWorker:
             }
             if c.last_exit is not None:
                 status["lastState"] = {"terminated": {**c.last_exit, "reason": "Error"}}
-            statuses.append(status)
+            return status
+
         out: dict[str, Any] = {
             "phase": "Running" if running and self.initialized else "Pending",
             "hostIP": "127.0.0.1",
@@ -529,8 +542,10 @@ class PodWorker:
                 condition("ContainersReady", containers_ready),
                 condition("Ready", ready),
             ],
-            "containerStatuses": statuses,
+            "containerStatuses": [container_status(c) for c in self.containers],
         }
+        if self.sidecars:
+            out["initContainerStatuses"] = [container_status(c) for c in self.sidecars]
         if self.reason:
             out["message"] = self.reason
         return out

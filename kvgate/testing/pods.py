@@ -102,7 +102,7 @@ class Pod:
     service_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_HOST/PORT
     _volumes: dict[str, Path] = field(default_factory=dict)
     _made_mount_points: list[Path] = field(default_factory=list)
-    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     # -- volumes -----------------------------------------------------------------------------
     def volume(self, name: str) -> Path:
@@ -223,11 +223,21 @@ class Pod:
         return self.env(container)
 
     def run(self, container: dict[str, Any], timeout: float) -> subprocess.CompletedProcess[str]:
-        """An init container: runs to completion."""
+        """An init container: runs to completion (or until `stop`, which it counts among the
+        pod's processes, or `timeout`: then it is killed and the result says so)."""
         env = self._prepare(container)
-        return subprocess.run(
-            self.argv(container), env=env, capture_output=True, text=True, timeout=timeout, cwd="/"
+        argv = self.argv(container)
+        proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/"
         )
+        self._procs.append(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err += f"\nkilled after {timeout:g} s"
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
     def start(self, container: dict[str, Any], log: Path) -> Container:
         env = self._prepare(container)

@@ -314,6 +314,35 @@ def test_a_concurrent_writer_of_the_engine_deployment_is_overruled(served: Serve
     eventually(restored, 120, "the operator restored the replicas and args it wants")
 
 
+def test_an_adapter_added_and_removed_under_traffic(served: Served) -> None:
+    """spec.adapters: the engines roll to --enable-lora, the operator loads the adapter into each
+    Ready engine pod (its readiness gate, patched into the pod status the node reports), the EPP
+    routes the adapter's name to them; removed, it is unloaded and its name is refused. Requests
+    for the base model never fail meanwhile."""
+    with Traffic(served.envoy.url) as traffic:
+        served.patch({"lora": {"maxLoras": 2, "maxLoraRank": 8},
+                      "adapters": [{"name": "sql", "source": "/adapters/sql"}]})  # fmt: skip
+
+        def adapter_served() -> bool:
+            body = {"model": "sql", "prompt": "select", "max_tokens": 2}
+            return served.rolled_out(2) and httpx.post(f"{served.envoy.url}/v1/completions", json=body,
+                                                       timeout=30).status_code == 200  # fmt: skip
+
+        eventually(adapter_served, 240, "the adapter served on the rolled engines")
+        gates = {
+            g["conditionType"] for p in served.pods(ENGINES) for g in p["spec"].get("readinessGates", [])
+        }
+        assert gates == {"kvgate.dev/lora-adapters"}, gates
+        served.patch({"adapters": None})
+
+        def adapter_refused() -> bool:
+            body = {"model": "sql", "prompt": "select", "max_tokens": 2}
+            return httpx.post(f"{served.envoy.url}/v1/completions", json=body, timeout=30).status_code == 404
+
+        eventually(adapter_refused, 120, "the adapter's name refused once it is removed")
+    assert traffic.statuses[200] >= 10 and not traffic.errors, (traffic.statuses, traffic.errors[:5])
+
+
 def test_the_api_server_sigkilled_under_every_watch_is_ridden_out(served: Served) -> None:
     cluster = served.cluster
     pid = int((cluster.kubeconfig.parent / "kube-apiserver.pid").read_text())
