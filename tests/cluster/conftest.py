@@ -102,12 +102,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         stderr=subprocess.STDOUT,
         text=True,
         cwd=ROOT,
+        start_new_session=True,  # its own process group: nothing it started can outlive a kill
     )
     # a cold build in CI takes ~11 min on 2 cores; a cached start ~10 s
     deadline = time.monotonic() + 1500
     while "cluster ready" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            _kill_group(proc)
             raise AssertionError(f"scripts/cluster.sh did not get ready:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
     cluster = Cluster(state / "kubeconfig", proc)
@@ -118,9 +119,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill_group(proc)
+            out.close()
+            raise AssertionError(
+                f"scripts/cluster.sh did not stop within 60 s:\n{log.read_text()[-3000:]}"
+            ) from None
+        _kill_group(proc)  # a clean stop leaves none; this is the guarantee
         out.close()
         assert not state.exists(), "scripts/cluster.sh left its state behind"
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")
