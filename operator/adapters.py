@@ -83,7 +83,7 @@ def ready_engine_pods(pods: list[dict[str, Any]], selector: dict[str, str], port
             out.append(
                 EnginePod(
                     meta["name"],
-                    f"http://{_host(status['podIP'])}:{port}",
+                    f"http://{url_host(status['podIP'])}:{port}",
                     gated=conds.get(ch.ADAPTERS_GATE, {}).get("status") == "True",
                     up_since=up.get("lastTransitionTime"),
                     conditions=tuple(conds.values()),
@@ -154,7 +154,8 @@ async def open_gate(client: KubeClient, namespace: str, pod: EnginePod, cond: Co
         log.warning("could not set %s on pod %s/%s: %s", cond.type, namespace, pod.name, exc)
 
 
-def _host(ip: str) -> str:
+def url_host(ip: str) -> str:
+    """An IP as the host part of a URL (IPv6 in brackets)."""
     return f"[{ip}]" if ":" in ip else ip
 
 

@@ -37,6 +37,7 @@ from kvgate.api.contracts.metrics import (
     saturation,
 )
 from kvgate.api.tls import self_signed_cert
+from kvgate.operator.adapters import url_host
 from kvgate.operator.children.common import EPP_METRICS_PORT
 from kvgate.operator.kube import KubeClient
 from kvgate.operator.resources import CONFIG_MAPS, INFERENCE_POOLS, PODS, SERVICES
@@ -197,7 +198,7 @@ class ExternalMetricsApi:
             return []
         pods = await client.list(PODS, namespace, ",".join(f"{k}={v}" for k, v in sorted(selector.items())))
         urls = [
-            f"http://{_host(ip)}:{_metrics_port(p)}/metrics" for p in pods if _ready(p) and (ip := _ip(p))
+            f"http://{url_host(ip)}:{_metrics_port(p)}/metrics" for p in pods if _ready(p) and (ip := _ip(p))
         ]
         texts = await asyncio.gather(*(self._get(u) for u in urls))
         return [g for text in texts if text is not None and (g := pool_gauges(text, pool))]
@@ -221,10 +222,6 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 def _ip(pod: dict[str, Any]) -> str:
     return str((pod.get("status") or {}).get("podIP") or "")
-
-
-def _host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip
 
 
 def _metrics_port(pod: dict[str, Any]) -> int:

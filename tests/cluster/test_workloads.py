@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvgate.epp.k8s import pod_ready
 from kvgate.testing import pods as pod_process
 from kvgate.testing import processes as harness
 from kvgate.testing.fake_hub import default_tokenizer_files
@@ -85,7 +86,7 @@ def apply(cluster: Cluster, docs: list[dict[str, Any]]) -> None:
 
 
 def start_envoy(served: Served, log_dir: Path) -> harness.Envoy:
-    epp_ips = [p["status"]["podIP"] for p in served.pods(served.epps)]
+    epp_ips = [p["status"]["podIP"] for p in served.pods(EPPS)]
     envoy = harness.start_envoy(
         log_dir, 9002, None, epp_addresses=[f"{ip}:9002" for ip in epp_ips], epp_health_ports=[9003] * len(epp_ips),
         epp_tls=True,
@@ -142,18 +143,10 @@ class Served:
     namespace: str = NS
     envoy: harness.Envoy = field(init=False)
 
-    @property
-    def engines(self) -> str:
-        return f"kvgate.dev/model-deployment={MD},kvgate.dev/role=engine"
-
-    @property
-    def epps(self) -> str:
-        return f"kvgate.dev/model-deployment={MD},kvgate.dev/role=epp"
-
     def pods(self, selector: str, ready_only: bool = True) -> list[dict[str, Any]]:
         items = self.cluster.get("pods", "-n", self.namespace, "-l", selector)["items"]
         live = [p for p in items if not p["metadata"].get("deletionTimestamp")]
-        return [p for p in live if _ready(p)] if ready_only else live
+        return [p for p in live if pod_ready(p)] if ready_only else live
 
     def patch(self, spec: dict[str, Any]) -> None:
         self.cluster.kubectl("patch", "modeldeployment", MD, "-n", self.namespace, "--type", "merge", "-p",
@@ -180,11 +173,6 @@ class Served:
                 set(re.findall(r'inference_pool_per_pod_queue_size\{[^}]*model_server_pod="([^"]+)"', text))
             )
         return seen
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +214,7 @@ def test_the_operator_pod_turns_a_model_deployment_into_ready_pods_on_the_node(s
     assert pools[1].split()[0] == MD and "8000" in pools[1] and f"{MD}-epp" in pools[1], pools
     # the operator is the chart's pod, not a process of this test
     operator_pod = cluster.get("pods", "-n", OPS)["items"][0]
-    assert _ready(operator_pod) and operator_pod["status"]["podIP"].startswith("127.10.")
+    assert pod_ready(operator_pod) and operator_pod["status"]["podIP"].startswith("127.10.")
 
 
 def test_the_http_route_is_accepted_by_gateway_apis_own_crd(served: Served) -> None:
