@@ -143,6 +143,8 @@ class SimTiming:
     time_scale: float | None = None
     lora_load_time: float | None = None
     kv_transfer_bandwidth: float | None = None
+    cpu_kv_blocks: int | None = None
+    kv_offload_bandwidth: float | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SimTiming:
@@ -184,6 +186,10 @@ SIM_FLAGS = (
             "extra seconds a step takes per LoRA adapter it puts into a slot"),
     SimFlag("kv_transfer_bandwidth", "--sim-kv-transfer-bandwidth", positive_float,
             "bytes per second a prefill/decode KV pull moves (131,072 KV bytes per token)"),
+    SimFlag("cpu_kv_blocks", "--sim-cpu-kv-blocks", positive_int,
+            "blocks in each simulated engine's host KV tier (turns the tier on)"),
+    SimFlag("kv_offload_bandwidth", "--sim-kv-offload-bandwidth", positive_float,
+            "bytes per second between the host KV tier and the device (default 50e9, PCIe 5.0 x16)"),
 )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -47,14 +47,30 @@ class KVBlock:
     block_hash: int | None = None  # set while the block is registered in the prefix cache
     hits: int = 0  # times a prefix lookup reused it since it was cached
     lora_id: int | None = None  # the adapter its KV was computed with, while registered
+    # While registered: the hash of the block before it and its tokens, so that the block can
+    # still be announced elsewhere (the host tier) when it leaves this pool.
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
+EvictHook = Callable[[KVBlock], None]
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        events: list[KVEvent] | None = None,
+        on_evict: EvictHook | None = None,
+    ) -> None:
+        """`events`: where to record KV events (shared with a host tier, to keep one order);
+        `on_evict`: called with each cached block `take` evicts, before it loses its hash."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
@@ -68,7 +84,8 @@ class BlockPool:
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._free_reused: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[int, KVBlock] = {}
-        self._events: list[KVEvent] = []
+        self._events: list[KVEvent] = [] if events is None else events
+        self._on_evict = on_evict
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -100,10 +117,11 @@ class BlockPool:
             _, block = (self._free or self._free_reused).popitem(last=False)
             block.hits = 0
             if block.block_hash is not None:
+                if self._on_evict is not None:
+                    self._on_evict(block)
                 del self._cached[block.block_hash]
                 evicted.append(block.block_hash)
-                block.block_hash = None
-                block.lora_id = None
+                _unregister(block)
             block.ref_cnt = 1
             out.append(block)
         if evicted:
@@ -159,6 +177,8 @@ class BlockPool:
             if stored:
                 block.block_hash = h
                 block.lora_id = lora_id
+                block.parent_hash = prev
+                block.token_ids = tuple(token_ids[i * bs : (i + 1) * bs])
                 self._cached[h] = block
                 if run_start < 0:
                     run_start, run_parent = i, prev
@@ -190,8 +210,7 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         """Forget every hash. Blocks in use stay with their requests, just no longer findable."""
         for block in self._cached.values():
-            block.block_hash = None
-            block.lora_id = None
+            _unregister(block)
             block.hits = 0
         self._cached.clear()
         # Nothing is worth keeping any more: reuse these before the rest of the queue.
@@ -212,8 +231,7 @@ class BlockPool:
                 continue
             del self._cached[block_hash]
             gone.append(block_hash)
-            block.block_hash = None
-            block.lora_id = None
+            _unregister(block)
             block.hits = 0
             if block.block_id in self._free_reused:
                 del self._free_reused[block.block_id]
@@ -225,5 +243,13 @@ class BlockPool:
         return len(gone)
 
     def drain_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
+        events = list(self._events)
+        self._events.clear()  # in place: a host tier appends to the same list
         return events
+
+
+def _unregister(block: KVBlock) -> None:
+    block.block_hash = None
+    block.lora_id = None
+    block.parent_hash = None
+    block.token_ids = ()

@@ -112,6 +112,27 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="exact KV pool size in blocks (overrides the memory budget)",
     )
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument(
+        "--kv-offloading-size",
+        type=_positive_float,
+        default=None,
+        metavar="GIB",
+        help="GiB of host memory for a second KV tier under the prefix cache: blocks leaving the "
+        "device pool are kept there and loaded back on a hit instead of computed again; unset: no tier",
+    )
+    s.add_argument(
+        "--kv-offloading-backend",
+        choices=["native"],
+        default="native",
+        help="how blocks reach the host tier (native: the engine's own copies, as vLLM's)",
+    )
+    s.add_argument(
+        "--kv-offload-on",
+        choices=["evict", "compute"],
+        default="evict",
+        help="when a block is copied to the host tier: when the device pool evicts it (default; the "
+        "tiers hold different blocks) or as soon as a step computes it (vLLM's native offloading)",
+    )
     lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
     lo.add_argument(
         "--enable-lora",
@@ -329,6 +350,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offloading_backend=args.kv_offloading_backend,
+        kv_offload_on=args.kv_offload_on,
         simulate=args.simulate,
         simulation=SimulationConfig().with_timing(SimTiming.from_args(args)),
     )

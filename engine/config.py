@@ -29,6 +29,12 @@ class SimulationConfig:
     kv_bytes_per_token: int = 131_072
     kv_transfer_bandwidth: float = 10e9  # bytes per second
     kv_transfer_latency: float = 0.002  # seconds per pull
+    # Host KV tier (--kv-offloading-size): its size in blocks (None: from --kv-offloading-size
+    # at kv_bytes_per_token), and the host<->device link: PCIe 5.0 x16 class, plus a fixed
+    # latency per step that copies anything.
+    cpu_kv_blocks: int | None = None
+    kv_offload_bandwidth: float = 50e9  # bytes per second
+    kv_offload_latency: float = 0.0002  # seconds per step with copies
 
     def timing(self) -> SimTiming:
         """These values as the --sim-* flags give them."""
@@ -49,6 +55,8 @@ _TIMING_FIELDS = {
     "time_scale": "time_scale",
     "lora_load_time": "lora_load_time",
     "kv_transfer_bandwidth": "kv_transfer_bandwidth",
+    "cpu_kv_blocks": "cpu_kv_blocks",
+    "kv_offload_bandwidth": "kv_offload_bandwidth",
 }
 
 
@@ -76,6 +84,11 @@ class EngineConfig:
     max_loras: int = 1  # distinct adapters in one step (and device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    # A host KV tier under the prefix cache (vLLM's native CPU offloading): its size in GiB
+    # (None: no tier), the backend, and when blocks are copied to it (kv_cache_manager).
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
+    kv_offload_on: str = "evict"
     simulate: bool = False
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
 

@@ -22,6 +22,7 @@ from kvgate.engine.runner_api import (
     ModelRunner,
     PromptLogprobsChunk,
     SampledToken,
+    SupportsKVOffload,
     SupportsKVTransfer,
     SupportsLoRA,
 )
@@ -67,6 +68,13 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     lora_loads_total: int = 0  # adapters put into a device slot (the load cost LoRA routing avoids)
+    # The host KV tier (--kv-offloading-size): its size, use, and tokens looked up / found there
+    num_host_kv_blocks: int = 0
+    host_kv_usage: float = 0.0
+    host_cache_queries_total: int = 0
+    host_cache_hits_total: int = 0
+    host_kv_stores_total: int = 0  # blocks copied to the tier
+    host_kv_loads_total: int = 0  # blocks copied back from it
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -121,7 +129,16 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; give it more memory")
         self.max_model_len = self._resolve_max_model_len(num_blocks)
-        self.kv = KVCacheManager(num_blocks, self.block_size, config.enable_prefix_caching)
+        host_blocks = self.runner.num_host_kv_blocks if isinstance(self.runner, SupportsKVOffload) else 0
+        if config.kv_offloading_size and not host_blocks:
+            log.warning("this runner keeps no host KV tier; --kv-offloading-size is ignored")
+        self.kv = KVCacheManager(
+            num_blocks,
+            self.block_size,
+            config.enable_prefix_caching,
+            host_blocks=host_blocks,
+            offload_on="compute" if config.kv_offload_on == "compute" else "evict",
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -354,6 +371,7 @@ class LLMEngine:
             request_id=rid,
             prompt_token_ids=request.prompt_token_ids,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_host_cached_tokens=request.num_host_cached_tokens,
             token_ids=list(request.output_token_ids),
             text=detok.emitted_text,
             new_token_ids=[token],
@@ -427,7 +445,21 @@ class LLMEngine:
             running_loras=self._lora_names(self.scheduler.running_lora_ids()),
             waiting_loras=self._lora_names(self.scheduler.waiting_lora_ids()),
             lora_loads_total=self.lora_runner.lora_loads_total if self.lora_runner is not None else 0,
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, Any]:
+        host = self.kv.host
+        if host is None:
+            return {}
+        return {
+            "num_host_kv_blocks": host.num_blocks,
+            "host_kv_usage": host.usage(),
+            "host_cache_queries_total": self.kv.host_cache_queries,
+            "host_cache_hits_total": self.kv.host_cache_hits,
+            "host_kv_stores_total": host.stores_total,
+            "host_kv_loads_total": host.loads_total,
+        }
 
     def _lora_names(self, ids: set[int]) -> tuple[str, ...]:
         return tuple(sorted(self.loras.get(i, str(i)) for i in ids))

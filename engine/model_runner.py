@@ -31,6 +31,7 @@ from kvgate.engine.runner_api import (
     SampledToken,
     ScheduledBatch,
     ScheduledSeq,
+    SupportsKVOffload,
     SupportsKVTransfer,
     SupportsLoRA,
 )
@@ -148,6 +149,11 @@ class TorchModelRunner:
         self.kv_caches: list[KVCache] = [
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)
         ]
+        self.num_host_kv_blocks = 0
+        self.host_kv: torch.Tensor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        if config.kv_offloading_size:
+            self._allocate_host_kv(config.kv_offloading_size)
         self.sampler = Sampler(self.device, seed=config.seed)
         self._eos_loaded = False
         self.graphs: DecodeGraphs | None = None
@@ -329,7 +335,54 @@ class TorchModelRunner:
             index = torch.tensor(block_ids, device=self.device)
             self.kv_cache.index_copy_(2, index, buf.permute(1, 2, 0, 3, 4, 5).to(self.device))
 
-    # -- a step ---------------------------------------------------------------------------------
+    # -- the host KV tier (--kv-offloading-size) ------------------------------------------------
+
+    def _allocate_host_kv(self, size_gib: float) -> None:
+        """A second pool laid out like the device one ([layer, k|v, block, ...]), in host memory
+        (pinned on CUDA, so copies run asynchronously on their own stream)."""
+        blocks = int(size_gib * 2**30) // self.kv_bytes_per_block
+        if blocks < 1:
+            raise RunnerConfigError(
+                f"--kv-offloading-size {size_gib} GiB holds no KV block ({self.kv_bytes_per_block} bytes each)"
+            )
+        shape = list(self.kv_cache.shape)
+        shape[2] = blocks
+        cuda = self.device.type == "cuda"
+        self.host_kv = torch.zeros(shape, dtype=self.dtype, device="cpu", pin_memory=cuda)
+        self.num_host_kv_blocks = blocks
+        if cuda:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        log.info("host KV tier: %d blocks (%.2f GiB)", blocks, blocks * self.kv_bytes_per_block / 2**30)
+
+    def _save_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host slots: (device block, host slot) pairs."""
+        if not pairs or self.host_kv is None:
+            return
+        src = torch.tensor([b for b, _ in pairs], device=self.device)
+        dst = torch.tensor([h for _, h in pairs])
+        # D2H must be complete before a later step overwrites the device block: a plain copy
+        # (synchronous on CUDA with pageable staging; a memcpy on CPU).
+        self.host_kv.index_copy_(2, dst, self.kv_cache.index_select(2, src).to("cpu"))
+
+    def _load_from_host(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host slots into device blocks: (device block, host slot) pairs."""
+        if not pairs or self.host_kv is None:
+            return
+        src = torch.tensor([h for _, h in pairs])
+        dst = torch.tensor([b for b, _ in pairs], device=self.device)
+        staged = self.host_kv.index_select(2, src)
+        if self._copy_stream is None:
+            self.kv_cache.index_copy_(2, dst, staged)
+            return
+        # H2D on the copy stream (from pinned memory, so it does not block the host); the step's
+        # kernels wait for it on the compute stream, so nothing reads a block before it lands.
+        staged = staged.pin_memory()
+        with torch.cuda.stream(self._copy_stream):
+            on_device = staged.to(self.device, non_blocking=True)
+            self.kv_cache.index_copy_(2, dst, on_device)
+        torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+
+        # -- a step ---------------------------------------------------------------------------------
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
         if not batch.seqs:
@@ -344,10 +397,14 @@ class TorchModelRunner:
         order = sorted(range(len(batch.seqs)), key=key)
         seqs = [batch.seqs[i] for i in order]
         self._validate(seqs)
+        with torch.inference_mode():
+            self._save_to_host(batch.kv_saves)
+            self._load_from_host(batch.kv_loads)
         if self.lora is not None:
             self.lora.prepare(seqs, batch.running_lora_ids)
         with torch.inference_mode():
             hidden, last_token_rows = self._forward(seqs)
+            self._save_to_host(batch.kv_saves_after)
             if any(s.prompt_logprob_targets for s in seqs):
                 self._prompt_logprobs(batch, seqs, hidden, last_token_rows)
             sampled_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.sample]
@@ -458,8 +515,6 @@ def _cumsum_minus1(lengths: list[int]) -> list[int]:
 
 
 if TYPE_CHECKING:  # mypy holds this runner to every contract the engine resolves on it
-    _contracts: tuple[type[ModelRunner], type[SupportsLoRA], type[SupportsKVTransfer]] = (
-        TorchModelRunner,
-        TorchModelRunner,
-        TorchModelRunner,
-    )
+    _contracts: tuple[
+        type[ModelRunner], type[SupportsLoRA], type[SupportsKVTransfer], type[SupportsKVOffload]
+    ] = (TorchModelRunner, TorchModelRunner, TorchModelRunner, TorchModelRunner)

@@ -57,6 +57,7 @@ class RequestOutput:
     # Prompt tokens the prefix cache held but the first schedule computed again (a fully cached,
     # block-aligned prompt recomputes its last block so the model has a position to sample from).
     num_recomputed_tokens: int = 0
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the host KV tier
     # Prompt logprobs (first output only, when asked): None for the first prompt token, then one
     # entry per later prompt token, as vLLM returns them.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None

@@ -61,6 +61,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule
     num_recomputed_tokens: int = 0  # cached prompt tokens the first schedule computed again
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the host KV tier
     expected_cached_tokens: int = 0  # the cache hit its admission found (before scheduling)
     block_hashes: list[int] = field(default_factory=list)  # of each full block of all_token_ids
     block_ids: list[int] = field(default_factory=list)  # physical blocks, in position order

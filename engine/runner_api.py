@@ -64,6 +64,13 @@ class ScheduledBatch:
     # The adapters of every running request (scheduled this step or not): a runner keeps
     # them in their slots rather than evict one a request still needs.
     running_lora_ids: frozenset[int] = frozenset()
+    # Copies between the device KV pool and the host tier, as (device block, host slot) pairs
+    # (see kv_cache_manager.Transfers). Before the step computes anything: `kv_saves`, then
+    # `kv_loads` (host slot -> device block); after it: `kv_saves_after`. Only a runner that
+    # reports host blocks (`SupportsKVOffload`) ever gets any.
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_loads: list[tuple[int, int]] = field(default_factory=list)
+    kv_saves_after: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +128,14 @@ class SupportsKVTransfer(Protocol):
     def read_kv_blocks(self, block_ids: list[int]) -> Sequence[bytes | memoryview]: ...
 
     def write_kv_blocks(self, block_ids: list[int], blobs: list[bytes]) -> None: ...
+
+
+@runtime_checkable
+class SupportsKVOffload(Protocol):
+    """Keeps a host KV pool of `num_host_kv_blocks` blocks (`--kv-offloading-size`; 0: none) and
+    makes a batch's `kv_saves` / `kv_loads` / `kv_saves_after` copies around its step."""
+
+    num_host_kv_blocks: int
 
 
 @runtime_checkable

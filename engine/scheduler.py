@@ -136,6 +136,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted = False
+        self.kv.begin_step()
 
         # 1. Running requests, oldest first.
         i = 0
@@ -212,7 +213,15 @@ class Scheduler:
         finished: list[str] = []
         if seqs:
             finished, self._finished_ids = self._finished_ids, []
-        return ScheduledBatch(seqs=seqs, finished_request_ids=finished, running_lora_ids=frozenset(adapters))
+        transfers = self.kv.end_step()  # empty unless a seq was scheduled
+        return ScheduledBatch(
+            seqs=seqs,
+            finished_request_ids=finished,
+            running_lora_ids=frozenset(adapters),
+            kv_saves=transfers.saves,
+            kv_loads=transfers.loads,
+            kv_saves_after=transfers.saves_after,
+        )
 
     def running_lora_ids(self) -> set[int]:
         return {r.lora_id for r in self.running if r.lora_id is not None}

@@ -29,6 +29,7 @@ from kvgate.engine.runner_api import (
     ScheduledBatch,
     ScheduledSeq,
     SimulatesTransfer,
+    SupportsKVOffload,
     SupportsKVTransfer,
     SupportsLoRA,
 )
@@ -110,6 +111,12 @@ class SimulatedRunner:
         self.max_loras = config.max_loras
         self.lora_slots: OrderedDict[int, None] = OrderedDict()
         self.lora_loads_total = 0
+        # Host KV tier: only its size and what a copy to or from it costs.
+        self.num_host_kv_blocks = sim.cpu_kv_blocks or 0
+        if not self.num_host_kv_blocks and config.kv_offloading_size:
+            block_bytes = sim.kv_bytes_per_token * self.block_size
+            self.num_host_kv_blocks = int(config.kv_offloading_size * 2**30) // block_bytes
+        self.kv_blocks_copied = 0
 
     def load_lora(self, name: str, path: str) -> str:
         """A simulated engine reads no adapter weights: any path is accepted."""
@@ -140,6 +147,14 @@ class SimulatedRunner:
         sim = self.sim
         size = num_blocks * self.block_size * sim.kv_bytes_per_token
         return (sim.kv_transfer_latency + size / sim.kv_transfer_bandwidth) * sim.time_scale
+
+    def offload_seconds(self, num_blocks: int) -> float:
+        """How long copying these blocks between the host tier and the device takes."""
+        if not num_blocks:
+            return 0.0
+        sim = self.sim
+        size = num_blocks * self.block_size * sim.kv_bytes_per_token
+        return (sim.kv_offload_latency + size / sim.kv_offload_bandwidth) * sim.time_scale
 
     def _slot_loras(self, batch: ScheduledBatch) -> int:
         """Put the step's adapters into slots, LRU; returns how many had to be loaded."""
@@ -186,6 +201,12 @@ class SimulatedRunner:
         for rid in batch.finished_request_ids:
             self._keys.pop(rid, None)
         delay = self.step_duration(batch)
+        # The copies wait for nothing and nothing overlaps them: loads and saves before the
+        # step on the same link, the saves after it before the next step may reuse a block.
+        copied = len(batch.kv_saves) + len(batch.kv_loads) + len(batch.kv_saves_after)
+        if copied:
+            self.kv_blocks_copied += copied
+            delay += self.offload_seconds(copied)
         loads = self._slot_loras(batch)
         if loads:
             delay += loads * self.sim.lora_load_time * self.sim.time_scale
@@ -287,5 +308,9 @@ class SimulatedRunner:
 
 if TYPE_CHECKING:  # mypy holds this runner to every contract the engine resolves on it
     _contracts: tuple[
-        type[ModelRunner], type[SupportsLoRA], type[SupportsKVTransfer], type[SimulatesTransfer]
-    ] = (SimulatedRunner, SimulatedRunner, SimulatedRunner, SimulatedRunner)
+        type[ModelRunner],
+        type[SupportsLoRA],
+        type[SupportsKVTransfer],
+        type[SimulatesTransfer],
+        type[SupportsKVOffload],
+    ] = (SimulatedRunner, SimulatedRunner, SimulatedRunner, SimulatedRunner, SimulatedRunner)

@@ -8,6 +8,7 @@ Nothing here imports anything, so every component (and its image) can use it.
 NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"
+CPU_CACHE_USAGE_PERC = "vllm:cpu_cache_usage_perc"  # vLLM V0's name: the host KV tier's use
 GPU_CACHE_USAGE_PERC = "vllm:gpu_cache_usage_perc"  # deprecated alias, still read by older pickers
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 LORA_REQUESTS_INFO = "vllm:lora_requests_info"
@@ -17,6 +18,9 @@ PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits_total"
 NUM_PREEMPTIONS_TOTAL = "vllm:num_preemptions_total"
 KVGATE_DRAINING = "kvgate:draining"  # kvgate's own gauge; not a vLLM name
+# kvgate's own counters: KV blocks copied to / loaded back from the host tier
+KVGATE_KV_OFFLOAD_STORES_TOTAL = "kvgate:kv_offload_stores_total"
+KVGATE_KV_OFFLOAD_LOADS_TOTAL = "kvgate:kv_offload_loads_total"
 # kvgate's own gauge: prompt tokens still to prefill (queued and running), cache hits excluded
 KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"

@@ -402,7 +402,12 @@ class AsyncEngine:
             iteration_tokens += len(out.new_token_ids)
             if out.new_token_ids and len(out.token_ids) == len(out.new_token_ids):
                 iteration_tokens += len(out.prompt_token_ids)
-                m.prompt_done(len(out.prompt_token_ids), out.num_cached_tokens, out.num_recomputed_tokens)
+                m.prompt_done(
+                    len(out.prompt_token_ids),
+                    out.num_cached_tokens,
+                    out.num_recomputed_tokens,
+                    out.num_host_cached_tokens,
+                )
             timing = self._timings.get(out.request_id)
             if timing is None:
                 continue

@@ -187,6 +187,11 @@ class StatsSnapshot:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     lora_loads_total: int = 0
+    host_kv_usage: float = 0.0
+    host_cache_queries_total: int = 0
+    host_cache_hits_total: int = 0
+    host_kv_stores_total: int = 0
+    host_kv_loads_total: int = 0
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -203,6 +208,11 @@ class StatsSnapshot:
             running_loras=tuple(getattr(stats, "running_loras", ())),
             waiting_loras=tuple(getattr(stats, "waiting_loras", ())),
             lora_loads_total=int(getattr(stats, "lora_loads_total", 0)),
+            host_kv_usage=float(getattr(stats, "host_kv_usage", 0.0)),
+            host_cache_queries_total=int(getattr(stats, "host_cache_queries_total", 0)),
+            host_cache_hits_total=int(getattr(stats, "host_cache_hits_total", 0)),
+            host_kv_stores_total=int(getattr(stats, "host_kv_stores_total", 0)),
+            host_kv_loads_total=int(getattr(stats, "host_kv_loads_total", 0)),
         )
 
 
@@ -299,7 +309,9 @@ class EngineMetrics:
             "Number of cached tokens recomputed for forward pass.",
         )
         # vLLM registers these whatever the config; a kvgate consumer (--kv-role) counts the
-        # prompt tokens it asked a producer for and those it pulled; multimodal stays 0.
+        # prompt tokens it asked a producer for and those it pulled, and the host KV tier
+        # (--kv-offloading-size, a connector in vLLM) the tokens looked up in it and loaded
+        # from it; multimodal stays 0.
         self.external_queries = scalar(
             names.EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
             "counter",
@@ -344,6 +356,19 @@ class EngineMetrics:
             "kvgate:kv_transfer_seconds",
             "Consumer hand-off time: the prefill call and the pull.",
             (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        )
+        self.host_kv_usage = scalar(
+            names.CPU_CACHE_USAGE_PERC,
+            "gauge",
+            "CPU KV-cache usage. 1 means 100 percent usage (the host tier, --kv-offloading-size).",
+        )
+        self.host_kv_stores = scalar(
+            names.KVGATE_KV_OFFLOAD_STORES_TOTAL, "counter", "KV blocks copied to the host tier."
+        )
+        self.host_kv_loads = scalar(
+            names.KVGATE_KV_OFFLOAD_LOADS_TOTAL,
+            "counter",
+            "KV blocks loaded back from the host tier instead of computed again.",
         )
         self.lora_loads = scalar(
             "kvgate:lora_adapter_loads_total",
@@ -483,6 +508,7 @@ class EngineMetrics:
         self.kv_usage.set(snap.kv_cache_usage)
         self.gpu_usage.set(snap.kv_cache_usage)
         self.prefill_pending.set(snap.prefill_tokens_pending)
+        self.host_kv_usage.set(snap.host_kv_usage)
         if self._max_lora:  # the engine's adapters with running / waiting requests, as vLLM
             self._set_lora_labels(
                 {
@@ -499,6 +525,10 @@ class EngineMetrics:
             (self.prefix_hits, snap.prefix_cache_hits_total, last.prefix_cache_hits_total),
             (self.preemptions, snap.num_preemptions_total, last.num_preemptions_total),
             (self.lora_loads, snap.lora_loads_total, last.lora_loads_total),
+            (self.external_queries, snap.host_cache_queries_total, last.host_cache_queries_total),
+            (self.external_hits, snap.host_cache_hits_total, last.host_cache_hits_total),
+            (self.host_kv_stores, snap.host_kv_stores_total, last.host_kv_stores_total),
+            (self.host_kv_loads, snap.host_kv_loads_total, last.host_kv_loads_total),
         ):
             if new > old:
                 counter.inc(new - old)
@@ -527,12 +557,21 @@ class EngineMetrics:
             counter.inc()
         self._version += 1
 
-    def prompt_done(self, num_prompt_tokens: int, num_cached_tokens: int, num_recomputed_tokens: int) -> None:
-        """A request finished its prefill (first token): vLLM's prompt-token accounting.
+    def prompt_done(
+        self,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        num_recomputed_tokens: int,
+        num_host_cached_tokens: int = 0,
+    ) -> None:
+        """A request finished its prefill (first token): vLLM's prompt-token accounting (tokens
+        loaded from the host tier come through vLLM's KV connector: `external_kv_transfer`).
         Engine thread (caller holds `lock`)."""
         cached = max(num_cached_tokens, 0)
+        host = min(max(num_host_cached_tokens, 0), cached)
         self.prompt_by_source["local_compute"].inc(num_prompt_tokens - cached)
-        self.prompt_by_source["local_cache_hit"].inc(cached)
+        self.prompt_by_source["local_cache_hit"].inc(cached - host)
+        self.prompt_by_source["external_kv_transfer"].inc(host)
         self.prompt_cached.inc(cached)
         self.prompt_recomputed.inc(num_recomputed_tokens)
 

@@ -38,14 +38,18 @@ class ResponseMeta:
         completion = sum(len(o.token_ids) for o in finals.values())
         prompt = sum(self.prompt_lens)
         # Cached tokens of each prompt's first choice: what the prefix cache saved that prompt.
-        cached = sum(
-            finals[i * self.n].num_cached_tokens for i in range(len(self.prompt_lens)) if i * self.n in finals
-        )
+        firsts = [finals[i * self.n] for i in range(len(self.prompt_lens)) if i * self.n in finals]
+        cached = sum(o.num_cached_tokens for o in firsts)
+        details: dict[str, int] = {"cached_tokens": cached}
+        host = sum(o.num_host_cached_tokens for o in firsts)
+        if host:
+            # kvgate's extension: of cached_tokens, those loaded from the host KV tier
+            details["cached_tokens_cpu"] = host
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            "prompt_tokens_details": details,
         }
 
 

@@ -19,7 +19,7 @@ def _req(rid: str, tokens: list[int], lora_id: int | None = None) -> Request:
 
 def _prefill(kv: KVCacheManager, req: Request) -> int:
     """Admit `req` the way the scheduler does and mark its whole prompt computed."""
-    hits, num_hit = kv.get_computed_blocks(req)
+    hits, num_hit, _ = kv.get_computed_blocks(req)
     assert kv.allocate(req, req.num_tokens - num_hit, hits, num_hit) is not None
     req.num_computed_tokens = req.num_tokens
     kv.cache_full_blocks(req, req.num_tokens)
@@ -74,7 +74,7 @@ def test_prefix_hit_never_covers_the_whole_prompt() -> None:
     tokens = list(range(8))  # exactly two full blocks
     _prefill(kv, _req("a", tokens))
     r2 = _req("b", tokens)
-    hits, n = kv.get_computed_blocks(r2)
+    hits, n, _ = kv.get_computed_blocks(r2)
     assert n == 4 and len(hits) == 1  # the last token must still be computed
 
 
@@ -248,7 +248,7 @@ def test_blocks_being_computed_this_step_are_findable_at_once() -> None:
     assert kv.allocate(a, 9) is not None
     kv.cache_full_blocks(a, 9)  # as the scheduler does when it schedules a's prefill
     b = _req("b", [*range(8), 77])
-    hits, n = kv.get_computed_blocks(b)  # admitted later in the same step
+    hits, n, _ = kv.get_computed_blocks(b)  # admitted later in the same step
     assert n == 8 and [h.block_id for h in hits] == a.block_ids[:2]
 
 

@@ -194,3 +194,45 @@ def test_offline_llm_chat_on_the_real_model(llm: LLM, tok: Any) -> None:
     assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
     assert out.finish_reason in ("stop", "length")
     assert llm.engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_a_prompt_served_from_the_host_kv_tier_gives_the_tokens_of_a_fresh_compute(
+    runner: Any, tok: Any, prompts: list[list[int]], baseline: dict[str, list[int]]
+) -> None:
+    """q0 is computed, then evicted from a small device pool by an unrelated prompt (its blocks
+    copied to the host tier on the way), then asked again: its prefix comes back by copy, and
+    its greedy tokens must be exactly those of a fresh compute. The same run with the copy
+    skipped (device KV zeroed) must give other tokens, or this test could not see a broken load."""
+    filler = list(range(1000, 1000 + 70))
+    device_blocks = -(-(len(filler) + MAX_TOKENS) // BS)
+    assert len(prompts[0]) + MAX_TOKENS <= device_blocks * BS < len(prompts[0]) + len(filler)
+    runner._allocate_host_kv(0.02)  # the module's runner: taken back below
+    try:
+
+        def serve_q0_from_the_host(skip_load: bool) -> tuple[list[int], int]:
+            engine = _engine(runner, tok, num_kv_blocks=device_blocks)
+            assert engine.kv.host is not None
+            for rid, prompt in (("q0", prompts[0]), ("filler", filler)):
+                engine.add_request(rid, prompt, _greedy())
+                while engine.has_unfinished_requests():
+                    engine.step()
+            assert engine.kv.cached_prefix_tokens(prompts[0]) >= 8 * BS  # on the host now
+            if skip_load:
+                runner.kv_cache.zero_()
+                runner._load_from_host = lambda pairs: None
+            engine.add_request("again", prompts[0], _greedy())
+            out: dict[str, Any] = {}
+            while engine.has_unfinished_requests():
+                out.update({o.request_id: o for o in engine.step() if o.finished})
+            _assert_no_leak(engine)
+            return out["again"].token_ids, out["again"].num_host_cached_tokens
+
+        tokens, from_host = serve_q0_from_the_host(skip_load=False)
+        assert from_host >= 8 * BS
+        assert tokens == baseline["q0"]
+        broken, _ = serve_q0_from_the_host(skip_load=True)
+        assert broken != baseline["q0"]
+    finally:
+        runner.__dict__.pop("_load_from_host", None)
+        runner.host_kv = None
+        runner.num_host_kv_blocks = 0
