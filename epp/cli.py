@@ -124,9 +124,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--grpc-server",
         choices=["grpclib", "grpcio"],
         default="grpclib",
-        help="the gRPC server that carries ext_proc: grpclib runs HTTP/2 in the EPP's event loop "
-        "(Envoy+EPP added 0.7-0.8 ms p50 less than on grpcio's asyncio server on a busy 2-core "
-        "host, bench/epp_latency.py latency); grpcio: the previous server",
+        help="the gRPC server that carries ext_proc: grpclib runs HTTP/2 in the EPP's event loop; "
+        "grpcio: grpcio's asyncio server, whose poller thread hands each message to the loop "
+        "(bench/epp_latency.py latency compares the two)",
     )
     n.add_argument(
         "--grpc-max-message-bytes",

@@ -1,13 +1,17 @@
 """Writes the chart's Grafana dashboards (charts/kvgate/dashboards/*.json) from one table of panels.
 
-Run `python scripts/gen_dashboards.py` after editing a panel; tests/operator/test_monitoring.py runs
+Run `python scripts/gen_dashboards.py` after editing a panel; tests/operator/test_schemas_and_manifests.py
+fails while a committed dashboard differs from this output, and tests/operator/test_monitoring.py runs
 every panel query against a live simulated stack in a real Prometheus. Queries use Grafana's
 `$__rate_interval`; the datasource is a dashboard variable, so the JSON imports anywhere.
+Usage: .venv/bin/python scripts/gen_dashboards.py [--check]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "charts" / "kvgate" / "dashboards"
@@ -184,12 +188,40 @@ DASHBOARDS = {
 }
 
 
-def main() -> None:
+def rendered() -> dict[str, str]:
+    """Each dashboard's file name in OUT and its exact text."""
+    return {
+        f"{uid}.json": json.dumps(dashboard(uid, title, panels), indent=1) + "\n"
+        for uid, (title, panels) in DASHBOARDS.items()
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail when a file differs instead of writing")
+    args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    for uid, (title, panels) in DASHBOARDS.items():
-        text = json.dumps(dashboard(uid, title, panels), indent=1) + "\n"
-        (OUT / f"{uid}.json").write_text(text)
+    expected = rendered()
+    stale: list[str] = []
+    for name, text in expected.items():
+        path = OUT / name
+        if path.exists() and path.read_text() == text:
+            continue
+        if args.check:
+            stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(OUT.parents[2])}")
+    if stale:
+        print("stale dashboards (run scripts/gen_dashboards.py): " + ", ".join(stale), file=sys.stderr)
+    # the chart ships every dashboards/*.json, so a file no table here makes was written by hand
+    unknown = sorted(p.name for p in OUT.glob("*.json") if p.name not in expected)
+    if unknown:
+        print(
+            "not written by scripts/gen_dashboards.py (remove them): " + ", ".join(unknown), file=sys.stderr
+        )
+    return 1 if stale or unknown else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -125,12 +125,37 @@ def test_readme_layout_table_names_every_top_level_folder() -> None:
     assert not missing, f"README's layout table does not name: {missing}"
 
 
+def _anchors(doc: Path) -> set[str]:
+    """The `#fragment` of each heading, as GitHub makes it (lowercase, punctuation dropped)."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # a `# comment` in code is no heading
+    return {
+        re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        for title in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)
+    }
+
+
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_doc_links_resolve(doc: Path) -> None:
+    """Every relative link (files, images, `page.md#heading`) points at something in the repo."""
+    links = re.findall(r"\]\(([^)\s:]+)\)", doc.read_text())
+    broken = []
+    for link in links:
+        path, _, fragment = link.partition("#")
+        target = (doc.parent / path).resolve() if path else doc
+        if not target.exists():
+            broken.append(link)
+        elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
+            broken.append(link)
+    assert not broken, f"{doc.relative_to(ROOT)} links to missing paths or headings: {broken}"
+
+
 def test_architecture_doc_links_resolve() -> None:
     doc = ROOT / "docs" / "architecture.md"
-    links = re.findall(r"\]\(([^)#:]+)\)", doc.read_text())
-    assert links
-    broken = [link for link in links if not (doc.parent / link).exists()]
-    assert not broken, f"docs/architecture.md links to missing paths: {broken}"
+    assert re.findall(r"\]\(([^)#:]+)\)", doc.read_text())
+    test_doc_links_resolve(doc)
 
 
 def test_cli_help_lists_every_subcommand() -> None:

@@ -70,9 +70,10 @@ LABEL_MODEL_SERVER_POD = "model_server_pod"
 POOL_SATURATION = "kvgate_inference_pool_saturation"
 
 # ---------------------------------------------------------------------------------------------
-# Saturation (DESIGN §3, GIE's saturation-detector defaults): an endpoint is saturated at this
-# many waiting requests or this KV-cache use. The EPP sheds sheddable work past them (its config
-# can move them); the operator's `saturation` autoscaling metric is the same formula.
+# Saturation (docs/architecture.md, "Saturation"; GIE's saturation-detector defaults): an
+# endpoint is saturated at this many waiting requests or this KV-cache use. The EPP sheds
+# sheddable work past them (its config can move them); the operator's `saturation` autoscaling
+# metric is the same formula.
 # ---------------------------------------------------------------------------------------------
 
 SATURATION_QUEUE_DEPTH = 5.0

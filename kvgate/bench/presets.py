@@ -73,7 +73,7 @@ PRESETS: dict[str, Preset] = {
             "max_long_tokens": 8000,
             "output_tokens": 128,
             # the prompts' prefill work (~1.1 engines' worth at 1 req/s) needs two prefill engines:
-            # with one (--pd 1:3) it queues and TTFT p90 is 6x the aggregated run's
+            # with one (--pd 1:3) it queues, and TTFT grows through the run (docs/benchmarks.md)
             "pd": (2, 2),
             "sim_kv_blocks": 4096,
             "request_rate": "1",

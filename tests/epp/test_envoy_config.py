@@ -131,7 +131,8 @@ def test_gie_settings() -> None:
     hcm = _filter(cfg)
     ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
-    # the EPP stays out of the response path unless asked (DESIGN §3)
+    # the EPP stays out of the response path unless asked (docs/architecture.md, "The request
+    # path", step 6)
     assert ext["processing_mode"] == {  # response_body_mode NONE is proto3's default: omitted
         "request_header_mode": "SEND",
         "response_header_mode": "SKIP",

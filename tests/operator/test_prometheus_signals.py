@@ -211,7 +211,8 @@ async def test_queue_under_load_reaches_status(stack: Stack, cluster: Any, opera
     )
     queue = float(live["queueSize"])
     kv = float(live["kvCacheUtilization"])
-    # DESIGN §3: saturation = max(queue / 5, kv / 0.8), here from the EPP's pool averages.
+    # docs/architecture.md, "Saturation": saturation = max(queue / 5, kv / 0.8), here from the
+    # EPP's pool averages.
     assert float(live["saturation"]) == pytest.approx(max(queue / 5, kv / 0.8), abs=0.002)
     reader = SignalReader(stack.prometheus_url)
     direct = await reader.read(POOL, SERVED)

@@ -573,6 +573,33 @@ def test_monitoring_values_render_valid_prometheus_operator_objects_and_dashboar
     assert validator.errors(bad)
 
 
+def test_dashboard_files_are_generated_from_the_panel_tables(tmp_path: Path) -> None:
+    gen = _script("gen_dashboards")
+    expected = gen.rendered()
+    committed = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert sorted(committed) == sorted(expected), (
+        "charts/kvgate/dashboards/ holds a file the generator does not write"
+    )
+    for name, text in expected.items():
+        assert committed[name] == text, (
+            f"charts/kvgate/dashboards/{name} is stale: run scripts/gen_dashboards.py"
+        )
+    # --check catches a hand edit: it fails on a copy of the folder with one panel retitled
+    gen.OUT = tmp_path
+    for name, text in expected.items():
+        (tmp_path / name).write_text(text)
+    argv = sys.argv
+    try:
+        sys.argv = ["gen_dashboards.py", "--check"]
+        assert gen.main() == 0
+        first = sorted(expected)[0]
+        (tmp_path / first).write_text(expected[first].replace('"title": "', '"title": "edited ', 1))
+        assert gen.main() == 1
+        assert "edited" in (tmp_path / first).read_text(), "--check must not rewrite the file"
+    finally:
+        sys.argv = argv
+
+
 def test_operator_deployment_and_rbac(rendered_chart: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered_chart["default"]
     dep = next(d for d in docs if d["kind"] == "Deployment")
