@@ -75,6 +75,7 @@ class EngineStats:
     host_cache_hits_total: int = 0
     host_kv_stores_total: int = 0  # blocks copied to the tier
     host_kv_loads_total: int = 0  # blocks copied back from it
+    host_kv_copy_seconds_total: float = 0.0  # steps' time spent copying to and from it
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -459,6 +460,7 @@ class LLMEngine:
             "host_cache_hits_total": self.kv.host_cache_hits,
             "host_kv_stores_total": host.stores_total,
             "host_kv_loads_total": host.loads_total,
+            "host_kv_copy_seconds_total": getattr(self.runner, "kv_copy_seconds_total", 0.0),
         }
 
     def _lora_names(self, ids: set[int]) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +151,7 @@ class TorchModelRunner:
             (self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)
         ]
         self.num_host_kv_blocks = 0
+        self.kv_copy_seconds_total = 0.0
         self.host_kv: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         if config.kv_offloading_size:
@@ -397,14 +399,21 @@ class TorchModelRunner:
         order = sorted(range(len(batch.seqs)), key=key)
         seqs = [batch.seqs[i] for i in order]
         self._validate(seqs)
-        with torch.inference_mode():
-            self._save_to_host(batch.kv_saves)
-            self._load_from_host(batch.kv_loads)
+        if batch.kv_saves or batch.kv_loads:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self._save_to_host(batch.kv_saves)
+                self._load_from_host(batch.kv_loads)
+            # on CUDA the loads are only queued here: their time shows in the step's
+            self.kv_copy_seconds_total += time.perf_counter() - started
         if self.lora is not None:
             self.lora.prepare(seqs, batch.running_lora_ids)
         with torch.inference_mode():
             hidden, last_token_rows = self._forward(seqs)
-            self._save_to_host(batch.kv_saves_after)
+            if batch.kv_saves_after:
+                started = time.perf_counter()
+                self._save_to_host(batch.kv_saves_after)
+                self.kv_copy_seconds_total += time.perf_counter() - started
             if any(s.prompt_logprob_targets for s in seqs):
                 self._prompt_logprobs(batch, seqs, hidden, last_token_rows)
             sampled_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.sample]

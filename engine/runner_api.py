@@ -136,6 +136,7 @@ class SupportsKVOffload(Protocol):
     makes a batch's `kv_saves` / `kv_loads` / `kv_saves_after` copies around its step."""
 
     num_host_kv_blocks: int
+    kv_copy_seconds_total: float  # time its steps spent on those copies (a metric)
 
 
 @runtime_checkable

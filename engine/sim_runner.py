@@ -117,6 +117,7 @@ class SimulatedRunner:
             block_bytes = sim.kv_bytes_per_token * self.block_size
             self.num_host_kv_blocks = int(config.kv_offloading_size * 2**30) // block_bytes
         self.kv_blocks_copied = 0
+        self.kv_copy_seconds_total = 0.0
 
     def load_lora(self, name: str, path: str) -> str:
         """A simulated engine reads no adapter weights: any path is accepted."""
@@ -206,7 +207,9 @@ class SimulatedRunner:
         copied = len(batch.kv_saves) + len(batch.kv_loads) + len(batch.kv_saves_after)
         if copied:
             self.kv_blocks_copied += copied
-            delay += self.offload_seconds(copied)
+            copy_seconds = self.offload_seconds(copied)
+            self.kv_copy_seconds_total += copy_seconds
+            delay += copy_seconds
         loads = self._slot_loras(batch)
         if loads:
             delay += loads * self.sim.lora_load_time * self.sim.time_scale

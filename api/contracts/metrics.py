@@ -21,6 +21,7 @@ KVGATE_DRAINING = "kvgate:draining"  # kvgate's own gauge; not a vLLM name
 # kvgate's own counters: KV blocks copied to / loaded back from the host tier
 KVGATE_KV_OFFLOAD_STORES_TOTAL = "kvgate:kv_offload_stores_total"
 KVGATE_KV_OFFLOAD_LOADS_TOTAL = "kvgate:kv_offload_loads_total"
+KVGATE_KV_OFFLOAD_SECONDS_TOTAL = "kvgate:kv_offload_seconds_total"  # time steps spent copying
 # kvgate's own gauge: prompt tokens still to prefill (queued and running), cache hits excluded
 KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"

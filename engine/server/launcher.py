@@ -205,6 +205,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         num_gpu_blocks=stats.num_kv_blocks,
         enable_prefix_caching=config.enable_prefix_caching,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        num_cpu_blocks=stats.num_host_kv_blocks or None,
     )
     metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
     if config.enable_lora:

@@ -192,6 +192,7 @@ class StatsSnapshot:
     host_cache_hits_total: int = 0
     host_kv_stores_total: int = 0
     host_kv_loads_total: int = 0
+    host_kv_copy_seconds_total: float = 0.0
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -213,6 +214,7 @@ class StatsSnapshot:
             host_cache_hits_total=int(getattr(stats, "host_cache_hits_total", 0)),
             host_kv_stores_total=int(getattr(stats, "host_kv_stores_total", 0)),
             host_kv_loads_total=int(getattr(stats, "host_kv_loads_total", 0)),
+            host_kv_copy_seconds_total=float(getattr(stats, "host_kv_copy_seconds_total", 0.0)),
         )
 
 
@@ -223,6 +225,7 @@ class CacheConfigInfo:
     enable_prefix_caching: bool
     gpu_memory_utilization: float = 0.9
     cache_dtype: str = "auto"
+    num_cpu_blocks: int | None = None  # the host KV tier's blocks (--kv-offloading-size)
 
     def labels(self) -> dict[str, str]:
         # vLLM renders these with str(): booleans as True/False, absent values as None.
@@ -231,7 +234,7 @@ class CacheConfigInfo:
             "cache_dtype": self.cache_dtype,
             "enable_prefix_caching": str(self.enable_prefix_caching),
             "gpu_memory_utilization": str(self.gpu_memory_utilization),
-            "num_cpu_blocks": "None",
+            "num_cpu_blocks": str(self.num_cpu_blocks),
             "num_gpu_blocks": str(self.num_gpu_blocks),
             "num_gpu_blocks_override": "None",
             "prefix_caching_hash_algo": HASH_ALGO,  # what the prefix cache really hashes with
@@ -369,6 +372,11 @@ class EngineMetrics:
             names.KVGATE_KV_OFFLOAD_LOADS_TOTAL,
             "counter",
             "KV blocks loaded back from the host tier instead of computed again.",
+        )
+        self.host_kv_copy_seconds = scalar(
+            names.KVGATE_KV_OFFLOAD_SECONDS_TOTAL,
+            "counter",
+            "Seconds steps spent copying KV blocks between the device and the host tier.",
         )
         self.lora_loads = scalar(
             "kvgate:lora_adapter_loads_total",
@@ -529,6 +537,7 @@ class EngineMetrics:
             (self.external_hits, snap.host_cache_hits_total, last.host_cache_hits_total),
             (self.host_kv_stores, snap.host_kv_stores_total, last.host_kv_stores_total),
             (self.host_kv_loads, snap.host_kv_loads_total, last.host_kv_loads_total),
+            (self.host_kv_copy_seconds, snap.host_kv_copy_seconds_total, last.host_kv_copy_seconds_total),
         ):
             if new > old:
                 counter.inc(new - old)
