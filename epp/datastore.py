@@ -47,6 +47,14 @@ class EndpointMetrics:
     # Counters the latency model learns engine speed from (None: not exported).
     prompt_tokens_total: float | None = None  # vllm:prompt_tokens_total
     prefix_hits_total: float | None = None  # vllm:prefix_cache_hits_total (tokens)
+    # tokens a KV connector supplied instead of compute: the host KV tier's loads, P/D pulls
+    external_hits_total: float | None = None  # vllm:external_prefix_cache_hits_total
+    # The host KV tier (vllm:cache_config_info num_cpu_blocks; None: none) and what copying
+    # to and from it costs: kvgate:kv_offload_seconds_total over the blocks copied
+    # (kvgate:kv_offload_stores_total + kvgate:kv_offload_loads_total).
+    host_kv_blocks_total: int | None = None
+    kv_copy_seconds_total: float | None = None
+    kv_blocks_copied_total: float | None = None
     itl_seconds_sum: float | None = None  # vllm:inter_token_latency_seconds_sum
     itl_count: float | None = None  # vllm:inter_token_latency_seconds_count
     # Successful runtime LoRA loads + unloads (http_requests_total of those two handlers, 2xx):

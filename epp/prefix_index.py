@@ -4,6 +4,10 @@ fed by our own routing decisions.
 Both are keyed by kvgate's own chained block hash over token ids, never by an engine's hash
 scheme: engines differ (and vLLM's hash is salted per process), so an engine hash is only used
 to find which of our keys a ``BlockRemoved`` refers to.
+
+The precise index keeps two tiers per endpoint, as the events' ``medium`` says: the device
+("GPU", or no medium: older engines) and the host tier ("CPU", vLLM's CPU offloading), whose
+blocks the engine loads back instead of computing. A block may sit in both.
 """
 
 from __future__ import annotations
@@ -61,11 +65,24 @@ def common_prefix_blocks(a: Sequence[int], b: Sequence[int], known: int = 0) -> 
     return lo
 
 
+HOST_MEDIUMS = frozenset({"CPU", "cpu"})
+
+
 @dataclass
-class _EndpointBlocks:
+class _TierBlocks:
     engine_to_key: dict[int, int] = field(default_factory=dict)
     key_refs: dict[int, int] = field(default_factory=dict)  # one key may back several engine hashes
+
+
+@dataclass
+class _EndpointBlocks:
+    device: _TierBlocks = field(default_factory=_TierBlocks)
+    host: _TierBlocks = field(default_factory=_TierBlocks)
     block_size: int | None = None  # the engine's KV block size, as its events say
+
+    def parent_key(self, engine_hash: int) -> int | None:
+        found = self.device.engine_to_key.get(engine_hash)
+        return self.host.engine_to_key.get(engine_hash) if found is None else found
 
 
 class PreciseIndex:
@@ -82,7 +99,10 @@ class PreciseIndex:
             if isinstance(ev, BlockStored):
                 self._stored(endpoint, ev)
             elif isinstance(ev, BlockRemoved):
-                self._removed(endpoint, ev.block_hashes)
+                if ev.medium in HOST_MEDIUMS:
+                    self._removed_from_host(endpoint, ev.block_hashes)
+                else:
+                    self._removed(endpoint, ev.block_hashes)
             elif isinstance(ev, AllBlocksCleared):
                 self.clear(endpoint)
 
@@ -91,7 +111,7 @@ class PreciseIndex:
         if ev.parent_block_hash is None:
             parent = root_key(ev.lora_id)
         else:
-            found = blocks.engine_to_key.get(ev.parent_block_hash)
+            found = blocks.parent_key(ev.parent_block_hash)
             if found is None:
                 # Without the parent we cannot compute where these blocks sit in a prompt.
                 self.orphan_blocks += len(ev.block_hashes)
@@ -103,43 +123,61 @@ class PreciseIndex:
         if blocks.block_size != size:
             log.info("endpoint %s: KV block size %d tokens (from its KV events)", endpoint, size)
             blocks.block_size = size
+        host = ev.medium in HOST_MEDIUMS
+        tier = blocks.host if host else blocks.device
         for i, engine_hash in enumerate(ev.block_hashes):
             tokens = ev.token_ids[i * size : (i + 1) * size]
             if len(tokens) < size:
                 break  # only full blocks are cacheable; anything shorter is malformed
             parent = chain_key(parent, tokens)
-            if engine_hash in blocks.engine_to_key:
+            if engine_hash in tier.engine_to_key:
                 continue  # re-announced (e.g. after replay): already counted
-            blocks.engine_to_key[engine_hash] = parent
-            refs = blocks.key_refs.get(parent, 0)
-            blocks.key_refs[parent] = refs + 1
-            if refs == 0:
+            tier.engine_to_key[engine_hash] = parent
+            refs = tier.key_refs.get(parent, 0)
+            tier.key_refs[parent] = refs + 1
+            if refs == 0 and not host:
                 self._holders.setdefault(parent, set()).add(endpoint)
 
     def _removed(self, endpoint: str, engine_hashes: Iterable[int]) -> None:
         blocks = self._endpoints.get(endpoint)
         if blocks is None:
             return
+        device = blocks.device
         for engine_hash in engine_hashes:
-            key = blocks.engine_to_key.pop(engine_hash, None)
+            key = device.engine_to_key.pop(engine_hash, None)
             if key is None:
                 continue
-            refs = blocks.key_refs[key] - 1
+            refs = device.key_refs[key] - 1
             if refs:
-                blocks.key_refs[key] = refs
+                device.key_refs[key] = refs
                 continue
-            del blocks.key_refs[key]
+            del device.key_refs[key]
             holders = self._holders.get(key)
             if holders is not None:
                 holders.discard(endpoint)
                 if not holders:
                     del self._holders[key]
 
+    def _removed_from_host(self, endpoint: str, engine_hashes: Iterable[int]) -> None:
+        blocks = self._endpoints.get(endpoint)
+        if blocks is None:
+            return
+        host = blocks.host
+        for engine_hash in engine_hashes:
+            key = host.engine_to_key.pop(engine_hash, None)
+            if key is None:
+                continue
+            refs = host.key_refs[key] - 1
+            if refs:
+                host.key_refs[key] = refs
+            else:
+                del host.key_refs[key]
+
     def clear(self, endpoint: str) -> None:
         blocks = self._endpoints.pop(endpoint, None)
         if blocks is None:
             return
-        for key in blocks.key_refs:
+        for key in blocks.device.key_refs:
             holders = self._holders.get(key)
             if holders is not None:
                 holders.discard(endpoint)
@@ -154,7 +192,34 @@ class PreciseIndex:
 
     def block_count(self, endpoint: str) -> int:
         blocks = self._endpoints.get(endpoint)
-        return len(blocks.key_refs) if blocks else 0
+        return len(blocks.device.key_refs) if blocks else 0
+
+    def host_block_count(self, endpoint: str) -> int:
+        """Blocks the endpoint's host tier holds (what its CPU-medium events announced)."""
+        blocks = self._endpoints.get(endpoint)
+        return len(blocks.host.key_refs) if blocks else 0
+
+    def has_host_tier(self, endpoint: str) -> bool:
+        blocks = self._endpoints.get(endpoint)
+        return bool(blocks and blocks.host.key_refs)
+
+    def extend_through_host(self, keys: Sequence[int], device_blocks: dict[str, int]) -> dict[str, int]:
+        """Per endpoint: how far the run of ``keys`` it can serve without computing goes, given
+        the ``device_blocks`` it holds on the device from the start: the engine's lookup goes
+        on in its host tier where the device's run ends, and any block held in either tier
+        continues it. Endpoints without a host tier keep their device count."""
+        out = dict(device_blocks)
+        n = len(keys)
+        for endpoint, start in device_blocks.items():
+            blocks = self._endpoints.get(endpoint)
+            if blocks is None or start >= n or not blocks.host.key_refs:
+                continue
+            host, device = blocks.host.key_refs, blocks.device.key_refs
+            depth = start
+            while depth < n and (keys[depth] in host or keys[depth] in device):
+                depth += 1
+            out[endpoint] = depth
+        return out
 
     def holders(self, key: int) -> frozenset[str]:
         return frozenset(self._holders.get(key, ()))
@@ -165,7 +230,7 @@ class PreciseIndex:
 
     def _keys_of(self, endpoint: str) -> Container[int]:
         blocks = self._endpoints.get(endpoint)
-        return blocks.key_refs if blocks else ()
+        return blocks.device.key_refs if blocks else ()
 
 
 class ApproximateIndex:

@@ -72,6 +72,10 @@ MAPPINGS: dict[str, MetricMapping] = {
 _COUNTERS = (
     vllm.PROMPT_TOKENS_TOTAL,
     vllm.PREFIX_CACHE_HITS_TOTAL,
+    vllm.EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
+    vllm.KVGATE_KV_OFFLOAD_SECONDS_TOTAL,
+    vllm.KVGATE_KV_OFFLOAD_STORES_TOTAL,
+    vllm.KVGATE_KV_OFFLOAD_LOADS_TOTAL,
     vllm.INTER_TOKEN_LATENCY_SECONDS + "_sum",
     vllm.INTER_TOKEN_LATENCY_SECONDS + "_count",
 )
@@ -84,6 +88,11 @@ _ADAPTER_HANDLERS = ('handler="/v1/load_lora_adapter"', 'handler="/v1/unload_lor
 
 _LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def _sum_present(counters: dict[str, float], *names: str) -> float | None:
+    found = [counters[n] for n in names if n in counters]
+    return sum(found) if found else None
 
 
 def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float = 0.0) -> EndpointMetrics:
@@ -107,6 +116,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
     prefill_pending: float | None = None
     counters: dict[str, float] = {}
     blocks_total: int | None = None
+    host_blocks_total: int | None = None
     adapter_changes: float | None = None
     prefixes = (*wanted, vllm.CACHE_CONFIG_INFO, _HTTP_REQUESTS)
     for line in text.splitlines():
@@ -118,6 +128,8 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         if m.group(1) == vllm.CACHE_CONFIG_INFO:
             found = re.search(r'num_gpu_blocks="(\d+)"', m.group(2) or "")
             blocks_total = int(found.group(1)) if found else blocks_total
+            found = re.search(r'num_cpu_blocks="(\d+)"', m.group(2) or "")
+            host_blocks_total = int(found.group(1)) if found else host_blocks_total
             continue
         if m.group(1) == _HTTP_REQUESTS:
             raw = m.group(2) or ""
@@ -183,6 +195,12 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         kv_blocks_total=blocks_total,
         prompt_tokens_total=counters.get(vllm.PROMPT_TOKENS_TOTAL),
         prefix_hits_total=counters.get(vllm.PREFIX_CACHE_HITS_TOTAL),
+        external_hits_total=counters.get(vllm.EXTERNAL_PREFIX_CACHE_HITS_TOTAL),
+        host_kv_blocks_total=host_blocks_total,
+        kv_copy_seconds_total=counters.get(vllm.KVGATE_KV_OFFLOAD_SECONDS_TOTAL),
+        kv_blocks_copied_total=_sum_present(
+            counters, vllm.KVGATE_KV_OFFLOAD_STORES_TOTAL, vllm.KVGATE_KV_OFFLOAD_LOADS_TOTAL
+        ),
         itl_seconds_sum=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_sum"),
         itl_count=counters.get(vllm.INTER_TOKEN_LATENCY_SECONDS + "_count"),
         adapter_changes=adapter_changes,

@@ -198,6 +198,37 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             }
         ],
     },
+    # llm-d's tiered prefix cache, for comparison: two precise prefix scorers at fixed weights,
+    # one counting the blocks on the device, one the blocks the engine holds in either tier
+    # (a device block counts for both: 1.0 + 0.8, a host-tier block 0.8, as llm-d weighs the
+    # tiers), beside llm-d's queue and KV-cache scorers.
+    "llm-d-tiered": {
+        "plugins": [
+            {"type": "model-served-filter"},
+            {"type": "precise-prefix-cache-scorer", "name": "gpu-prefix-cache-scorer"},
+            {
+                "type": "precise-prefix-cache-scorer",
+                "name": "cpu-prefix-cache-scorer",
+                "parameters": {"tier": "any"},
+            },
+            {"type": "queue-scorer"},
+            {"type": "kv-cache-utilization-scorer"},
+            {"type": "max-score-picker"},
+        ],
+        "schedulingProfiles": [
+            {
+                "name": "llm-d-tiered",
+                "plugins": [
+                    {"pluginRef": "model-served-filter"},
+                    {"pluginRef": "gpu-prefix-cache-scorer", "weight": 3},
+                    {"pluginRef": "cpu-prefix-cache-scorer", "weight": 2.4},
+                    {"pluginRef": "queue-scorer", "weight": 2},
+                    {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
+                    {"pluginRef": "max-score-picker"},
+                ],
+            }
+        ],
+    },
     "round-robin": {
         "plugins": [{"type": "model-served-filter"}, {"type": "round-robin-picker"}],
         "schedulingProfiles": [

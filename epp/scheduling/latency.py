@@ -3,8 +3,10 @@
 For each candidate the scorer estimates when this request's first token would come out there:
 the prefill work already ahead of it (the engine's own count, `kvgate:prefill_tokens_pending`,
 plus this replica's picks no scrape shows yet), the prompt tokens it would have to compute
-there (the precise prefix index says what is cached), and that engine's speed — seconds per
-prefill token and per engine step, learnt online from its own counters (see LatencyModel).
+there (the precise prefix index says what is cached), the blocks it would load back from its
+host KV tier instead (a CPU-tier hit is neither free nor a miss: it costs the copy), and that
+engine's speed — seconds per prefill token, per engine step and per block copied, learnt online
+from its own counters (see LatencyModel).
 
 Greedy TTFT alone scatters under pressure: a request that leaves a busy holder pays a long
 prefill on a cold engine, which then looks busy, evicts that engine's prefixes, and the cascade
@@ -26,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from kvgate.epp.datastore import EndpointState
+from kvgate.epp.datastore import EndpointMetrics, EndpointState
 from kvgate.epp.prefix_index import PreciseIndex
 from kvgate.epp.scheduling.framework import (
     PREFILL_TOKENS,
@@ -46,6 +48,9 @@ class EndpointSpeed:
     seconds_per_step: float  # one decode step (the wait for the first token after prefill)
     samples: int = 0  # prefill-speed samples folded in
     step_samples: int = 0
+    seconds_per_copied_token: float = 0.0  # host tier <-> device, per token of the blocks copied
+    copy_samples: int = 0
+    last_copy: tuple[float, float] | None = None  # (seconds, blocks) at the previous scrape
     # the previous scrape's counters, to take differences
     last_at: float = 0.0
     last_computed: float | None = None
@@ -81,6 +86,9 @@ class LatencyModel:
 
     prior_seconds_per_token: float = 1 / 4000
     prior_seconds_per_step: float = 0.025
+    # Loading a block back from a host tier, as a fraction of computing it, until the engine's
+    # copy counters say: a PCIe-class link moves a block ~50x faster than a GPU computes it.
+    prior_copy_fraction: float = 1 / 50
     window_seconds: float = 2.0
     smoothing: float = 0.3
     per_endpoint: bool = False
@@ -88,7 +96,17 @@ class LatencyModel:
     pool: EndpointSpeed | None = None
 
     def __post_init__(self) -> None:
-        self.pool = EndpointSpeed(self.prior_seconds_per_token, self.prior_seconds_per_step)
+        self.pool = EndpointSpeed(
+            self.prior_seconds_per_token,
+            self.prior_seconds_per_step,
+            seconds_per_copied_token=self.prior_seconds_per_token * self.prior_copy_fraction,
+        )
+
+    def copy_seconds_per_token(self, speed: EndpointSpeed) -> float:
+        """What loading one token's KV back from the host tier costs at this endpoint: its own
+        measurement once it has one (each engine's host link is its own), else the pool's."""
+        assert self.pool is not None
+        return speed.seconds_per_copied_token if speed.copy_samples else self.pool.seconds_per_copied_token
 
     def estimate(self, speed: EndpointSpeed) -> EndpointSpeed:
         """The speed to predict with for an endpoint: its own, or the pool's."""
@@ -112,16 +130,32 @@ class LatencyModel:
             found = self.speeds[address] = EndpointSpeed(per_token, per_step)
         return found
 
-    def observe(self, state: EndpointState) -> EndpointSpeed:
+    def _observe_copies(self, speed: EndpointSpeed, m: EndpointMetrics, block_size: int) -> None:
+        if m.kv_copy_seconds_total is None or m.kv_blocks_copied_total is None:
+            return
+        now = (m.kv_copy_seconds_total, m.kv_blocks_copied_total)
+        last, speed.last_copy = speed.last_copy, now
+        if last is None or now[1] <= last[1] or now[0] < last[0]:
+            return
+        sample = (now[0] - last[0]) / ((now[1] - last[1]) * block_size)
+        for target in (speed, self.pool):
+            assert target is not None
+            a = self.smoothing if target.copy_samples else 1.0
+            target.seconds_per_copied_token += a * (sample - target.seconds_per_copied_token)
+            target.copy_samples += 1
+
+    def observe(self, state: EndpointState, block_size: int = 16) -> EndpointSpeed:
         """Fold in the endpoint's latest scrape, once; returns its speed."""
         speed = self.speed(state.address)
         m = state.metrics
         if m.updated_at <= speed.last_at:
             return speed
+        self._observe_copies(speed, m, block_size)
         busy = (m.prefill_tokens_pending or 0) > 0 if m.prefill_tokens_pending is not None else m.waiting > 0
         computed = None
         if m.prompt_tokens_total is not None:
-            computed = m.prompt_tokens_total - (m.prefix_hits_total or 0.0)
+            # loaded from a host tier or pulled from a prefill engine: not computed here either
+            computed = m.prompt_tokens_total - (m.prefix_hits_total or 0.0) - (m.external_hits_total or 0.0)
         if computed is not None and speed.last_computed is not None and busy and speed.last_busy:
             dt, done = m.updated_at - speed.last_at, computed - speed.last_computed
             if dt > 0 and done >= 0:
@@ -281,6 +315,7 @@ class PredictedLatencyScorer:
     def predict(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[str, float]:
         """Predicted seconds to first token per endpoint (also left in ctx.cache)."""
         fractions = self.prefix.cached_fractions(ctx, endpoints)
+        servable = self.prefix.servable_fractions(ctx, endpoints)
         n = len(ctx.request.token_ids)
         full = n - n % self.block_size
         uncached = ctx.cache.setdefault(PREFILL_TOKENS, {})
@@ -290,7 +325,10 @@ class PredictedLatencyScorer:
         n_blocks = len(self.prefix.block_keys_for(ctx))
         # Fold in every new scrape first: the pool's estimate must be the same for every
         # candidate of one pick (updated mid-loop, it ranked candidates on different scales).
-        speeds = {e.address: self.model.observe(e) for e in endpoints}
+        speeds = {
+            e.address: self.model.observe(e, ctx.datastore.index.block_size(e.address) or self.block_size)
+            for e in endpoints
+        }
         # every candidate's working set expired (blocks()) before any is read by holds_all()
         working_set_blocks = (
             {
@@ -302,22 +340,29 @@ class PredictedLatencyScorer:
             else {}
         )
         for e in endpoints:
-            mine = n - int(fractions[e.address] * full)
+            on_device = int(fractions[e.address] * full)
+            mine = n - max(on_device, int(servable[e.address] * full))
             uncached[e.address] = mine
             speed = speeds[e.address]
             rate = self.model.estimate(speed)
             m = e.metrics
             ttft = self._estimate_ttft(e, speed, rate, mine)
+            loaded = n - mine - on_device  # tokens its host tier gives back instead of compute
+            if loaded > 0:
+                ttft += loaded * self.model.copy_seconds_per_token(speed)
             extra = self.work_penalty * mine
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
-                # capacity, each one pushes out a block a recent request will want again.
+                # capacity (both tiers: a block the device evicts to its host tier costs a
+                # copy later, not a recompute), each one pushes out a block a recent request
+                # will want again.
+                capacity = m.kv_blocks_total + (m.host_kv_blocks_total or 0)
                 held = working_set_blocks[e.address]
-                if held + n_blocks > m.kv_blocks_total:  # else nothing can overflow
+                if held + n_blocks > capacity:  # else nothing can overflow
                     if held_by is None:
                         held_by = self.working_sets.holds_all(self._sampled_keys(ctx))
                     new = max(0, n_blocks - held_by.get(e.address, 0))
-                    overflow = held + new - m.kv_blocks_total
+                    overflow = held + new - capacity
                     extra += self.eviction_penalty * max(0, min(overflow, new)) * self.block_size
             ttft_only[e.address] = ttft
             out[e.address] = ttft + extra * rate.seconds_per_token

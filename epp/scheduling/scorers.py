@@ -157,10 +157,16 @@ class PrecisePrefixCacheScorer:
     # events: covers the gap before its BlockStored arrives, so a burst of same-prefix
     # requests does not scatter.
     recent_window_seconds: float = 2.0
+    # Which tier's blocks count: "gpu", the device's (what the engine computes nothing for);
+    # "any", the device's or its host tier's (what it loads instead of computing). llm-d's
+    # tiered prefix cache scores both with two of these at fixed weights.
+    tier: str = "gpu"
     fallback: ApproximateIndex = field(init=False)
     recent: RecentPicks = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.tier not in ("gpu", "any"):
+            raise ValueError(f"tier must be gpu or any, not {self.tier!r}")
         self.fallback = ApproximateIndex(self.lru_capacity)
         self.recent = RecentPicks(self.recent_window_seconds)
 
@@ -197,11 +203,15 @@ class PrecisePrefixCacheScorer:
             else:
                 blind.append(e.address)
         fractions: dict[str, float] = {}
+        servable: dict[str, float] = {}  # blocks it can serve without computing: either tier
         default_sized: dict[str, int] = {}  # blocks held, for endpoints with the default size
         for size, live in by_size.items():
             sized = self._keys(ctx, size)
             hits = index.prefix_blocks(sized, live) if sized else dict.fromkeys(live, 0)
             fractions.update((a, n / len(sized) if sized else 0.0) for a, n in hits.items())
+            if sized:
+                reach = index.extend_through_host(sized, hits)
+                servable.update((a, n / len(sized)) for a, n in reach.items() if n > hits[a])
             if size == self.block_size:
                 default_sized = hits
         if by_size and self.recent_window_seconds > 0:
@@ -214,10 +224,22 @@ class PrecisePrefixCacheScorer:
         if blind:
             fractions.update((a, n / len(keys)) for a, n in self.fallback.prefix_blocks(keys, blind).items())
         ctx.cache[cache_key] = fractions
+        ctx.cache[f"{self.name}:servable"] = {a: max(f, fractions[a]) for a, f in servable.items()}
         return fractions
 
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+    def servable_fractions(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> dict[str, float]:
+        """Per endpoint: the fraction of the prompt's full blocks it can serve without computing
+        (held on the device or in its host tier, from the start); at least `cached_fractions`."""
         fractions = self.cached_fractions(ctx, endpoints)
+        servable: dict[str, float] = ctx.cache.get(f"{self.name}:servable", {})
+        return {e.address: servable.get(e.address, fractions[e.address]) for e in endpoints}
+
+    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
+        fractions = (
+            self.servable_fractions(ctx, endpoints)
+            if self.tier == "any"
+            else self.cached_fractions(ctx, endpoints)
+        )
         return [fractions[e.address] for e in endpoints]
 
     def pre_request(self, ctx: SchedulingContext, target: EndpointState, until: float | None = None) -> None:
