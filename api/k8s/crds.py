@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 
 from kvgate.api.k8s.crd_schema import CRDSpec, PrinterColumn
+from kvgate.api.k8s.quantity import GIB, memory_bytes, parse_quantity
 
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
@@ -743,6 +744,72 @@ class DisaggregationSpec(K8sModel):
     )
 
 
+# spec.kvOffload.size: a positive memory size with a unit, binary (Ki ... Ei) or decimal (k ... E).
+# A bare number is a byte count to Kubernetes but GiB to `--kv-offloading-size`: refused, as is
+# zero (no tier is an absent kvOffload) and a milli-byte size. No backslashes: the pattern sits
+# in a CEL string literal too.
+KV_OFFLOAD_SIZE_PATTERN = (
+    "^([0-9]*[1-9][0-9]*([.][0-9]*)?|[0-9]*[.][0-9]*[1-9][0-9]*)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)$"
+)
+_KV_OFFLOAD_SIZE_RE = re.compile(KV_OFFLOAD_SIZE_PATTERN)
+KV_OFFLOAD_SIZE_MESSAGE = "size must be a memory size above 0 with a unit, e.g. 16Gi, 512Mi or 20G"
+
+
+class KVOffloadSpec(K8sModel):
+    size: str = Field(
+        min_length=1,
+        max_length=32,
+        description=(
+            "Host memory for the tier, a Kubernetes quantity with a unit (e.g. 16Gi; the engine's "
+            "`--kv-offloading-size` in GiB). The operator adds it to the engine container's memory "
+            "request and limit (spec.engine.resources or the role's): where a request is set, "
+            "request + size; where only a limit is set, no request (Kubernetes defaults it to the "
+            "new limit); where neither is, a request of size alone and no limit (the engine's own "
+            "memory is not known here, so a limit of the tier alone could OOM-kill it)."
+        ),
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {"rule": f"self.matches('{KV_OFFLOAD_SIZE_PATTERN}')", "message": KV_OFFLOAD_SIZE_MESSAGE}
+            ]
+        },
+    )
+    backend: Literal["native"] = Field(
+        default="native",
+        description="How blocks reach the tier (`--kv-offloading-backend`): native, the engine's own copies.",
+    )
+    offload_on: Literal["evict", "compute"] = Field(
+        default="evict",
+        description=(
+            "When a block is copied to the tier (`--kv-offload-on`): evict, when the device pool evicts "
+            "it (the tiers hold different blocks); compute, as soon as a step computes it (vLLM's "
+            "native offloading)."
+        ),
+    )
+
+    @field_validator("size")
+    @classmethod
+    def _size_is_a_positive_memory_size(cls, size: str) -> str:
+        # The CRD's CEL rule says the same; this says why when the API server did not check it.
+        if _KV_OFFLOAD_SIZE_RE.match(size):
+            return size
+        try:
+            value = parse_quantity(size)
+        except ValueError:
+            raise ValueError(f"{size!r} is not a Kubernetes quantity: {KV_OFFLOAD_SIZE_MESSAGE}") from None
+        if value <= 0:
+            raise ValueError(f"{size!r}: {KV_OFFLOAD_SIZE_MESSAGE} (leave kvOffload out for no tier)")
+        raise ValueError(
+            f"{size!r} has no byte unit (Kubernetes reads a bare number or an exponent as bytes and m "
+            f"as thousandths of one; the engine's flag is in GiB): {KV_OFFLOAD_SIZE_MESSAGE}"
+        )
+
+    def size_bytes(self) -> int:
+        return memory_bytes(self.size)
+
+    def size_gib(self) -> float:
+        return self.size_bytes() / GIB
+
+
 class ModelDeploymentSpec(K8sModel):
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -780,6 +847,14 @@ class ModelDeploymentSpec(K8sModel):
         description=(
             "Prefill/decode disaggregation: two engine Deployments, <name>-prefill and <name>-decode, in "
             "one InferencePool; replaces replicas (each role has its own count and autoscaler)."
+        ),
+    )
+    kv_offload: KVOffloadSpec | None = Field(
+        default=None,
+        description=(
+            "A second KV tier in each engine's host memory, under the prefix cache (vLLM's native CPU "
+            "offloading): blocks leaving the device pool are kept there and loaded back on a hit "
+            "instead of computed again. Unset: no tier. Changing it restarts the engines."
         ),
     )
 
@@ -832,6 +907,35 @@ class ModelDeploymentSpec(K8sModel):
                 f"routing uses {' or '.join(TOKEN_SCORERS)} (the endpoint picker cannot read the engine's "
                 "image): name the tokenizer as a Hub id (org/name[@revision]) or a pvc:// source"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _tier_memory_adds_up(self) -> ModelDeploymentSpec:
+        # The operator adds kvOffload.size to the engines' memory request and limit: they must be
+        # quantities it can add to (a condition says which one, where a sum would fail later).
+        if self.kv_offload is None:
+            return self
+        where = [("engine.resources", self.engine.resources)]
+        if self.disaggregation is not None:
+            where += [
+                ("disaggregation.prefill.resources", self.disaggregation.prefill.resources),
+                ("disaggregation.decode.resources", self.disaggregation.decode.resources),
+            ]
+        errors: list[str] = []
+        for path, resources in where:
+            for kind in ("requests", "limits"):
+                value = (getattr(resources, kind) or {}).get("memory") if resources else None
+                if value is None:
+                    continue
+                try:
+                    parse_quantity(value)
+                except ValueError:
+                    errors.append(
+                        f"{path}.{kind}.memory: {value!r} is not a Kubernetes quantity (the operator adds "
+                        "kvOffload.size to it)"
+                    )
+        if errors:
+            raise ValueError("; ".join(errors))
         return self
 
     @model_validator(mode="after")

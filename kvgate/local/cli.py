@@ -13,7 +13,14 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from kvgate.api.cli_args import add_simulation_group, non_negative_int, otlp_url, port, positive_int
+from kvgate.api.cli_args import (
+    add_simulation_group,
+    non_negative_int,
+    otlp_url,
+    port,
+    positive_float,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
@@ -120,6 +127,23 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="per-engine waiting-queue limit; beyond it the engine answers 429",
+    )
+    p.add_argument(
+        "--kv-offloading-size",
+        type=positive_float,
+        default=None,
+        metavar="GIB",
+        help="every engine keeps a second KV tier of GIB GiB in host memory under its prefix cache "
+        "(the engines' --kv-offloading-size: blocks leaving the device pool are kept there and loaded "
+        "back on a hit instead of computed again); a simulated engine counts 128 KiB of KV per token "
+        "(512 blocks of 16 tokens per GiB) unless --sim-cpu-kv-blocks sets its blocks; unset: no tier",
+    )
+    p.add_argument(
+        "--kv-offload-on",
+        choices=["evict", "compute"],
+        default=None,
+        help="with a host KV tier: when a block is copied to it, when the device pool evicts it "
+        "(the engines' default) or as soon as a step computes it (vLLM's native offloading)",
     )
     add_simulation_group(p, "simulated engines (with --simulate)")  # unset: the engine's defaults
     p.add_argument(
@@ -269,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
         names = [name for name, _ in args.lora_modules]
         if dupes := sorted({n for n in names if names.count(n) > 1}):
             return _fail(f"--lora-modules names an adapter more than once: {', '.join(dupes)}")
+    tier = args.kv_offloading_size is not None or (args.simulate and args.sim_cpu_kv_blocks is not None)
+    if args.kv_offload_on is not None and not tier:
+        return _fail("--kv-offload-on needs a host KV tier: --kv-offloading-size GIB")
     pd = args.prefill_engines is not None or args.decode_engines is not None
     if pd:
         if args.prefill_engines is None or args.decode_engines is None:
@@ -306,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         epp_config_file=args.epp_config,
         max_num_seqs=args.max_num_seqs,
         max_queued_requests=args.max_queued_requests,
+        kv_offloading_size=args.kv_offloading_size,
+        kv_offload_on=args.kv_offload_on,
         lora_modules=() if pools else tuple(args.lora_modules),  # several pools: each PoolConfig's
         engine_args=tuple(args.engine_arg),
         epp_args=tuple(args.epp_arg),

@@ -74,6 +74,10 @@ class StackConfig:
     epp_config_file: str | None = None
     max_num_seqs: int | None = None
     max_queued_requests: int | None = None
+    # Every engine's host KV tier (--kv-offloading-size, GiB; None: none) and when blocks are
+    # copied to it (--kv-offload-on; None: the engine's default, evict).
+    kv_offloading_size: float | None = None
+    kv_offload_on: str | None = None
     # (adapter name, path) every engine of a one-pool stack serves; several pools: PoolConfig's
     lora_modules: tuple[tuple[str, str], ...] = ()
     engine_args: tuple[str, ...] = ()  # passed through to every engine
@@ -202,6 +206,10 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
         argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
     if cfg.max_queued_requests is not None:
         argv += ["--max-queued-requests", str(cfg.max_queued_requests)]
+    if cfg.kv_offloading_size is not None:
+        argv += ["--kv-offloading-size", str(cfg.kv_offloading_size)]
+    if cfg.kv_offload_on is not None:
+        argv += ["--kv-offload-on", cfg.kv_offload_on]
     if cfg.simulate:
         argv.append("--simulate")
         argv += cfg.sim.argv()

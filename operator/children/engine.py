@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
+from kvgate.api.k8s.quantity import format_bytes, memory_bytes
 from kvgate.operator.children.adapters import adapter_fetcher, adapter_volumes, lora_args, readiness_gates
 from kvgate.operator.children.common import (
     MODEL_DIR,
@@ -59,8 +60,27 @@ def engine_args(spec: ModelDeploymentSpec) -> list[str]:
     # No tensor-parallelism flag: the spec refuses tensorParallelSize > 1 (the engine has none).
     if spec.model.max_model_len:
         args += ["--max-model-len", str(spec.model.max_model_len)]
+    args += kv_offload_args(spec)
     # LoRA flags only: which adapters run is applied at run time, never in the pod template.
     return args + lora_args(spec) + list(eng.args)
+
+
+def _gib(size: float) -> str:
+    """GiB for `--kv-offloading-size`: exact (repr round-trips), without a trailing `.0`."""
+    text = repr(size)
+    return text.removesuffix(".0")
+
+
+def kv_offload_args(spec: ModelDeploymentSpec) -> list[str]:
+    """spec.kvOffload as the engine's flags (vLLM's names); the defaults are left to the engine.
+    A simulated engine (`--simulate` in spec.engine.args) sizes its tier from the same flag."""
+    tier = spec.kv_offload
+    if tier is None:
+        return []
+    args = ["--kv-offloading-size", _gib(tier.size_gib()), "--kv-offloading-backend", tier.backend]
+    if tier.offload_on != "evict":
+        args += ["--kv-offload-on", tier.offload_on]
+    return args
 
 
 def _download_script(repo: str, revision: str | None) -> str:
@@ -83,9 +103,24 @@ def _engine_env(spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
     return env
 
 
+def _with_tier_memory(requests: dict[str, Any], limits: dict[str, Any], tier_bytes: int) -> None:
+    """The host KV tier is memory the engine allocates at start on top of its own: added to the
+    memory request and limit that are set; with neither, a request of the tier alone (so the pod
+    lands where the tier fits) and no limit (one of the tier alone would OOM-kill the engine).
+    A limit with no request leaves the request to Kubernetes, which defaults it to the limit."""
+    if "memory" in requests:
+        requests["memory"] = format_bytes(memory_bytes(requests["memory"]) + tier_bytes)
+    elif "memory" not in limits:
+        requests["memory"] = format_bytes(tier_bytes)
+    if "memory" in limits:
+        limits["memory"] = format_bytes(memory_bytes(limits["memory"]) + tier_bytes)
+
+
 def _engine_resources(spec: ModelDeploymentSpec) -> dict[str, Any]:
     requests = dict(spec.engine.resources.requests or {}) if spec.engine.resources else {}
     limits = dict(spec.engine.resources.limits or {}) if spec.engine.resources else {}
+    if spec.kv_offload is not None:
+        _with_tier_memory(requests, limits, spec.kv_offload.size_bytes())
     if spec.engine.accelerator == "nvidia":
         limits["nvidia.com/gpu"] = spec.engine.tensor_parallel_size
         requests.pop("nvidia.com/gpu", None)  # extended resources: requests default to limits

@@ -366,6 +366,20 @@ async def test_tensor_parallelism_is_refused_with_a_condition(cluster: Any, oper
     assert cluster.children(UID) == {}
 
 
+async def test_an_invalid_kv_offload_size_is_refused_with_a_condition(cluster: Any, operator: Any) -> None:
+    # The CRD's CEL rule refuses it on a real API server; the emulator admits it, so the
+    # operator's own check shows: a condition and an event that say what to write instead.
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment({"kvOffload": {"size": "0Gi"}}))
+    cond = await cluster.eventually(lambda: condition(cluster, "Ready"), what="Ready condition")
+    assert cond["status"] == "False" and cond["reason"] == "InvalidSpec"
+    assert "spec.kvOffload.size" in cond["message"] and "above 0 with a unit" in cond["message"]
+    await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "InvalidSpec"],
+        what="Warning event",
+    )
+    assert cluster.children(UID) == {}
+
+
 async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: Any, operator: Any) -> None:
     bad = model_deployment(
         {

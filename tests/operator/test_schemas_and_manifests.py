@@ -315,6 +315,11 @@ SPECS: dict[str, dict[str, Any]] = {
         },
         "autoscaling": {"backend": "keda"},
     },
+    "kv-offload": {
+        "model": {"source": "pvc://models/llama-3-8b"},
+        "engine": {"resources": {"requests": {"cpu": "8", "memory": "48Gi"}, "limits": {"memory": "64Gi"}}},
+        "kvOffload": {"size": "32Gi", "offloadOn": "compute"},
+    },
     "lora-adapters": {
         "model": {"source": "pvc://models/llama-3-8b", "servedName": "llama"},
         "lora": {
