@@ -10,10 +10,13 @@ set it); several seeds are averaged. What it leaves out
 (processes, HTTP, Envoy, a loaded CPU) the process bench has: `kvgate bench --compare
 --simulate --preset ...` confirms what this finds.
 
-Prints, per rate and strategy, TTFT p50/p90 (s), output tok/s, prefix hit rate and the in-process
-pick time (the scheduler alone, ms p50/p99: the cost target is 0.25 ms at 16 endpoints), then the
-candidate (--candidate, default the first strategy) as a multiple of every other strategy at the
-same rate.
+Prints, per rate and strategy, TTFT p50/p90 (s), output tok/s (over the window from the first
+counted arrival to the last: the pool under the offered load, not the drain after it), prefix
+hit rate (device and host tier) beside the best any router can reach on the requests counted
+(`ideal`: given what was sent before them, the warm-up and, with --carry-over, the earlier
+rates, which resend the same requests), and the in-process pick time (the scheduler alone, ms
+p50/p99: the cost target is 0.25 ms at 16 endpoints), then the candidate (--candidate, default
+the first strategy) as a multiple of every other strategy at the same rate.
 
 `oracle-partition` is a reference, not a router (kvgate.bench.virtual_pool.ORACLE): it deals
 each group of the workload to one engine for the whole run, knowing the groups in advance, so
@@ -32,7 +35,8 @@ import time
 
 from kvgate.bench.cli import workload_spec
 from kvgate.bench.presets import PRESETS
-from kvgate.bench.virtual_pool import PoolSpec, simulate, simulate_sweep
+from kvgate.bench.stats import ideal_prefix_hit_rate
+from kvgate.bench.virtual_pool import PoolSpec, poisson_requests, simulate, simulate_sweep
 from kvgate.engine.config import SimulationConfig
 
 METRICS = (
@@ -85,6 +89,24 @@ def main() -> None:
         "--sim-kv-blocks", type=int, default=None, help="KV blocks per engine (default: the preset's)"
     )
     ap.add_argument(
+        "--sim-cpu-kv-blocks",
+        type=int,
+        default=None,
+        help="a host KV tier of this many blocks per engine (default: the preset's, or none)",
+    )
+    ap.add_argument(
+        "--sim-kv-offload-bandwidth",
+        type=float,
+        default=None,
+        help="bytes per second between an engine's host tier and its device (default: the engine's)",
+    )
+    ap.add_argument(
+        "--kv-offload-on",
+        choices=["evict", "compute"],
+        default="evict",
+        help="when an engine copies a block to its host tier",
+    )
+    ap.add_argument(
         "--no-admissions",
         action="store_true",
         help="engines do not announce admissions: each EPP replica sees only its own picks",
@@ -112,7 +134,14 @@ def main() -> None:
             itl_base=first.sim_itl,
             itl_per_seq=first.sim_itl_per_seq,
             lora_load_time=first.sim_lora_load_time or 0.0,
+            cpu_kv_blocks=args.sim_cpu_kv_blocks or first.sim_cpu_kv_blocks,
+            **(
+                {"kv_offload_bandwidth": args.sim_kv_offload_bandwidth}
+                if args.sim_kv_offload_bandwidth
+                else {}
+            ),
         ),
+        kv_offload_on=args.kv_offload_on,
         epp_replicas=args.epp_replicas,
         announce_admissions=not args.no_admissions,
         measure_agreement=args.agreement and args.epp_replicas > 1,
@@ -123,10 +152,23 @@ def main() -> None:
     print(
         f"preset {args.preset}: {PRESETS[args.preset].summary}; seeds {seeds}; {args.epp_replicas} EPP replica(s)"
         + (f"; {pool.kv_blocks} KV blocks per engine (given)" if args.sim_kv_blocks else "")
+        + (
+            f"; host KV tier of {pool.sim.cpu_kv_blocks} blocks per engine ({pool.kv_offload_on})"
+            if pool.sim.cpu_kv_blocks
+            else ""
+        )
     )
     results: dict[tuple[float, str], dict[str, float]] = {}
+    ideal = {
+        rate: statistics.fmean(
+            _ideal_hit(bench[seed], rates[: i + 1], count, warmup, pool.block_size, args.carry_over)
+            for seed in seeds
+        )
+        for i, rate in enumerate(rates)
+    }
     print(
-        f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit':>6}  {'loads':>6}"
+        f"{'req/s':>5}  {'strategy':18}  {'TTFT p50':>8}  {'TTFT p90':>8}  {'out tok/s':>9}  {'hit/ideal':>12}"
+        f"  {'loads':>6}"
         f"  {'pick ms p50/p99':>15}"
     )
     if args.carry_over:
@@ -159,7 +201,8 @@ def main() -> None:
             results[(rate, name)] = avg
             print(
                 f"{rate:5g}  {name:18}  {avg['ttft_p50']:8.2f}  {avg['ttft_p90']:8.2f}  "
-                f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%  {avg['lora_loads']:6.1f}"
+                f"{avg['output_tok_s']:9.1f}  {avg['prefix_hit'] * 100:5.1f}%/{ideal[rate] * 100:4.1f}%"
+                f"  {avg['lora_loads']:6.1f}"
                 f"  {avg['pick_ms_p50']:7.3f}/{avg['pick_ms_p99']:<7.3f}"
                 + (f"  agree {avg['agreement'] * 100:5.1f}%" if pool.measure_agreement else "")
                 + f"   ({took:.0f} s)",
@@ -177,6 +220,22 @@ def main() -> None:
                 f"{rate:5g}  {name:18}  {mine['ttft_p50'] / other['ttft_p50']:7.2f}×  "
                 f"{mine['ttft_p90'] / other['ttft_p90']:7.2f}×  {mine['output_tok_s'] / other['output_tok_s']:8.2f}×"
             )
+
+
+def _ideal_hit(
+    bench: argparse.Namespace, rates: list[float], count: int, warmup: int, block_size: int, carry_over: bool
+) -> float:
+    """The best hit rate any router reaches on the requests counted at the last of `rates`:
+    what was sent before them is history (the warm-up; with carry-over every earlier rate's
+    requests too)."""
+    spec = workload_spec(bench)
+    history: list[list[int]] = []
+    for rate in rates[:-1] if carry_over else []:
+        history += [tokens for _, _, tokens in poisson_requests(spec, rate, warmup + count, spec.seed)]
+    stream = poisson_requests(spec, rates[-1], warmup + count, spec.seed)
+    history += [tokens for _, _, tokens in stream[:warmup]]
+    counted = [tokens for _, _, tokens in stream[warmup:]]
+    return ideal_prefix_hit_rate(counted, block_size, history) or 0.0
 
 
 if __name__ == "__main__":

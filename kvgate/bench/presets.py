@@ -37,6 +37,25 @@ PRESETS: dict[str, Preset] = {
             "warmup_requests": 64,
         },
     ),
+    # The same shape on engines with a host KV tier four times their device pool (vLLM's CPU
+    # offloading as llm-d's tiered prefix cache runs it): 7,200 blocks at a PCIe-class link.
+    "llm-d-tiered": Preset(
+        "llm-d-shared-prefix on engines that also keep a host KV tier of 7,200 blocks (4x the "
+        "device pool) at 50 GB/s; 4, 8, 16 and 24 req/s",
+        {
+            "workload": "shared-prefix",
+            "groups": 64,
+            "prefix_tokens": 6000,
+            "suffix_tokens": 1200,
+            "output_tokens": 100,
+            "engines": 16,
+            "sim_kv_blocks": 1800,
+            "sim_cpu_kv_blocks": 7200,
+            "request_rate": "4,8,16,24",
+            "num_requests": 200,
+            "warmup_requests": 64,
+        },
+    ),
     # Chat sessions that resend their growing history every turn (a coding assistant, an agent):
     # a turn is only sent once the previous one of its conversation has answered. Conversations
     # open with one of four apps' system prompts, as inference-perf's multi-turn shared-prefix

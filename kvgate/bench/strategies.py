@@ -9,4 +9,5 @@ STRATEGIES: dict[str, str] = {
     "gie-default": "default",  # GIE's default: queue 2, kv-cache 2, approximate prefix 3
     "precise-prefix": "precise-prefix",  # kvgate: lowest predicted TTFT from the exact prefix held
     "precise-prefix-weights": "precise-prefix-weights",  # kvgate's earlier fixed weights
+    "llm-d-tiered": "llm-d-tiered",  # llm-d's tiered prefix cache: GPU and CPU prefix scorers
 }

@@ -85,6 +85,8 @@ class PoolSpec:
     # slots; putting one into a slot costs `sim.lora_load_time`. Empty: LoRA off.
     adapters: tuple[str, ...] = ()
     max_loras: int = 2
+    # The host KV tier (sim.cpu_kv_blocks > 0): when blocks are copied to it (evict | compute)
+    kv_offload_on: str = "evict"
 
 
 @dataclass
@@ -119,6 +121,10 @@ class RunResult:
     # With several EPP replicas: per request, whether every other replica would have picked
     # the engine its own replica picked (asked at the same instant, without acting on it)
     agreed: list[bool] = field(default_factory=list)
+    # Output throughput over the steady part of the run: the middle 80% of the tokens produced,
+    # over the time they took (a request's tokens spread evenly from its first to its last).
+    # First arrival to last finish let one late request move the figure by ~10%.
+    steady: bool = True
 
     def done(self) -> list[RequestRecord]:
         return [r for r in self.records if r.finished is not None]
@@ -130,7 +136,19 @@ class RunResult:
     @property
     def output_tok_s(self) -> float:
         done = self.done()
-        return sum(r.output_tokens for r in done) / self.duration if self.duration > 0 else 0.0
+        if not self.steady:
+            return sum(r.output_tokens for r in done) / self.duration if self.duration > 0 else 0.0
+        times: list[float] = []
+        for r in done:
+            assert r.first_token is not None and r.finished is not None
+            n = r.output_tokens
+            step = (r.finished - r.first_token) / max(1, n - 1)
+            times += [r.first_token + i * step for i in range(n)]
+        if len(times) < 10:
+            return sum(r.output_tokens for r in done) / self.duration if self.duration > 0 else 0.0
+        times.sort()
+        lo, hi = len(times) // 10, len(times) - 1 - len(times) // 10
+        return (hi - lo) / (times[hi] - times[lo]) if times[hi] > times[lo] else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -176,6 +194,7 @@ class _Engine:
             simulation=pool.sim,
             enable_lora=bool(pool.adapters),
             max_loras=pool.max_loras,
+            kv_offload_on=pool.kv_offload_on,
         )
         config.simulation.num_kv_blocks = pool.kv_blocks
         runner = SimulatedRunner(config, tokenizer, eos_token_id=None, sleep=self._sleep)
@@ -250,6 +269,10 @@ class VirtualPool:
                         kv_blocks_total=stats.num_kv_blocks,
                         prompt_tokens_total=stats.prompt_tokens_total,
                         prefix_hits_total=stats.prefix_cache_hits_total,
+                        external_hits_total=stats.host_cache_hits_total,
+                        host_kv_blocks_total=stats.num_host_kv_blocks or None,
+                        kv_copy_seconds_total=stats.host_kv_copy_seconds_total,
+                        kv_blocks_copied_total=stats.host_kv_stores_total + stats.host_kv_loads_total,
                         updated_at=self.now,
                         sent_at=self.now,
                     ),

@@ -128,7 +128,7 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
     applied = apply_preset(args, "llm-d-shared-prefix", defaults)
     assert args.groups == 64 and args.prefix_tokens == 4096 and args.engines == 16
     assert args.request_rate == "4,8,16,24" and "--prefix-tokens 6000" not in applied
-    assert set(PRESETS) == {"llm-d-shared-prefix", "multi-turn-chat", "pd-long-prompt", "lora"}
+    assert set(PRESETS) == {"llm-d-shared-prefix", "llm-d-tiered", "multi-turn-chat", "pd-long-prompt", "lora"}
 
 
 def test_lora_adapters_cost_slot_loads_that_affinity_routing_avoids() -> None:
@@ -196,3 +196,54 @@ def test_one_system_prompt_shared_by_every_conversation_does_not_pile_onto_its_h
     assert len(result.done()) == 200
     assert max(per_engine.values()) <= 0.5 * 200, per_engine
     assert result.ttft(0.9) < 1.0
+
+
+def test_a_host_kv_tier_turns_recomputes_into_loads_and_routing_sees_it() -> None:
+    """16 groups of 32 blocks over 4 device pools of 96 blocks (3 groups each): without a tier
+    groups evict each other and are computed again; with a host tier of 4x the pool they come
+    back by copy, every strategy gets the same tiered engines, and precise routing stays on
+    the holders (both tiers count) rather than scattering."""
+    spec = WorkloadSpec(
+        shared_prefix=SharedPrefixSpec(groups=16, prefix_tokens=512, suffix_tokens=16, output_tokens=8)
+    )
+    small = PoolSpec(engines=4, kv_blocks=96, sim=SMALL.sim)
+    tiered = PoolSpec(
+        engines=4,
+        kv_blocks=96,
+        sim=SimulationConfig(
+            prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005, cpu_kv_blocks=384
+        ),
+    )
+    plain = simulate("precise-prefix", spec, rate=8.0, count=96, warmup=32, pool=small)
+    with_tier = simulate("precise-prefix", spec, rate=8.0, count=96, warmup=32, pool=tiered)
+    assert with_tier.hit_rate > plain.hit_rate
+    assert with_tier.hit_rate > 0.9
+    oracle = simulate(ORACLE, spec, rate=8.0, count=96, warmup=32, pool=tiered)
+    assert oracle.hit_rate > 0.9
+    rr = simulate("round-robin", spec, rate=8.0, count=96, warmup=32, pool=tiered)
+    assert with_tier.ttft(0.9) < rr.ttft(0.9)
+
+
+def test_output_throughput_is_the_steady_middle_of_the_run() -> None:
+    """One straggler finishing long after the rest moves first-arrival-to-last-finish a lot and
+    the steady figure (the middle 80% of tokens over the time they took) not at all."""
+    from kvgate.bench.virtual_pool import RequestRecord, RunResult
+
+    def run(straggler_end: float) -> RunResult:
+        records = [RequestRecord(i, "g", "e", i * 0.1, 10, 10, first_token=i * 0.1 + 0.1, finished=i * 0.1 + 1.0)
+                   for i in range(100)]  # fmt: skip
+        records.append(RequestRecord(100, "g", "e", 10.0, 10, 10, first_token=10.1, finished=straggler_end))
+        duration = max(r.finished or 0.0 for r in records)
+        return RunResult("s", 1.0, records, duration, [])
+
+    on_time, late = run(11.0), run(30.0)
+    assert (
+        late.output_tok_s == on_time.output_tok_s or abs(late.output_tok_s / on_time.output_tok_s - 1) < 0.02
+    )
+    whole = [RunResult(r.strategy, 1.0, r.records, r.duration, [], steady=False) for r in (on_time, late)]
+    assert whole[1].output_tok_s < 0.5 * whole[0].output_tok_s
+
+
+def test_the_tiered_preset_gives_the_engines_a_host_tier() -> None:
+    values = PRESETS["llm-d-tiered"].values
+    assert values["sim_cpu_kv_blocks"] == 4 * int(values["sim_kv_blocks"])  # type: ignore[call-overload]
