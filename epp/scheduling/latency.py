@@ -353,10 +353,13 @@ class PredictedLatencyScorer:
             extra = self.work_penalty * mine
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
-                # capacity (both tiers: a block the device evicts to its host tier costs a
-                # copy later, not a recompute), each one pushes out a block a recent request
-                # will want again.
-                capacity = m.kv_blocks_total + (m.host_kv_blocks_total or 0)
+                # capacity, each one pushes out a block a recent request will want again.
+                # The device pool's capacity, even with a host tier behind it: a working set
+                # that overflows the device is served from copies, and its running requests'
+                # blocks crowd one another out of the device, so its batches shrink (counting
+                # the host tier's blocks here spread prefixes and cost 20% of the output on
+                # llm-d-tiered at 16-24 req/s).
+                capacity = m.kv_blocks_total
                 held = working_set_blocks[e.address]
                 if held + n_blocks > capacity:  # else nothing can overflow
                     if held_by is None:
