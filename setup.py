@@ -13,6 +13,7 @@ ROOTS = {
     "kvgate.api": "api",
     "kvgate.engine": "engine",
     "kvgate.epp": "epp",
+    "kvgate.gateway": "gateway",
     "kvgate.operator": "operator",
 }
 

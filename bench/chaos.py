@@ -58,7 +58,7 @@ class Outcome:
 # first refused connection ejects it (or a 0.5 s health check fails it), plus clock slack.
 EPP_EJECT_WINDOW_S = 0.5
 # At most this many requests may be lost per EPP replica killed. None: Envoy retries an ext_proc
-# stream that the dying replica reset or refused on the other replica (epp/envoy_config.py's
+# stream that the dying replica reset or refused on the other replica (gateway/envoy_config.py's
 # _epp_stream_retry). Still counted apart, so a regression shows which fault it came from.
 MAX_LOST_PER_EPP_KILL = 0
 

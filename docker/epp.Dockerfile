@@ -14,6 +14,9 @@ COPY pyproject.toml setup.py README.md ./
 COPY kvgate ./kvgate
 COPY api ./api
 COPY epp ./epp
+# the gateway's code (the model router, `kvgate router serve`, and the Envoy bootstrap builder)
+# runs on the EPP's ext_proc plumbing and extra: it ships in this image
+COPY gateway ./gateway
 # pip_ca: an optional build secret, the CA bundle of a TLS-intercepting proxy between the build
 # and PyPI (`make images` passes the host's PIP_CERT); absent on a forge.
 RUN --mount=type=secret,id=pip_ca \
@@ -35,7 +38,7 @@ ENV PATH=/opt/kvgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     HF_HOME=/tmp/hf
-RUN kvgate epp serve --help >/dev/null
+RUN kvgate epp serve --help >/dev/null && kvgate router serve --help >/dev/null
 WORKDIR /tmp
 USER 65532:65532
 EXPOSE 9002 9003 9090

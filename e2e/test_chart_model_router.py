@@ -1,5 +1,5 @@
 """Several pools behind the chart's one gateway (envoyGateway.pools): the Envoy config is
-files/envoy-pools.yaml, generated from build_bootstrap(pools=...) and rendered by Helm into exactly
+files/envoy-pools.yaml, generated from build_bootstrap(GatewaySpec(pools=...)) and rendered by Helm into exactly
 what the builder gives for those pools; the model router runs as its own Deployment; and in a real
 run (simulated engines, one EPP per pool, the router with the command line the chart writes, Envoy
 with the config the chart renders) each model's requests reach its own pool's engine, the
@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from kvgate.epp.envoy_config import GatewayLimits, PoolGateway, build_bootstrap
+from kvgate.gateway.envoy_config import GatewayLimits, GatewaySpec, PoolSpec, build_bootstrap
 from kvgate.local.stack import grpc_serving, kvgate_argv
 from kvgate.testing import eventually
 from kvgate.testing import processes as harness
@@ -77,29 +77,29 @@ def test_chart_renders_what_the_builder_builds_for_those_pools(tls: bool, tmp_pa
     )
     cfg = envoy_config(docs)
     want = build_bootstrap(
-        listen_port=8081,
-        epp_host="unused",
-        epp_port=9002,
-        failure_mode="FailClose",
-        admin_port=19000,
-        epp_tls=tls,
-        listen_host="0.0.0.0",
-        limits=GatewayLimits(max_request_body_bytes=1048576),
-        pools=[
-            PoolGateway(
-                "chat",
-                ["chat-epp-replicas.ns.svc:9002"],
-                ["chat-engines.ns.svc:8000"],
-                epp_health_ports=[9003],
-            ),
-            PoolGateway(
-                "code", ["epp.code.example:9102"], ["engines.code.example:9000"], epp_health_ports=[9103]
-            ),
-            PoolGateway(
-                "docs", ["docs-picker.ns.svc:9002"], ["docs-engines.ns.svc:8000"], epp_health_ports=[9003]
-            ),
-        ],
-        model_router_addresses=["t-kvgate-model-router.ns.svc:9004"],
+        GatewaySpec(
+            pools=[
+                PoolSpec(
+                    "chat",
+                    ["chat-epp-replicas.ns.svc:9002"],
+                    ["chat-engines.ns.svc:8000"],
+                    epp_health_ports=[9003],
+                ),
+                PoolSpec(
+                    "code", ["epp.code.example:9102"], ["engines.code.example:9000"], epp_health_ports=[9103]
+                ),
+                PoolSpec(
+                    "docs", ["docs-picker.ns.svc:9002"], ["docs-engines.ns.svc:8000"], epp_health_ports=[9003]
+                ),
+            ],
+            listen_port=8081,
+            failure_mode="FailClose",
+            admin_port=19000,
+            epp_tls=tls,
+            listen_host="0.0.0.0",
+            limits=GatewayLimits(max_request_body_bytes=1048576),
+            model_router_addresses=["t-kvgate-model-router.ns.svc:9004"],
+        )
     )
     # The builder leaves failure_mode_allow out for FailClose; the chart writes it as false.
     filters = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]

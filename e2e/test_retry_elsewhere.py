@@ -1,5 +1,5 @@
 """A request that fails before its first byte is retried once on another engine, through real
-Envoy and the real EPP (the gateway's override-host pool, see epp/envoy_config.py).
+Envoy and the real EPP (the gateway's override-host pool, see gateway/envoy_config.py).
 
 One of the pool's "engines" is a stub that looks perfectly healthy to the EPP (metrics, health)
 but refuses every request the way a dying or draining engine does: a 503, or a reset before

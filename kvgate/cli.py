@@ -20,7 +20,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("engine", "serve"): "kvgate.engine.cli",
     ("engine", "fetch-adapters"): "kvgate.engine.lora_fetch",
     ("epp", "serve"): "kvgate.epp.cli",
-    ("router", "serve"): "kvgate.epp.router_cli",
+    ("router", "serve"): "kvgate.gateway.router_cli",
     ("operator", "run"): "kvgate.operator.cli",
     ("up",): "kvgate.local.cli",
     ("bench",): "kvgate.bench.cli",

@@ -8,5 +8,5 @@ tree=.typecheck/kvgate
 rm -rf .typecheck && mkdir -p "$tree"
 for f in kvgate/*; do ln -s "$PWD/$f" "$tree/"; done
 ln -s "$PWD/api" "$tree/api"
-for c in engine epp operator; do ln -s "$PWD/$c" "$tree/$c"; done
+for c in engine epp gateway operator; do ln -s "$PWD/$c" "$tree/$c"; done
 cd .typecheck && exec "../$VENV/bin/mypy" --config-file ../pyproject.toml kvgate "$@"

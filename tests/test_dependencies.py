@@ -6,7 +6,7 @@ declares imports fine in `make test` and crashes the image at start (the engine 
 declared only by the EPP's extra). This reads the code, as the import-floor test does, instead of
 building images: it follows kvgate's own imports from each image's entry points over the files
 the image copies (docker/*.Dockerfile: kvgate/ less kvgate/testing, api/, the component's
-folder), collects the third-party modules, and maps each to the distribution that provides it in
+folders: the EPP image's are epp/ and gateway/), collects the third-party modules, and maps each to the distribution that provides it in
 this venv. A distribution must be declared directly (one that only arrives as another's
 dependency can vanish with that dependency's next release).
 
@@ -35,13 +35,15 @@ PACKAGE_ROOTS = {
     "kvgate.api": ROOT / "api",
     "kvgate.engine": ROOT / "engine",
     "kvgate.epp": ROOT / "epp",
+    "kvgate.gateway": ROOT / "gateway",
     "kvgate.operator": ROOT / "operator",
     "kvgate": ROOT / "kvgate",
 }
 
-# Image (and the extra it installs, docker/<name>.Dockerfile) -> the component folder it copies
-# besides kvgate/ and api/. Every module of that folder is a root: each must import in the image.
-IMAGES = {"engine": "engine", "epp": "epp", "operator": "operator"}
+# Image (and the extra it installs, docker/<name>.Dockerfile) -> the component folders it copies
+# besides kvgate/ and api/. Every module of those folders is a root: each must import in the image.
+# The gateway (model router, Envoy bootstrap) runs on the EPP's ext_proc plumbing: the EPP image.
+IMAGES = {"engine": ("engine",), "epp": ("epp", "gateway"), "operator": ("operator",)}
 # Modules of kvgate/ (the CLI package) are followed through their module-level imports only: the
 # image runs `kvgate --help`, which imports every command module (kvgate.local.cli,
 # kvgate.bench.cli too), but runs only its own component's commands.
@@ -187,12 +189,13 @@ class Closure(ThirdParty):
 
 
 def image_closure(image: str) -> Closure:
-    folder = IMAGES[image]
-    in_image = [PACKAGE_ROOTS["kvgate.api"], ROOT / folder, PACKAGE_ROOTS["kvgate"]]
+    folders = [ROOT / f for f in IMAGES[image]]
+    in_image = [PACKAGE_ROOTS["kvgate.api"], *folders, PACKAGE_ROOTS["kvgate"]]
     roots = [*CLI_ROOTS]
     roots += [
         "kvgate." + ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        for p in sorted((ROOT / folder).rglob("*.py"))
+        for folder in folders
+        for p in sorted(folder.rglob("*.py"))
     ]
     closure = Closure()
     todo = list(roots)
@@ -269,6 +272,31 @@ def test_optional_imports_are_guarded_and_named() -> None:
             assert message in source, f"{closure.where[top]} does not tell the user {message!r}"
 
 
+def test_each_image_copies_the_folders_listed_here() -> None:
+    """IMAGES is what the Dockerfiles copy: a component folder left out of an image's Dockerfile
+    (the gateway's, say) would pass the import checks here and crash the image."""
+    code = {f"{folder}/" for folder in setup_roots()}
+    for image, folders in IMAGES.items():
+        dockerfile = (ROOT / "docker" / f"{image}.Dockerfile").read_text()
+        copied = {
+            m.rstrip("/") + "/" for m in re.findall(r"^COPY\s+(\S+)\s+\./\S+\s*$", dockerfile, flags=re.M)
+        }
+        assert copied & code == {"kvgate/", "api/", *(f"{f}/" for f in folders)}, (image, copied)
+    # every component folder ships in some image
+    assert {f for fs in IMAGES.values() for f in fs} | {"kvgate", "api"} == set(setup_roots())
+
+
+def setup_roots() -> list[str]:
+    """The code folders setup.py installs (its ROOTS table)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "ROOTS" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value).values())
+    raise AssertionError("setup.py has no ROOTS table")
+
+
 def test_the_closure_reaches_what_the_image_runs() -> None:
     """A guard that saw nothing would pass: the engine's closure must reach its server, the
     shared prompt code and the CLI, and leave out other components and kvgate.testing."""
@@ -282,6 +310,9 @@ def test_the_closure_reaches_what_the_image_runs() -> None:
     assert not any(f.startswith(("epp/", "operator/", "kvgate/testing/")) for f in files)
     assert "starlette" in image_closure("engine").third_party
     assert "kopf" in image_closure("operator").third_party
+    epp = {p.relative_to(ROOT).as_posix() for p in image_closure("epp").files}
+    assert {"epp/server.py", "gateway/model_router.py", "gateway/envoy_config.py"} <= epp
+    assert "envoy" in image_closure("epp").third_party  # the bootstrap builder's protos
 
 
 def test_an_undeclared_import_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,7 +30,7 @@ def test_stdlib_operator_is_not_shadowed_from_repo_root() -> None:
 
 
 def test_components_live_in_the_kvgate_namespace() -> None:
-    for name in ("kvgate.api", "kvgate.engine", "kvgate.epp", "kvgate.operator"):
+    for name in ("kvgate.api", "kvgate.engine", "kvgate.epp", "kvgate.gateway", "kvgate.operator"):
         spec = importlib.util.find_spec(name)
         assert spec is not None, name
 
@@ -45,7 +45,9 @@ def _kvgate_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if re.fullmatch(r"kvgate\.(api|engine|epp|operator|cli|local|bench|testing)(\.\w+)*", node.value):
+            if re.fullmatch(
+                r"kvgate\.(api|engine|epp|gateway|operator|cli|local|bench|testing)(\.\w+)*", node.value
+            ):
                 found.add(node.value)
     return {name for name in found if name == "kvgate" or name.startswith("kvgate.")}
 
@@ -59,7 +61,9 @@ def _under(name: str, prefixes: tuple[str, ...]) -> bool:
 #    Kubernetes types (api/k8s/) add only the contracts; the shared library code at api/'s top
 #    level adds the contracts, never the Kubernetes types.
 # 2. The components (engine, epp, operator): their own package and kvgate.api, never each other
-#    and never the floor above. Each image installs only its own extra, so the operator
+#    and never the floor above. The gateway (the model router and the Envoy bootstrap) sits in
+#    front of the pools on the EPP's ext_proc plumbing, in the EPP's image: it may import the EPP
+#    too, and the EPP never imports it. Each image installs only its own extra, so the operator
 #    (no tokenizers, jinja2, huggingface_hub) uses only the contracts, the Kubernetes types and
 #    the stdlib-only CLI argument types and logging set-up, and the self-signed serving certificate
 #    (cryptography, which its extra declares), and the engine, which knows nothing of Kubernetes, no
@@ -73,6 +77,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
     "api": ("kvgate.api",),  # top-level modules; the k8s/contracts exclusions are checked below
     "engine": ("kvgate.engine", "kvgate.api"),
     "epp": ("kvgate.epp", "kvgate.api"),
+    "gateway": ("kvgate.gateway", "kvgate.epp", "kvgate.api"),
     "operator": (
         "kvgate.operator",
         *CONTRACTS,
@@ -163,7 +168,7 @@ def test_cli_help_lists_every_subcommand() -> None:
     assert out.returncode == 0, out.stderr
     for path in COMMANDS:
         assert path[0] in out.stdout
-    for group in ("engine", "epp", "operator"):
+    for group in ("engine", "epp", "router", "operator"):
         sub = _run(sys.executable, "-m", "kvgate", group, "--help")
         assert sub.returncode == 0, sub.stderr
         leaf = next(p[1] for p in COMMANDS if p[0] == group)

@@ -292,7 +292,7 @@ def router_spec(cfg: StackConfig) -> ProcessSpec:
 
 
 def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
-    from kvgate.epp.envoy_config import PoolGateway, build_bootstrap
+    from kvgate.gateway.envoy_config import GatewaySpec, PoolSpec, build_bootstrap
 
     p = cfg.ports
     # Envoy connects only to engines a request may be sent to: a P/D stack's prefill engines are
@@ -300,8 +300,6 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
     destinations = [f"{LOOPBACK}:{p.engines[i]}" for i in cfg.decode_engine_indices()]
     common: dict[str, Any] = {
         "listen_port": p.gateway,
-        "epp_host": LOOPBACK,
-        "epp_port": p.epp_grpc,
         "admin_port": p.envoy_admin,
         "listen_host": LOOPBACK,
         "epp_tls": False,
@@ -317,29 +315,33 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
             epps = [f"{LOOPBACK}:{p.epps[r].grpc}" for r in pool.epps]
             health = [p.epps[r].health for r in pool.epps]
             pools.append(
-                PoolGateway(
+                PoolSpec(
                     str(pool.name), epps, engines, engines if fail_open else None, epp_health_ports=health
                 )
             )
         return build_bootstrap(
-            **common,
-            epp_health_check=cfg.epp_replicas > len(cfg.pools),  # as below, per pool
-            pools=pools,
-            model_router_addresses=[f"{LOOPBACK}:{p.router[0]}"],
+            GatewaySpec(
+                pools,
+                **common,
+                epp_health_check=cfg.epp_replicas > len(cfg.pools),  # as below, per pool
+                model_router_addresses=[f"{LOOPBACK}:{p.router[0]}"],
+            )
         )
     return build_bootstrap(
-        **common,
-        epp_addresses=[f"{LOOPBACK}:{e.grpc}" for e in p.epps],
-        epp_health_ports=[e.health for e in p.epps],
-        # Several replicas: health checks and outlier ejection take a dead or frozen one out of
-        # rotation. One replica: they could only fail over to nothing, and on a busy laptop a
-        # single 1 s miss would mark it unhealthy and fail requests with empty 500s.
-        epp_health_check=cfg.epp_replicas > 1,
-        # the engines are known: a request that fails before its first byte is retried once on
-        # the EPP's next choice
-        pool_endpoints=destinations,
-        # with FailOpen, requests no EPP replica could see go round-robin to the engines
-        fallback_endpoints=destinations if fail_open else None,
+        GatewaySpec.one_pool(
+            [f"{LOOPBACK}:{e.grpc}" for e in p.epps],
+            epp_health_ports=[e.health for e in p.epps],
+            # the engines are known: a request that fails before its first byte is retried once
+            # on the EPP's next choice
+            pool_endpoints=destinations,
+            # with FailOpen, requests no EPP replica could see go round-robin to the engines
+            fallback_endpoints=destinations if fail_open else None,
+            **common,
+            # Several replicas: health checks and outlier ejection take a dead or frozen one out
+            # of rotation. One replica: they could only fail over to nothing, and on a busy laptop
+            # a single 1 s miss would mark it unhealthy and fail requests with empty 500s.
+            epp_health_check=cfg.epp_replicas > 1,
+        )
     )
 
 

@@ -274,10 +274,12 @@ def envoy_argv(config_path: Path) -> list[str]:
 
 
 def start_envoy(log_dir: Path, epp_port: int, epp_health_port: int | None = None, **kwargs: Any) -> Envoy:
-    """Envoy in front of the EPP, its bootstrap from ``kvgate.epp.envoy_config.build_bootstrap``.
+    """Envoy in front of the EPP, its bootstrap from ``kvgate.gateway.envoy_config.build_bootstrap``.
     ``epp_health_port``: health-check the EPP there (its threaded gRPC health port, as the chart
-    and `kvgate up` do) rather than on its ext_proc port."""
-    from kvgate.epp.envoy_config import build_bootstrap
+    and `kvgate up` do) rather than on its ext_proc port. ``kwargs``: ``GatewaySpec.one_pool``'s
+    (the pool's ``epp_addresses``, default the EPP on ``epp_port``, ``pool_endpoints``... and
+    GatewaySpec's settings)."""
+    from kvgate.gateway.envoy_config import GatewaySpec, build_bootstrap
 
     if epp_health_port is not None:
         kwargs.setdefault("epp_health_ports", [epp_health_port])
@@ -285,7 +287,8 @@ def start_envoy(log_dir: Path, epp_port: int, epp_health_port: int | None = None
     port, admin = free_ports(2)
     # tests read which engine answered; the attack suite asks for the default (hidden) instead
     kwargs.setdefault("expose_upstream_header", True)
-    config = build_bootstrap(port, LOOPBACK, epp_port, admin_port=admin, **kwargs)
+    kwargs.setdefault("epp_addresses", [f"{LOOPBACK}:{epp_port}"])
+    config = build_bootstrap(GatewaySpec.one_pool(listen_port=port, admin_port=admin, **kwargs))
     path = log_dir / f"envoy-{port}.json"
     path.write_text(json.dumps(config))
     proc = Process(f"envoy-{port}", envoy_argv(path), log_dir / f"envoy-{port}.log").start()

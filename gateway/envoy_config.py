@@ -7,7 +7,12 @@ exactly that ip:port. With FailOpen and a fallback endpoint list, requests that 
 not see (it is down) go round-robin to the pool instead. An optional direct route (header
 ``x-kvgate-route: direct``) skips ext_proc entirely: the latency baseline.
 
-``python -m kvgate.epp.envoy_config --help`` prints the bootstrap as YAML.
+One ``GatewaySpec`` describes a bootstrap: its pools (one, ``GatewaySpec.one_pool``; or several,
+each named, behind the model router, ``kvgate router serve``) and the listener's settings. A
+single pool is the several-pools path with one unnamed pool: ``_routes``, ``_listener`` and
+``_clusters`` build each part for every pool alike.
+
+``python -m kvgate.gateway.envoy_config --help`` prints the bootstrap as YAML.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import argparse
 import ipaddress
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import envoy.config.accesslog.v3.accesslog_pb2 as accesslog_pb2
@@ -385,15 +390,91 @@ def _local_replies() -> hcm_pb2.LocalReplyConfig:
 
 
 @dataclass(frozen=True)
-class PoolGateway:
-    """One pool behind a shared gateway: the model router names it per request
-    (``x-kvgate-pool``), its own EPP replicas pick the engine."""
+class PoolSpec:
+    """One pool behind the gateway: its own EPP replicas pick the engine.
 
-    name: str
+    ``name``: None for the only pool of a gateway without a model router (its clusters and routes
+    keep the plain names: ``epp``, ``pool``, ``picked``...); behind the model router, a DNS-style
+    label the router names per request (``x-kvgate-pool``), suffixed to the pool's clusters and
+    routes (``epp-<name>``, ``picked <name>``).
+    ``epp_addresses``: every EPP replica (host:port), all serving at once.
+    ``epp_health_ports``: each replica's ``--grpc-health-port`` (one port for all of a host name),
+    where Envoy's health check asks; without it, the ext_proc port itself (a replica busy enough
+    to answer it late is then taken for a dead one).
+    ``pool_endpoints``: the engines, when known up front (the local stack), or a host name that
+    resolves to every engine (a headless Service of the pool's pods, the chart). Then the picked
+    route goes to a cluster of exactly those hosts with Envoy's override-host policy: the EPP's
+    choice first, and a request that fails before its first response byte (connect failure,
+    reset, 503 from a draining engine) is retried once on the EPP's next fallback, never on the
+    same dead address. Without it, an ORIGINAL_DST cluster connects to whatever ip:port the EPP
+    names and cannot retry elsewhere.
+    ``fallback_endpoints``: with FailOpen, where requests no EPP replica could see go, round robin.
+    """
+
+    name: str | None
     epp_addresses: list[str]
     pool_endpoints: list[str] | None = None
     fallback_endpoints: list[str] | None = None
-    epp_health_ports: list[int] | None = None  # as build_bootstrap's
+    epp_health_ports: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """Everything one Envoy bootstrap is built from: its pools and the listener's settings.
+
+    One pool (``GatewaySpec.one_pool``) is the EPP's own gateway. Several pools, each named, need
+    ``model_router_addresses``: the model router (``kvgate router serve``, an ext_proc filter ahead
+    of the EPP's) reads each body's model and names the pool in ``x-kvgate-pool``; each pool's
+    routes match that header and send the EPP's ext_proc stream to the pool's own EPP replicas (a
+    per-route override).
+
+    ``failure_mode``: ``FailOpen`` lets requests through when the EPP is unreachable (to the
+    pool's ``fallback_endpoints`` round-robin, when given); ``FailClose`` answers them with an
+    error.
+    ``direct_upstream``: ip:port reached by requests carrying ``x-kvgate-route: direct``,
+    bypassing ext_proc (a same-Envoy baseline for latency measurements).
+    ``epp_health_check``: health-check the EPP replicas (off: one replica, which could only fail
+    over to nothing).
+    ``response_phase``: the EPP sees responses too (see ``_ext_proc_filter``).
+    ``expose_upstream_header``: add ``x-kvgate-upstream`` (the engine that answered) to
+    responses; for tests and benchmarks, off for real traffic.
+    ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
+    ``admin_host``: where Envoy's admin interface listens; never a public address.
+    """
+
+    pools: list[PoolSpec]
+    listen_port: int
+    listen_host: str = "127.0.0.1"
+    admin_port: int = 0
+    admin_host: str = "127.0.0.1"
+    failure_mode: str = "FailClose"
+    epp_tls: bool = False
+    epp_health_check: bool = True
+    response_phase: bool = False
+    expose_upstream_header: bool = False
+    expose_internal_routes: bool = False
+    direct_upstream: str | None = None
+    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    model_router_addresses: list[str] | None = None
+
+    @classmethod
+    def one_pool(
+        cls,
+        epp_addresses: list[str],
+        *,
+        pool_endpoints: list[str] | None = None,
+        fallback_endpoints: list[str] | None = None,
+        epp_health_ports: list[int] | None = None,
+        **settings: Any,
+    ) -> GatewaySpec:
+        """A gateway for one pool (no model router); ``settings`` are GatewaySpec's fields."""
+        pool = PoolSpec(None, list(epp_addresses), pool_endpoints, fallback_endpoints, epp_health_ports)
+        return cls([pool], **settings)
+
+    @property
+    def routed(self) -> bool:
+        """Several pools behind the model router (each pool's clusters and routes named)."""
+        return bool(self.model_router_addresses)
 
 
 @dataclass(frozen=True)
@@ -431,105 +512,48 @@ class _Pool:
         return any(not _is_ip(h) for h, _ in self.engines)
 
 
-def build_bootstrap(
-    listen_port: int,
-    epp_host: str,
-    epp_port: int,
-    failure_mode: str = "FailClose",
-    admin_port: int = 0,
-    direct_upstream: str | None = None,
-    fallback_endpoints: list[str] | None = None,
-    epp_tls: bool = False,
-    listen_host: str = "127.0.0.1",
-    message_timeout: float | None = None,
-    epp_health_check: bool = True,
-    expose_upstream_header: bool = False,
-    *,
-    epp_addresses: list[str] | None = None,
-    epp_health_ports: list[int] | None = None,
-    response_phase: bool = False,
-    pool_endpoints: list[str] | None = None,
-    limits: GatewayLimits | None = None,
-    expose_internal_routes: bool = False,
-    admin_host: str = "127.0.0.1",
-    pools: list[PoolGateway] | None = None,
-    model_router_addresses: list[str] | None = None,
-) -> dict[str, Any]:
-    """The bootstrap as a dict (the protos' JSON mapping); dump it as YAML or JSON for Envoy.
-
-    ``failure_mode``: ``FailOpen`` lets requests through when the EPP is unreachable (to
-    ``fallback_endpoints`` round-robin, when given); ``FailClose`` answers them with an error.
-    ``direct_upstream``: ip:port reached by requests carrying ``x-kvgate-route: direct``,
-    bypassing ext_proc (a same-Envoy baseline for latency measurements).
-    ``epp_addresses``: every EPP replica (host:port), all serving at once; default: epp_host:epp_port.
-    ``epp_health_ports``: each replica's ``--grpc-health-port`` (one port for all of a host name),
-    where Envoy's health check asks; without it, the ext_proc port itself (a replica busy enough
-    to answer it late is then taken for a dead one).
-    ``pool_endpoints``: the engines, when known up front (the local stack), or a host name that
-    resolves to every engine (a headless Service of the pool's pods, the chart). Then the picked
-    route goes to a cluster of exactly those hosts with Envoy's override-host policy: the EPP's
-    choice first, and a request that fails before its first response byte (connect failure,
-    reset, 503 from a draining engine) is retried once on the EPP's next fallback, never on the
-    same dead address. Without it, an ORIGINAL_DST cluster connects to whatever ip:port the EPP
-    names and cannot retry elsewhere.
-    ``expose_upstream_header``: add ``x-kvgate-upstream`` (the engine that answered) to
-    responses; for tests and benchmarks, off for real traffic.
-    ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
-    ``admin_host``: where Envoy's admin interface listens; never a public address.
-    ``pools`` with ``model_router_addresses``: one gateway for several pools. The model router
-    (``kvgate router serve``, an ext_proc filter ahead of the EPP's) reads each body's model and
-    names the pool in ``x-kvgate-pool``; each pool's routes match that header and send the
-    EPP's ext_proc stream to the pool's own EPP replicas (a per-route override). The single-pool
-    arguments (epp_host/epp_port/epp_addresses/pool_endpoints/fallback_endpoints) are unused then.
-    """
-    if failure_mode not in ("FailOpen", "FailClose"):
-        raise ValueError(f"failure_mode must be FailOpen or FailClose, got {failure_mode!r}")
-    limits = limits or GatewayLimits()
-    if message_timeout is not None:
-        limits = GatewayLimits(**{**limits.__dict__, "epp_message_timeout_s": message_timeout})
-    multi = bool(pools)
-    if multi:
-        assert pools is not None
-        if not model_router_addresses:
-            raise ValueError("several pools need the model router's address (model_router_addresses)")
-        names = [p.name for p in pools]
+def _pools(spec: GatewaySpec) -> list[_Pool]:
+    """The spec's pools, checked, with their addresses parsed."""
+    if spec.routed:
+        names = [p.name for p in spec.pools]
         if len(set(names)) != len(names) or not all(n and n.replace("-", "").isalnum() for n in names):
             raise ValueError(f"pool names must be unique DNS-style labels, got {names}")
-        gateways = [
-            _Pool(
-                p.name,
-                [_split(a) for a in p.epp_addresses],
-                [_split(e) for e in p.pool_endpoints or []],
-                [_split(e) for e in p.fallback_endpoints or []],
-                _health_ports(p.epp_health_ports, len(p.epp_addresses)),
-            )
-            for p in pools
-        ]
-    else:
-        gateways = [
-            _Pool(
-                None,
-                [_split(a) for a in epp_addresses] if epp_addresses else [(epp_host, epp_port)],
-                [_split(e) for e in pool_endpoints or []],
-                [_split(e) for e in fallback_endpoints or []],
-                _health_ports(epp_health_ports, len(epp_addresses) if epp_addresses else 1),
-            )
-        ]
+    elif len(spec.pools) != 1 or spec.pools[0].name is not None:
+        raise ValueError("several pools need the model router's address (model_router_addresses)")
+    return [
+        _Pool(
+            p.name,
+            [_split(a) for a in p.epp_addresses],
+            [_split(e) for e in p.pool_endpoints or []],
+            [_split(e) for e in p.fallback_endpoints or []],
+            _health_ports(p.epp_health_ports, len(p.epp_addresses)),
+        )
+        for p in spec.pools
+    ]
 
-    upstream_headers = (
-        [
-            base_pb2.HeaderValueOption(
-                header=base_pb2.HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
-                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        ]
-        if expose_upstream_header
-        else []
+
+def build_bootstrap(spec: GatewaySpec) -> dict[str, Any]:
+    """The bootstrap as a dict (the protos' JSON mapping); dump it as YAML or JSON for Envoy."""
+    if spec.failure_mode not in ("FailOpen", "FailClose"):
+        raise ValueError(f"failure_mode must be FailOpen or FailClose, got {spec.failure_mode!r}")
+    pools = _pools(spec)
+    boot = bootstrap_pb2.Bootstrap(
+        admin=bootstrap_pb2.Admin(address=_socket(spec.admin_host, spec.admin_port)),
+        static_resources=bootstrap_pb2.Bootstrap.StaticResources(
+            listeners=[_listener(spec, pools)], clusters=_clusters(spec, pools)
+        ),
     )
-    route_timeout = _seconds(limits.route_timeout_s)
-    idle = _seconds(limits.stream_idle_timeout_s)
+    # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML cannot dump
+    # sorted keys: the same config renders byte-identically in every process (Struct maps do not)
+    return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True, sort_keys=True))
+
+
+def _routes(spec: GatewaySpec, pools: list[_Pool]) -> list[route_components_pb2.Route]:
+    """The virtual host's routes, first match wins: the direct baseline, Envoy's own refusals
+    (body too large, internal paths), each pool's routes, then what matched no pool."""
+    limits, multi = spec.limits, spec.routed
     routes: list[route_components_pb2.Route] = []
-    if direct_upstream:
+    if spec.direct_upstream:
         routes.append(
             route_components_pb2.Route(
                 name="direct",
@@ -542,7 +566,9 @@ def build_bootstrap(
                     ],
                 ),
                 route=route_components_pb2.RouteAction(
-                    cluster=DIRECT_CLUSTER, timeout=route_timeout, idle_timeout=idle
+                    cluster=DIRECT_CLUSTER,
+                    timeout=_seconds(limits.route_timeout_s),
+                    idle_timeout=_seconds(limits.stream_idle_timeout_s),
                 ),
                 typed_per_filter_config=_no_ext_proc(multi),
             )
@@ -567,7 +593,7 @@ def build_bootstrap(
             multi,
         )
     )
-    if not expose_internal_routes:
+    if not spec.expose_internal_routes:
         for path in INTERNAL_V1_PATHS:
             match = route_components_pb2.RouteMatch(path=path)
             routes.append(_json_reply(f"internal {path}", match, 404, f"no route {path}", "not_found", multi))
@@ -576,9 +602,9 @@ def build_bootstrap(
             routes.append(
                 _json_reply(f"internal {prefix}", match, 404, f"no route {prefix}", "not_found", multi)
             )
-    served_prefix = "/" if expose_internal_routes else "/v1/"
-    for gw in gateways:
-        routes += _pool_routes(gw, multi, served_prefix, route_timeout, idle, upstream_headers, limits)
+    served_prefix = "/" if spec.expose_internal_routes else "/v1/"
+    for gw in pools:
+        routes += _pool_routes(spec, gw, served_prefix)
     if multi:
         # Before the model router has named a pool (and for what it lets through unnamed: a
         # request without a body) no pool route matches. The model router must still run here,
@@ -592,7 +618,7 @@ def build_bootstrap(
                 response_headers_to_add=_JSON_CONTENT,
             )
         )
-    if not expose_internal_routes:
+    if not spec.expose_internal_routes:
         # Only the OpenAI API is public: engine internals (/metrics, /tokenize, /openapi.json,
         # admin routes) answer 404 here without reaching the EPP or an engine.
         routes.append(
@@ -605,13 +631,18 @@ def build_bootstrap(
                 multi,
             )
         )
+    return routes
 
+
+def _listener(spec: GatewaySpec, pools: list[_Pool]) -> listener_pb2.Listener:
+    """The client-facing listener: HTTP connection manager → [model router] → EPP → router."""
+    limits, multi = spec.limits, spec.routed
     filters = [
         hcm_pb2.HttpFilter(
             name=EXT_PROC_FILTER,
             typed_config=_any(
                 _ext_proc_filter(
-                    failure_mode, limits.epp_message_timeout_s, response_phase, gateways[0].epp_cluster
+                    spec.failure_mode, limits.epp_message_timeout_s, spec.response_phase, pools[0].epp_cluster
                 )
             ),
         ),
@@ -644,18 +675,20 @@ def build_bootstrap(
             if multi
             else [DESTINATION_HEADER, PREFILLER_HEADER],
             request_headers_to_remove=INTERNAL_REQUEST_HEADERS,
-            virtual_hosts=[route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=routes)],
+            virtual_hosts=[
+                route_components_pb2.VirtualHost(name="pool", domains=["*"], routes=_routes(spec, pools))
+            ],
         ),
         http_filters=filters,
         # slow clients (slowloris): headers, then the whole request, within bounds
         request_headers_timeout=_seconds(limits.request_headers_timeout_s),
         request_timeout=_seconds(limits.request_timeout_s),
-        stream_idle_timeout=idle,
+        stream_idle_timeout=_seconds(limits.stream_idle_timeout_s),
         local_reply_config=_local_replies(),
     )
-    listener = listener_pb2.Listener(
+    return listener_pb2.Listener(
         name="kvgate",
-        address=_socket(listen_host, listen_port),
+        address=_socket(spec.listen_host, spec.listen_port),
         filter_chains=[
             listener_components_pb2.FilterChain(
                 filters=[
@@ -667,61 +700,61 @@ def build_bootstrap(
         ],
     )
 
-    clusters: list[cluster_pb2.Cluster] = []
-    for gw in gateways:
-        clusters.append(
-            _grpc_cluster(gw.epp_cluster, gw.epps, epp_health_check, epp_tls, gw.epp_health_ports)
+
+def _clusters(spec: GatewaySpec, pools: list[_Pool]) -> list[cluster_pb2.Cluster]:
+    """Every pool's EPP cluster, the EPP-named destination, every pool's engines and fallback,
+    the model router's replicas and the direct baseline's upstream."""
+    clusters: list[cluster_pb2.Cluster] = [
+        _grpc_cluster(gw.epp_cluster, gw.epps, spec.epp_health_check, spec.epp_tls, gw.epp_health_ports)
+        for gw in pools
+    ]
+    clusters.append(
+        cluster_pb2.Cluster(
+            name=ROUTED_CLUSTER,
+            type=cluster_pb2.Cluster.ORIGINAL_DST,
+            lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
+            connect_timeout=_seconds(5),
+            original_dst_lb_config=cluster_pb2.Cluster.OriginalDstLbConfig(
+                use_http_header=True, http_header_name=DESTINATION_HEADER
+            ),
         )
-    routed = cluster_pb2.Cluster(
-        name=ROUTED_CLUSTER,
-        type=cluster_pb2.Cluster.ORIGINAL_DST,
-        lb_policy=cluster_pb2.Cluster.CLUSTER_PROVIDED,
-        connect_timeout=_seconds(5),
-        original_dst_lb_config=cluster_pb2.Cluster.OriginalDstLbConfig(
-            use_http_header=True, http_header_name=DESTINATION_HEADER
-        ),
     )
-    clusters.append(routed)
-    for gw in gateways:
+    for gw in pools:
         if gw.engines:
             clusters.append(_override_host_cluster(gw.engines, by_dns=gw.by_dns, name=gw.pool_cluster))
         if gw.fallback:
             clusters.append(_fallback_cluster(gw.fallback_cluster, gw.fallback))
-    if multi:
-        assert model_router_addresses is not None
-        routers = [_split(a) for a in model_router_addresses]
+    if spec.model_router_addresses:
+        routers = [_split(a) for a in spec.model_router_addresses]
         # one replica: a health check could only fail over to nothing (see the EPP's)
         clusters.append(_grpc_cluster(MODEL_ROUTER_CLUSTER, routers, len(routers) > 1, False))
-    if direct_upstream:
+    if spec.direct_upstream:
         clusters.append(
             cluster_pb2.Cluster(
                 name=DIRECT_CLUSTER,
                 type=cluster_pb2.Cluster.STATIC,
                 connect_timeout=_seconds(5),
                 lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
-                load_assignment=_load_assignment(DIRECT_CLUSTER, [_split(direct_upstream)]),
+                load_assignment=_load_assignment(DIRECT_CLUSTER, [_split(spec.direct_upstream)]),
             )
         )
-
-    boot = bootstrap_pb2.Bootstrap(
-        admin=bootstrap_pb2.Admin(address=_socket(admin_host, admin_port)),
-        static_resources=bootstrap_pb2.Bootstrap.StaticResources(listeners=[listener], clusters=clusters),
-    )
-    # via JSON text: MessageToDict leaves OrderedDicts inside Any fields, which YAML cannot dump
-    # sorted keys: the same config renders byte-identically in every process (Struct maps do not)
-    return json.loads(json_format.MessageToJson(boot, preserving_proto_field_name=True, sort_keys=True))
+    return clusters
 
 
-def _pool_routes(
-    gw: _Pool,
-    multi: bool,
-    served_prefix: str,
-    route_timeout: duration_pb2.Duration,
-    idle: duration_pb2.Duration,
-    upstream_headers: list[base_pb2.HeaderValueOption],
-    limits: GatewayLimits,
-) -> list[route_components_pb2.Route]:
+def _pool_routes(spec: GatewaySpec, gw: _Pool, served_prefix: str) -> list[route_components_pb2.Route]:
     """A pool's two routes: requests its EPP picked an engine for, and those it did not (yet)."""
+    limits, multi = spec.limits, spec.routed
+    route_timeout, idle = _seconds(limits.route_timeout_s), _seconds(limits.stream_idle_timeout_s)
+    upstream_headers = (
+        [
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=UPSTREAM_HEADER, value="%UPSTREAM_REMOTE_ADDRESS%"),
+                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        ]
+        if spec.expose_upstream_header
+        else []
+    )
     pool, fallback = gw.engines, gw.fallback
     # with several pools: this pool's requests only, and the EPP stream goes to its own EPP
     only_this_pool = (
@@ -992,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     p = argparse.ArgumentParser(
-        prog="python -m kvgate.epp.envoy_config", description="print an Envoy bootstrap for the EPP"
+        prog="python -m kvgate.gateway.envoy_config", description="print an Envoy bootstrap for the EPP"
     )
     p.add_argument("--listen-port", type=int, default=8080, help="port clients send OpenAI requests to")
     p.add_argument("--epp", default="127.0.0.1:9002", help="EPP ext_proc address host:port")
@@ -1011,16 +1044,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epp-tls", action="store_true", help="the EPP serves TLS (its default --secure-serving)")
     args = p.parse_args(argv)
     try:
-        host, port = _split(args.epp)
         boot = build_bootstrap(
-            args.listen_port,
-            host,
-            port,
-            args.failure_mode,
-            args.admin_port,
-            direct_upstream=args.direct_upstream,
-            fallback_endpoints=[e for e in args.fallback_endpoints.split(",") if e],
-            epp_tls=args.epp_tls,
+            GatewaySpec.one_pool(
+                [args.epp],
+                fallback_endpoints=[e for e in args.fallback_endpoints.split(",") if e],
+                listen_port=args.listen_port,
+                failure_mode=args.failure_mode,
+                admin_port=args.admin_port,
+                direct_upstream=args.direct_upstream,
+                epp_tls=args.epp_tls,
+            )
         )
     except ValueError as exc:
         print(f"envoy_config: {exc}", file=sys.stderr)

@@ -46,7 +46,7 @@ from kvgate.epp.extproc import (
 from kvgate.epp.http_get import KeepAliveGetter, ScrapeError, get_request
 from kvgate.epp.request import BadRequest, parse_body
 
-log = logging.getLogger("kvgate.epp.model_router")
+log = logging.getLogger("kvgate.gateway.model_router")
 
 # Envoy's header mutations take lower-case names
 MODEL_NAME_HEADER = model_routing.MODEL_NAME_HEADER.lower()

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from kvgate.api import logs
-    from kvgate.epp.model_router import PoolSource, RouterSettings, serve_forever
+    from kvgate.gateway.model_router import PoolSource, RouterSettings, serve_forever
 
     logs.configure(args.log_level, args.log_format, args.quiet)
     names = [name for name, _ in args.pool]

@@ -13,7 +13,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from kvgate.epp.model_router import (
+from kvgate.gateway.model_router import (
     MISS_REFRESH_GAP_S,
     MODEL_NAME_HEADER,
     POOL_HEADER,
@@ -91,7 +91,7 @@ async def test_table_learns_models_and_adapters_first_pool_wins(engines, caplog)
     )
     # before any answer: each pool's own name routes to it
     assert table.pool_for("gamma") == "gamma" and table.pool_for("alpha-sql") is None
-    with caplog.at_level(logging.WARNING, "kvgate.epp.model_router"):
+    with caplog.at_level(logging.WARNING, "kvgate.gateway.model_router"):
         await table.refresh()
     assert table.pool_for("alpha") == "alpha" and table.pool_for("alpha-sql") == "alpha"
     assert table.pool_for("beta") == "beta" and table.pool_for("shared") == "alpha"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvgate.epp.envoy_config import PoolGateway, build_bootstrap, main
+from kvgate.gateway.envoy_config import GatewaySpec, PoolSpec, build_bootstrap, main
 
 ENVOY = str(Path(sys.executable).parent / "envoy")
 
@@ -24,6 +24,13 @@ def validate(config: dict, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+def one(*epps: str, **settings) -> dict:
+    """The bootstrap of a one-pool gateway on port 10000 (EPP default: 127.0.0.1:9002)."""
+    return build_bootstrap(
+        GatewaySpec.one_pool(list(epps) or ["127.0.0.1:9002"], listen_port=10000, **settings)
+    )
+
+
 def _filter(config: dict) -> dict:
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     return hcm
@@ -32,42 +39,40 @@ def _filter(config: dict) -> dict:
 @pytest.mark.timeout(120)
 def test_every_variant_validates(tmp_path) -> None:
     variants = [
-        build_bootstrap(10000, "127.0.0.1", 9002, "FailClose"),
-        build_bootstrap(
-            10000,
-            "127.0.0.1",
-            9002,
-            "FailOpen",
+        one(failure_mode="FailClose"),
+        one(
+            failure_mode="FailOpen",
             admin_port=9901,
             direct_upstream="127.0.0.1:8000",
             fallback_endpoints=["127.0.0.1:8000", "127.0.0.1:8001"],
             epp_tls=True,
         ),
-        build_bootstrap(
-            10000, "epp.models.svc", 9002, "FailOpen", epp_health_check=False, expose_upstream_header=False
+        one(
+            "epp.models.svc:9002",
+            failure_mode="FailOpen",
+            epp_health_check=False,
+            expose_upstream_header=False,
         ),
-        build_bootstrap(
-            10000,
-            "127.0.0.1",
-            9002,
-            epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"],
+        one(
+            "127.0.0.1:9002",
+            "127.0.0.1:9012",
             pool_endpoints=["127.0.0.1:8000", "127.0.0.1:8001"],
             response_phase=True,
             expose_upstream_header=True,
             expose_internal_routes=True,
         ),
         build_bootstrap(
-            10000,
-            "",
-            0,
-            "FailOpen",
-            pools=[
-                PoolGateway(
-                    "alpha", ["127.0.0.1:9002", "127.0.0.1:9012"], ["127.0.0.1:8000"], ["127.0.0.1:8000"]
-                ),
-                PoolGateway("beta", ["epp-beta.svc:9002"], ["beta-engines:8000"]),
-            ],
-            model_router_addresses=["127.0.0.1:9004"],
+            GatewaySpec(
+                pools=[
+                    PoolSpec(
+                        "alpha", ["127.0.0.1:9002", "127.0.0.1:9012"], ["127.0.0.1:8000"], ["127.0.0.1:8000"]
+                    ),
+                    PoolSpec("beta", ["epp-beta.svc:9002"], ["beta-engines:8000"]),
+                ],
+                listen_port=10000,
+                failure_mode="FailOpen",
+                model_router_addresses=["127.0.0.1:9004"],
+            )
         ),
     ]
     for v in variants:
@@ -76,14 +81,14 @@ def test_every_variant_validates(tmp_path) -> None:
 
 def test_several_pools_behind_one_model_router() -> None:
     config = build_bootstrap(
-        10000,
-        "",
-        0,
-        pools=[
-            PoolGateway("alpha", ["127.0.0.1:9002"], ["127.0.0.1:8000", "127.0.0.1:8001"]),
-            PoolGateway("beta", ["127.0.0.1:9012"], ["127.0.0.1:8002"]),
-        ],
-        model_router_addresses=["127.0.0.1:9004"],
+        GatewaySpec(
+            pools=[
+                PoolSpec("alpha", ["127.0.0.1:9002"], ["127.0.0.1:8000", "127.0.0.1:8001"]),
+                PoolSpec("beta", ["127.0.0.1:9012"], ["127.0.0.1:8002"]),
+            ],
+            listen_port=10000,
+            model_router_addresses=["127.0.0.1:9004"],
+        )
     )
     hcm = _filter(config)
     # the model router runs first (it names the pool), then the EPP, then the router
@@ -115,19 +120,27 @@ def test_several_pools_behind_one_model_router() -> None:
     clusters = {c["name"] for c in config["static_resources"]["clusters"]}
     assert {"epp-alpha", "epp-beta", "pool-alpha", "pool-beta", "model_router"} <= clusters
     with pytest.raises(ValueError, match="model router"):
-        build_bootstrap(10000, "", 0, pools=[PoolGateway("a", ["127.0.0.1:1"])])
+        build_bootstrap(GatewaySpec([PoolSpec("a", ["127.0.0.1:1"])], listen_port=10000))
+    with pytest.raises(ValueError, match="model router"):
+        build_bootstrap(GatewaySpec([PoolSpec(None, ["127.0.0.1:1"])] * 2, listen_port=10000))
     with pytest.raises(ValueError, match="unique"):
         build_bootstrap(
-            10000,
-            "",
-            0,
-            pools=[PoolGateway("a", ["127.0.0.1:1"])] * 2,
-            model_router_addresses=["127.0.0.1:2"],
+            GatewaySpec(
+                [PoolSpec("a", ["127.0.0.1:1"])] * 2,
+                listen_port=10000,
+                model_router_addresses=["127.0.0.1:2"],
+            )
+        )
+    with pytest.raises(ValueError, match="unique"):  # behind the router, every pool is named
+        build_bootstrap(
+            GatewaySpec(
+                [PoolSpec(None, ["127.0.0.1:1"])], listen_port=10000, model_router_addresses=["127.0.0.1:2"]
+            )
         )
 
 
 def test_gie_settings() -> None:
-    cfg = build_bootstrap(10000, "127.0.0.1", 9002, "FailOpen", direct_upstream="127.0.0.1:8000")
+    cfg = one(failure_mode="FailOpen", direct_upstream="127.0.0.1:8000")
     hcm = _filter(cfg)
     ext = hcm["http_filters"][0]["typed_config"]
     assert ext["failure_mode_allow"] is True
@@ -140,7 +153,7 @@ def test_gie_settings() -> None:
         "request_trailer_mode": "SEND",
         "response_trailer_mode": "SKIP",
     }
-    full = _filter(build_bootstrap(10000, "127.0.0.1", 9002, response_phase=True))
+    full = _filter(one(response_phase=True))
     assert full["http_filters"][0]["typed_config"]["processing_mode"] == {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
@@ -164,12 +177,12 @@ def test_gie_settings() -> None:
     )
     direct = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
     assert direct["typed_per_filter_config"]["envoy.filters.http.ext_proc"]["disabled"] is True
-    closed = _filter(build_bootstrap(10000, "127.0.0.1", 9002, "FailClose"))
+    closed = _filter(one(failure_mode="FailClose"))
     assert closed["http_filters"][0]["typed_config"].get("failure_mode_allow", False) is False
 
 
 def test_every_timeout_is_bounded() -> None:
-    hcm = _filter(build_bootstrap(10000, "127.0.0.1", 9002))
+    hcm = _filter(one())
     for key in ("request_headers_timeout", "request_timeout", "stream_idle_timeout"):
         assert hcm[key] not in ("0s", None), key
     for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
@@ -183,7 +196,7 @@ def test_every_timeout_is_bounded() -> None:
 
 
 def test_several_epp_replicas_are_health_checked_hosts() -> None:
-    cfg = build_bootstrap(10000, "127.0.0.1", 0, epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"])
+    cfg = one("127.0.0.1:9002", "127.0.0.1:9012")
     epp = {c["name"]: c for c in cfg["static_resources"]["clusters"]}["epp"]
     hosts = [
         e["endpoint"]["address"]["socket_address"]["port_value"]
@@ -195,14 +208,7 @@ def test_several_epp_replicas_are_health_checked_hosts() -> None:
 
 @pytest.mark.parametrize("tls", [False, True])
 def test_epp_replicas_are_health_checked_on_their_health_ports_in_plaintext(tls: bool) -> None:
-    cfg = build_bootstrap(
-        10000,
-        "127.0.0.1",
-        0,
-        epp_addresses=["127.0.0.1:9002", "127.0.0.1:9012"],
-        epp_health_ports=[9003, 9013],
-        epp_tls=tls,
-    )
+    cfg = one("127.0.0.1:9002", "127.0.0.1:9012", epp_health_ports=[9003, 9013], epp_tls=tls)
     epp = {c["name"]: c for c in cfg["static_resources"]["clusters"]}["epp"]
     endpoints = [e["endpoint"] for e in epp["load_assignment"]["endpoints"][0]["lb_endpoints"]]
     assert [e["address"]["socket_address"]["port_value"] for e in endpoints] == [9002, 9012]
@@ -219,14 +225,14 @@ def test_epp_replicas_are_health_checked_on_their_health_ports_in_plaintext(tls:
 
 def test_a_health_port_per_epp_address() -> None:
     with pytest.raises(ValueError, match="one port"):
-        build_bootstrap(10000, "127.0.0.1", 0, epp_addresses=["127.0.0.1:9002"], epp_health_ports=[1, 2])
+        one("127.0.0.1:9002", epp_health_ports=[1, 2])
     with pytest.raises(ValueError, match="one port"):
-        build_bootstrap(10000, "127.0.0.1", 9002, epp_health_ports=[0])
+        one(epp_health_ports=[0])
 
 
 def test_bad_failure_mode() -> None:
     with pytest.raises(ValueError, match="FailOpen or FailClose"):
-        build_bootstrap(1, "127.0.0.1", 2, "Sometimes")
+        one(failure_mode="Sometimes")
 
 
 def test_module_prints_yaml(capsys) -> None:
