@@ -1,7 +1,8 @@
 """The kopf wiring: which events call which reconcile pass, with which credentials.
 
-Handlers live in their own `kopf.OperatorRegistry` (no module-level state), so tests can run
-several operators, each against its own API server, in one process.
+Handlers are methods of `Operator`, registered by `Operator._register` in the operator's own
+`kopf.OperatorRegistry` (no module-level registry), so tests can run several operators, each
+against its own API server, in one process.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import kopf
 
-from kvgate.operator.adapters import adapters_gate_pending
+from kvgate.operator.adapter_sync import adapters_gate_pending
 from kvgate.operator.children import ANNOTATION_EPP, EPP_MANAGED, LABEL_MD, LABEL_ROLE, MANAGED_BY
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.kube import ApiError, Credentials, KubeClient
@@ -26,6 +27,29 @@ from kvgate.operator.signals import SignalReader
 LoginFn = Callable[..., Any]
 log = logging.getLogger("kvgate.operator")
 PREFIX = "kvgate.dev"
+
+# What each handler watches (kopf's resource and filter arguments).
+MD: dict[str, Any] = {
+    "group": MODEL_DEPLOYMENTS.group,
+    "version": MODEL_DEPLOYMENTS.version,
+    "plural": MODEL_DEPLOYMENTS.plural,
+}
+POOL: dict[str, Any] = {
+    "group": INFERENCE_POOLS.group,
+    "version": INFERENCE_POOLS.version,
+    "plural": INFERENCE_POOLS.plural,
+}
+PODS_RESOURCE: dict[str, Any] = {"group": PODS.group, "version": PODS.version, "plural": PODS.plural}
+MANAGED_POOLS = {ANNOTATION_EPP: EPP_MANAGED}  # hand-made pools whose picker the operator runs
+ENGINE_PODS = {LABEL_MD: kopf.PRESENT, LABEL_ROLE: "engine"}
+MANAGED_CHILDREN = {LABEL_MD: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def _handler_id(name: str) -> str:
+    """kopf names a handler after its function's qualified name unless given an id, and keeps it
+    in objects' annotations (a retried handler's progress), events and logs. These handlers were
+    closures in `Operator._register`; they keep the ids they had then."""
+    return f"Operator._register.<locals>.{name}"
 
 
 def _in_cluster_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -89,162 +113,147 @@ class Operator:
             kopf.event(body, type=ev.type, reason=ev.reason, message=ev.message)
 
     # -- handlers ---------------------------------------------------------------------------
+    # kopf calls these bound methods; `_register` puts them on this operator's own registry.
 
     def _register(self) -> None:
+        """What kopf's decorators do at module level in its examples, on `self.registry`."""
         reg = self.registry
-        md = {
-            "group": MODEL_DEPLOYMENTS.group,
-            "version": MODEL_DEPLOYMENTS.version,
-            "plural": MODEL_DEPLOYMENTS.plural,
-        }
-        pool = {
-            "group": INFERENCE_POOLS.group,
-            "version": INFERENCE_POOLS.version,
-            "plural": INFERENCE_POOLS.plural,
-        }
-        managed = {ANNOTATION_EPP: EPP_MANAGED}
+        resync = {"interval": self.config.resync_seconds, "initial_delay": self.config.resync_seconds}
 
-        @kopf.on.startup(registry=reg)
-        def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-            settings.persistence.finalizer = f"{PREFIX}/finalizer"
-            settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
-            settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-                prefix=PREFIX, key="last-handled-configuration"
-            )
-            # kopf's per-handler success events are noise; ours (and failures) still post.
-            settings.posting.level = logging.WARNING
-            settings.scanning.disabled = not self.config.scanning
-            settings.watching.server_timeout = 300
-            settings.networking.request_timeout = 60
+        kopf.on.startup(registry=reg, id=_handler_id("configure"))(self.configure)
+        kopf.on.login(registry=reg, id=_handler_id("login"))(self.login)
+        kopf.on.cleanup(registry=reg, id=_handler_id("cleanup"))(self.cleanup)
 
-        @kopf.on.login(registry=reg)
-        async def login(**kwargs: Any) -> Any:
-            info = self._login(**kwargs)
-            if asyncio.iscoroutine(info):
-                info = await info
-            if info is not None:
-                await self._connect(info)
-            return info
+        md_changed = _handler_id("md_changed")
+        kopf.on.update(registry=reg, id=md_changed, **MD)(self.md_changed)
+        kopf.on.create(registry=reg, id=md_changed, **MD)(self.md_changed)
+        kopf.on.resume(registry=reg, id=md_changed, **MD)(self.md_changed)
 
-        @kopf.on.cleanup(registry=reg)
-        async def cleanup(**_: Any) -> None:
-            await self.close()
-
-        async def reconcile_md(body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
-            meta = body.get("metadata", {})
-            if meta.get("deletionTimestamp"):
-                return  # children go with the owner (garbage collection); do not recreate them
-            namespace, name = meta["namespace"], meta["name"]
-            async with self._lock("md", namespace, name):
-                # Reconcile the object as it is now, not as kopf saw it when this handler was
-                # called: a pass waits here behind others (child events, the resync), and one
-                # that applied its older spec would undo the edits they applied meanwhile.
-                current = await self.reconciler.client.get(MODEL_DEPLOYMENTS, namespace, name)
-                current_meta = (current or {}).get("metadata") or {}
-                if current is None or current_meta.get("uid") != meta.get("uid"):
-                    return  # deleted (or replaced: the new object's own handlers see to it)
-                if current_meta.get("deletionTimestamp"):
-                    return
-                try:
-                    outcome = await self.reconciler.reconcile_model_deployment(current)
-                except OwnerGone:
-                    return
-            for key, value in outcome.status.items():
-                patch.status[key] = value
-            self._post(body, outcome.events)
-
-        @kopf.on.resume(registry=reg, **md)
-        @kopf.on.create(registry=reg, **md)
-        @kopf.on.update(registry=reg, **md)
-        async def md_changed(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
-            await reconcile_md(body, patch, logger)
-
-        async def child_changed(event: dict[str, Any], **_: Any) -> None:
-            # A child's status moved (pods became ready, the gateway accepted the pool) or someone
-            # edited or deleted it: refresh the owner now instead of at the next resync.
-            obj = event.get("object") or {}
-            meta = obj.get("metadata") or {}
-            owner = (meta.get("labels") or {}).get(LABEL_MD)
-            if not owner or self._reconciler is None:
-                return
-            namespace = meta["namespace"]
-            client = self.reconciler.client
-            async with self._lock("md", namespace, owner):
-                # Read the owner once the pass ahead of this one is done: read before the wait, it
-                # may predate an edit that pass applied, and this pass would undo it.
-                body = await client.get(MODEL_DEPLOYMENTS, namespace, owner)
-                if body is None or body["metadata"].get("deletionTimestamp"):
-                    return
-                try:
-                    outcome = await self.reconciler.reconcile_model_deployment(body)
-                    await client.patch(
-                        MODEL_DEPLOYMENTS, namespace, owner, {"status": outcome.status}, "status"
-                    )
-                except OwnerGone:
-                    return
-                except ApiError as exc:
-                    if exc.status == 404:  # deleted meanwhile
-                        return
-                    raise
-            self._post(body, outcome.events)
-
-        async def engine_pod_changed(event: dict[str, Any], **_: Any) -> None:
-            # A LoRA engine pod whose engine just came up waits on our readiness gate: load its
-            # adapters now rather than at the next resync (its Deployment's status has not moved).
-            if adapters_gate_pending(event.get("object") or {}):
-                await child_changed(event)
-
-        kopf.on.event(
-            registry=reg,
-            group=PODS.group,
-            version=PODS.version,
-            plural=PODS.plural,
-            labels={LABEL_MD: kopf.PRESENT, LABEL_ROLE: "engine"},
-            id="engine-pods",
-        )(engine_pod_changed)
-
+        kopf.on.event(registry=reg, labels=ENGINE_PODS, id="engine-pods", **PODS_RESOURCE)(
+            self.engine_pod_changed
+        )
         for child in (DEPLOYMENTS, INFERENCE_POOLS):
             kopf.on.event(
                 registry=reg,
                 group=child.group,
                 version=child.version,
                 plural=child.plural,
-                labels={LABEL_MD: kopf.PRESENT, "app.kubernetes.io/managed-by": MANAGED_BY},
+                labels=MANAGED_CHILDREN,
                 id=f"child-{child.plural}",
-            )(child_changed)
+            )(self.child_changed)
 
-        @kopf.timer(
-            registry=reg, interval=self.config.resync_seconds, initial_delay=self.config.resync_seconds, **md
+        kopf.timer(registry=reg, id=_handler_id("md_resync"), **resync, **MD)(self.md_resync)
+
+        pool_changed = _handler_id("pool_changed")
+        kopf.on.update(registry=reg, id=pool_changed, annotations=MANAGED_POOLS, **POOL)(self.pool_changed)
+        kopf.on.create(registry=reg, id=pool_changed, annotations=MANAGED_POOLS, **POOL)(self.pool_changed)
+        kopf.on.resume(registry=reg, id=pool_changed, annotations=MANAGED_POOLS, **POOL)(self.pool_changed)
+
+        kopf.timer(registry=reg, id=_handler_id("pool_resync"), annotations=MANAGED_POOLS, **resync, **POOL)(
+            self.pool_resync
         )
-        async def md_resync(body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
-            await reconcile_md(body, patch, logger)
 
-        async def reconcile_pool(body: kopf.Body) -> None:
-            meta = body.get("metadata", {})
-            if meta.get("deletionTimestamp"):
+    def configure(self, settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = f"{PREFIX}/finalizer"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=PREFIX, key="last-handled-configuration"
+        )
+        # kopf's per-handler success events are noise; ours (and failures) still post.
+        settings.posting.level = logging.WARNING
+        settings.scanning.disabled = not self.config.scanning
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+
+    async def login(self, **kwargs: Any) -> Any:
+        info = self._login(**kwargs)
+        if asyncio.iscoroutine(info):
+            info = await info
+        if info is not None:
+            await self._connect(info)
+        return info
+
+    async def cleanup(self, **_: Any) -> None:
+        await self.close()
+
+    async def _reconcile_md(self, body: kopf.Body, patch: kopf.Patch, logger: Any) -> None:
+        meta = body.get("metadata", {})
+        if meta.get("deletionTimestamp"):
+            return  # children go with the owner (garbage collection); do not recreate them
+        namespace, name = meta["namespace"], meta["name"]
+        async with self._lock("md", namespace, name):
+            # Reconcile the object as it is now, not as kopf saw it when this handler was
+            # called: a pass waits here behind others (child events, the resync), and one
+            # that applied its older spec would undo the edits they applied meanwhile.
+            current = await self.reconciler.client.get(MODEL_DEPLOYMENTS, namespace, name)
+            current_meta = (current or {}).get("metadata") or {}
+            if current is None or current_meta.get("uid") != meta.get("uid"):
+                return  # deleted (or replaced: the new object's own handlers see to it)
+            if current_meta.get("deletionTimestamp"):
                 return
-            async with self._lock("pool", meta["namespace"], meta["name"]):
-                try:
-                    events = await self.reconciler.reconcile_managed_pool(dict(body))
-                except OwnerGone:
+            try:
+                outcome = await self.reconciler.reconcile_model_deployment(current)
+            except OwnerGone:
+                return
+        for key, value in outcome.status.items():
+            patch.status[key] = value
+        self._post(body, outcome.events)
+
+    async def md_changed(self, body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+        await self._reconcile_md(body, patch, logger)
+
+    async def md_resync(self, body: kopf.Body, patch: kopf.Patch, logger: Any, **_: Any) -> None:
+        await self._reconcile_md(body, patch, logger)
+
+    async def child_changed(self, event: dict[str, Any], **_: Any) -> None:
+        # A child's status moved (pods became ready, the gateway accepted the pool) or someone
+        # edited or deleted it: refresh the owner now instead of at the next resync.
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(LABEL_MD)
+        if not owner or self._reconciler is None:
+            return
+        namespace = meta["namespace"]
+        client = self.reconciler.client
+        async with self._lock("md", namespace, owner):
+            # Read the owner once the pass ahead of this one is done: read before the wait, it
+            # may predate an edit that pass applied, and this pass would undo it.
+            body = await client.get(MODEL_DEPLOYMENTS, namespace, owner)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            try:
+                outcome = await self.reconciler.reconcile_model_deployment(body)
+                await client.patch(MODEL_DEPLOYMENTS, namespace, owner, {"status": outcome.status}, "status")
+            except OwnerGone:
+                return
+            except ApiError as exc:
+                if exc.status == 404:  # deleted meanwhile
                     return
-            self._post(body, events)
+                raise
+        self._post(body, outcome.events)
 
-        @kopf.on.resume(registry=reg, annotations=managed, **pool)
-        @kopf.on.create(registry=reg, annotations=managed, **pool)
-        @kopf.on.update(registry=reg, annotations=managed, **pool)
-        async def pool_changed(body: kopf.Body, **_: Any) -> None:
-            await reconcile_pool(body)
+    async def engine_pod_changed(self, event: dict[str, Any], **_: Any) -> None:
+        # A LoRA engine pod whose engine just came up waits on our readiness gate: load its
+        # adapters now rather than at the next resync (its Deployment's status has not moved).
+        if adapters_gate_pending(event.get("object") or {}):
+            await self.child_changed(event)
 
-        @kopf.timer(
-            registry=reg,
-            annotations=managed,
-            interval=self.config.resync_seconds,
-            initial_delay=self.config.resync_seconds,
-            **pool,
-        )
-        async def pool_resync(body: kopf.Body, **_: Any) -> None:
-            await reconcile_pool(body)
+    async def _reconcile_pool(self, body: kopf.Body) -> None:
+        meta = body.get("metadata", {})
+        if meta.get("deletionTimestamp"):
+            return
+        async with self._lock("pool", meta["namespace"], meta["name"]):
+            try:
+                events = await self.reconciler.reconcile_managed_pool(dict(body))
+            except OwnerGone:
+                return
+        self._post(body, events)
+
+    async def pool_changed(self, body: kopf.Body, **_: Any) -> None:
+        await self._reconcile_pool(body)
+
+    async def pool_resync(self, body: kopf.Body, **_: Any) -> None:
+        await self._reconcile_pool(body)
 
     # -- running ----------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from kvgate.api.contracts.metrics import (
     saturation,
 )
 from kvgate.api.tls import self_signed_cert
-from kvgate.operator.adapters import url_host
+from kvgate.operator.adapter_sync import url_host
 from kvgate.operator.children.common import EPP_METRICS_PORT
 from kvgate.operator.kube import KubeClient
 from kvgate.operator.resources import CONFIG_MAPS, INFERENCE_POOLS, PODS, SERVICES

@@ -26,10 +26,10 @@ from kvgate.api.k8s.crds import (
     RoutingSpec,
 )
 from kvgate.operator import children as ch
-from kvgate.operator.adapters import sync_adapters
+from kvgate.operator.adapter_sync import sync_adapters
 from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.disaggregation import (
+from kvgate.operator.disaggregation_pass import (
     disaggregated_status,
     ensure_kv_transfer_secret,
     existing_roles,

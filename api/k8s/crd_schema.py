@@ -1,6 +1,6 @@
 """Turns pydantic models into Kubernetes structural OpenAPI v3 schemas and CRD manifests.
 
-The pydantic models in `kvgate.api.k8s.crds` are the single source of truth: the operator parses
+The pydantic models declared in `kvgate.api.k8s.crds` are the single source of truth: the operator parses
 custom resources with them, and the CRD YAML under `crds/` (and the Helm chart) is generated
 from them, so the two cannot drift. Kubernetes only accepts *structural* schemas: no `$ref`,
 no `anyOf` for nullable fields, every node typed, `additionalProperties: false` forbidden.

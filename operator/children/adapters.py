@@ -4,7 +4,7 @@ the volumes and the hf:// fetcher sidecar, and the ConfigMap that tells the side
 Nothing here depends on which adapters the spec lists except the ConfigMap: the pod template
 (flags, volumes, sidecar) depends only on spec.lora and whether LoRA is on, so adding or
 removing an adapter never rolls the engines. The operator loads and unloads adapters at run
-time through each engine's /v1/load_lora_adapter (operator/adapters.py); a kubelet refreshes a
+time through each engine's /v1/load_lora_adapter (operator/adapter_sync.py); a kubelet refreshes a
 mounted ConfigMap in place, so the sidecar sees a new hf:// adapter without a restart.
 """
 

@@ -9,7 +9,7 @@ engines take the gateway's traffic, and prefill engines take the decode engines'
 
 The engines sign KV transfers with a secret the pool shares (`KVGATE_KV_TRANSFER_SECRET`), kept
 in the Secret `<name>-kv-transfer`; its random value is made once by the operator
-(operator/disaggregation.py), never here, so a resync never changes it.
+(operator/disaggregation_pass.py), never here, so a resync never changes it.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def disaggregated_children(
     existing_roles: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Every child a disaggregated ModelDeployment should have right now, in creation order
-    (the transfer Secret apart: operator/disaggregation.py makes it once)."""
+    (the transfer Secret apart: operator/disaggregation_pass.py makes it once)."""
     assert spec.disaggregation is not None
     target = dataclasses.replace(
         epp_target_for_md(name, owner, spec, config), pd_threshold=spec.disaggregation.threshold

@@ -17,7 +17,7 @@ from kvgate.operator import children as ch
 from kvgate.operator.children import disaggregation as pd
 from kvgate.operator.conditions import find
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.disaggregation import combined_engine, disaggregated_status
+from kvgate.operator.disaggregation_pass import combined_engine, disaggregated_status
 from kvgate.operator.reconcile import SpecError, parse_spec, with_applied_annotation
 from kvgate.operator.resources import (
     DEPLOYMENTS,

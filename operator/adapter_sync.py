@@ -6,7 +6,8 @@ loads each adapter of the spec it lacks (`POST /v1/load_lora_adapter`, vLLM's bo
 one whose folder changed (`load_inplace`), and unloads adapters the operator loaded before
 (listed in the previous status.adapters) that the spec no longer has. Adapters someone else
 loaded are left alone. Every call is idempotent against what the pod reports, so a missed or
-failed pass is repaired by the next one. The engines' pod template never changes for this.
+failed pass is repaired by the next one. The engines' pod template never changes for this
+(its LoRA parts, flags, volumes, sidecar and readiness gate, are built in children/adapters.py).
 
 With LoRA on, the pod template carries a readiness gate (kvgate.dev/lora-adapters): a pod whose
 engine is up is loaded here, and its gate set once it has every adapter, or once
@@ -34,7 +35,7 @@ from kvgate.operator.conditions import Cond, now_rfc3339
 from kvgate.operator.kube import ApiError, KubeClient
 from kvgate.operator.resources import PODS, SECRETS
 
-log = logging.getLogger("kvgate.operator.adapters")
+log = logging.getLogger("kvgate.operator.adapters")  # its name before the module was adapter_sync
 LIST_TIMEOUT_S = 5.0
 # A load reads the adapter folder (a real engine parses and checks its tensors): allow for disks.
 LOAD_TIMEOUT_S = 120.0
