@@ -18,6 +18,7 @@ import zmq.asyncio
 from kvgate.api.contracts import admissions
 from kvgate.api.contracts.kv_events import KVEventDecodeError, decode_batch, decode_seq, encode_seq
 from kvgate.epp.datastore import Datastore, Endpoint
+from kvgate.epp.endpoint_tasks import EndpointTasks
 
 log = logging.getLogger("kvgate.epp.kv_events")
 
@@ -134,21 +135,16 @@ class KVEventSubscribers:
         self.replay_timeout = replay_timeout
         # bound on the initial replay: an engine that never answers cannot hold readiness back
         self.sync_timeout = sync_timeout
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks = EndpointTasks("kv-events")
         self.subscribers: dict[str, EndpointSubscriber] = {}
         datastore.subscribe(self._on_endpoint)
         for state in datastore.all():
             self._on_endpoint(state.endpoint, True)
 
     def _on_endpoint(self, endpoint: Endpoint, added: bool) -> None:
-        task = self._tasks.pop(endpoint.address, None)
-        if task is not None:
-            task.cancel()
         self.subscribers.pop(endpoint.address, None)
-        if added and endpoint.kv_events:
-            self._tasks[endpoint.address] = asyncio.get_running_loop().create_task(
-                self._run(endpoint), name=f"kv-events {endpoint.address}"
-            )
+        run = (lambda: self._run(endpoint)) if added and endpoint.kv_events else None
+        self._tasks.replace(endpoint.address, run)
 
     async def _replay(self, address: str, start: int) -> list[tuple[int, bytes]]:
         sock = self.ctx.socket(zmq.DEALER)
@@ -231,8 +227,5 @@ class KVEventSubscribers:
         self.datastore.note_admission(address, admission)
 
     async def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
         self.ctx.term()

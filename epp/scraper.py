@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvgate.api.contracts import metrics as vllm
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.endpoint_tasks import EndpointTasks
 from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError, get_request
 
 log = logging.getLogger("kvgate.epp.scraper")
@@ -235,19 +236,13 @@ class MetricsScraper:
         self.api_key = api_key
         self.health_path = health_path
         self.health_every = max(1, health_every)  # a /health probe every this many scrapes
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks = EndpointTasks("scrape")
         datastore.subscribe(self._on_endpoint)
         for state in datastore.all():
             self._on_endpoint(state.endpoint, True)
 
     def _on_endpoint(self, endpoint: Endpoint, added: bool) -> None:
-        task = self._tasks.pop(endpoint.address, None)
-        if task is not None:
-            task.cancel()
-        if added:
-            self._tasks[endpoint.address] = asyncio.get_running_loop().create_task(
-                self._poll(endpoint), name=f"scrape {endpoint.address}"
-            )
+        self._tasks.replace(endpoint.address, (lambda: self._poll(endpoint)) if added else None)
 
     def _request(self, host: str, port: int, path: str) -> bytes:
         return get_request(host, port, path, self.api_key)
@@ -366,7 +361,4 @@ class MetricsScraper:
             models.close()
 
     async def close(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
