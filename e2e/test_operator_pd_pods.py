@@ -86,32 +86,6 @@ async def epp_ready() -> bool:
     return resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def tiny_model(folder: Path) -> Path:
-    """A random-weights Llama with the default model's tokenizer (as e2e/test_operator_pods.py)."""
-    import json
-
-    import torch
-    import transformers
-
-    files = fake_hub.default_tokenizer_files()
-    vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes(files[name])
-    return folder
-
-
 def counters(role: str) -> dict[str, float]:
     return engine_gauges(f"http://{IPS[role]}:8000")
 
@@ -119,7 +93,7 @@ def counters(role: str) -> dict[str, float]:
 async def test_operator_written_split_pods_hand_off_long_prompts(tmp_path: Path) -> None:
     claim = tmp_path / "claim"
     claim.mkdir(mode=0o755)
-    model = tiny_model(claim / "tiny")
+    model = fake_hub.tiny_llama(claim / "tiny")
     for f in [model, *model.iterdir()]:
         f.chmod(0o755 if f.is_dir() else 0o644)
 

@@ -11,7 +11,6 @@ Before: the picker of a Hub model exited at start-up (its --tokenizer was never 
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +33,6 @@ NS = "models"
 NAME = "tiny"
 HF_TOKEN = "hf_pod_secret"
 EARLY = "The quick brown fox jumps over the lazy dog, again and again. " * 12  # ~170 tokens
-
-
-def tiny_model(folder: Path) -> Path:
-    """A random-weights Llama with the default model's tokenizer: loads in a second on CPU."""
-    import torch
-    import transformers
-
-    files = fake_hub.default_tokenizer_files()
-    vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(folder, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes(files[name])
-    return folder
 
 
 def spec(source: str, **model: Any) -> ModelDeploymentSpec:
@@ -93,7 +68,7 @@ async def epp_ready() -> bool:
 
 async def test_operator_written_pods_start_and_serve(tmp_path: Path) -> None:
     """A Hub model (a PVC model on a real API server and node: tests/cluster/test_workloads.py)."""
-    model = tiny_model(tmp_path / "model")
+    model = fake_hub.tiny_llama(tmp_path / "model")
     md = spec("hf://acme/tiny-chat@main", hfTokenSecret="hf-token")
     owner = ch.model_deployment_owner(NAME, NS, "uid-1")
     kids = ch.model_deployment_children(

@@ -173,3 +173,29 @@ def default_tokenizer_files() -> dict[str, bytes]:
         "model.safetensors": b"\0" * 4096,
         "README.md": b"# fake\n",
     }
+
+
+def tiny_llama(folder: Path) -> Path:
+    """A random-weights one-layer Llama (seeded, fp32) with the default model's tokenizer, saved
+    as a Hugging Face folder: it loads in about a second on a CPU, for tests that need an engine
+    to load real weights from a volume or a Hub, not to say anything sensible."""
+    import torch
+    import transformers
+
+    files = default_tokenizer_files()
+    vocab = len(json.loads(files["tokenizer.json"])["model"]["vocab"])
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes(files[name])
+    return folder
