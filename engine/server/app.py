@@ -32,6 +32,7 @@ from kvgate.engine.server.errors import APIError, bad_request, error_response
 from kvgate.engine.server.kv_transfer import KVTransfer, valid_peer
 from kvgate.engine.server.lora_admin import LoadLoRAAdapterRequest, LoRAAdmin, UnloadLoRAAdapterRequest
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
+from kvgate.engine.server.pd_handoff import Handoff
 from kvgate.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +40,9 @@ from kvgate.engine.server.protocol import (
     TokenizeRequest,
     parse_body,
 )
-from kvgate.engine.server.serving import INLINE_PROMPT_CHARS, Handoff, OpenAIServing
+from kvgate.engine.server.serving import INLINE_PROMPT_CHARS, OpenAIServing, StreamResult
+from kvgate.engine.server.serving_chat import OpenAIServingChat
+from kvgate.engine.server.serving_completion import OpenAIServingCompletion
 
 log = logging.getLogger(__name__)
 
@@ -190,79 +193,141 @@ async def _inject_failure(value: str) -> Any:
     return None
 
 
-def build_app(state: ServerState) -> Starlette:
-    serving = state.serving
-    engine = state.engine
-    model = serving.model
+Handler = Callable[[Request], Awaitable[Any]]
 
-    def check_api_key(request: Request) -> None:
-        assert state.api_key is not None
+
+def build_app(state: ServerState) -> Starlette:
+    app = Starlette(
+        routes=Handlers(state).routes(),
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )
+    app.state.kvgate = state
+    app.state.started = time.time()
+    return app
+
+
+class Handlers:
+    """The routes' handlers over one server's state, and the wrapper every route goes through
+    (API key, draining, failure injection, tracing, OpenAI-shaped errors, per-route metrics)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.serving = state.serving
+        self.engine = state.engine
+        self.model = state.serving.model
+        self.serving_completion = OpenAIServingCompletion(state.serving)
+        self.serving_chat = OpenAIServingChat(state.serving)
+
+    def routes(self) -> list[Route]:
+        state = self.state
+
+        def route(path: str, fn: Handler, methods: list[str], **kw: bool) -> Route:
+            return Route(path, self.endpoint(fn, handler=path, **kw), methods=methods)
+
+        routes = [
+            route("/v1/completions", self.completions, ["POST"], auth=True, generation=True),
+            route("/v1/chat/completions", self.chat, ["POST"], auth=True, generation=True),
+            route("/v1/models", self.models, ["GET"], auth=True),
+            route("/v1/models/{model_id:path}", self.retrieve_model, ["GET"], auth=True),
+            route("/health", self.health, ["GET"]),
+            route("/ping", self.health, ["GET", "POST"]),
+            route("/version", self.version, ["GET"]),
+            route("/tokenize", self.tokenize, ["POST"], auth=True),
+            route("/detokenize", self.detokenize, ["POST"], auth=True),
+            route("/metrics", self.metrics, ["GET"]),
+            route("/openapi.json", self.openapi, ["GET"]),
+        ]
+        if state.lora_admin is not None:
+            routes += [
+                route("/v1/load_lora_adapter", self.load_lora_adapter, ["POST"], auth=True),
+                route("/v1/unload_lora_adapter", self.unload_lora_adapter, ["POST"], auth=True),
+            ]
+        if state.kv_transfer is not None and state.kv_transfer.settings.produces:
+            routes.append(
+                Route(
+                    "/v1/kv_transfer/{transfer_id}",
+                    self.endpoint(self.kv_transfer_pull, auth=True, handler="/v1/kv_transfer"),
+                    methods=["GET"],
+                )
+            )
+        return routes
+
+    # ---- what every route goes through ------------------------------------------------------
+    def endpoint(
+        self, fn: Handler, *, auth: bool = False, generation: bool = False, handler: str = ""
+    ) -> Handler:
+        """`fn` as a Starlette endpoint, through `dispatch`."""
+
+        async def handle(request: Request) -> Any:
+            return await self.dispatch(request, fn, auth, generation, handler)
+
+        return handle
+
+    async def dispatch(
+        self, request: Request, fn: Handler, auth: bool, generation: bool, handler: str
+    ) -> Any:
+        state = self.state
+        span: Span = NO_SPAN
+        if generation and state.tracer.enabled:
+            # a child of the caller's traceparent (the EPP's pick, through the gateway)
+            span = state.tracer.start(
+                "kvgate.engine.request",
+                request.headers,
+                {"http.route": handler, "kvgate.model": self.model.served_names[0]},
+            )
+            request.state.span = span
+        try:
+            if auth and state.api_key is not None:
+                self.check_api_key(request)
+            if generation:
+                if state.refusing:
+                    raise APIError(
+                        503,
+                        "The server is shutting down; send the request to another replica.",
+                        code="draining",
+                    )
+                if state.failure_injection and FAILURE_HEADER in request.headers:
+                    injected = await _inject_failure(request.headers[FAILURE_HEADER])
+                    if injected is not None:
+                        return injected  # a broken response carries no extra headers
+            response = await fn(request)
+        except APIError as exc:
+            response = exc.response()
+        except Exception:  # never a stack trace to the client; the log has it
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            response = error_response(500, "Internal server error.", code="internal_error")
+        if handler:
+            state.metrics.note_http(handler, request.method, getattr(response, "status_code", 200))
+        if span is not NO_SPAN:
+            span.set_attribute("http.response.status_code", getattr(response, "status_code", 200))
+            if isinstance(response, SSEResponse):
+                response.span = span  # ends with the stream
+            else:
+                span.end()
+        # Echo the gateway's request id so Envoy/EPP logs and ours line up.
+        request_id = request.headers.get("x-request-id")
+        if request_id and _REQUEST_ID.fullmatch(request_id):
+            if isinstance(response, SSEResponse):
+                response.extra_headers.append((b"x-request-id", request_id.encode("latin-1")))
+            elif isinstance(response, Response):
+                response.headers["x-request-id"] = request_id
+        return response
+
+    def check_api_key(self, request: Request) -> None:
+        assert self.state.api_key is not None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), state.api_key.encode()
+            token.strip().encode(), self.state.api_key.encode()
         ):
             raise APIError(
                 401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
             )
 
-    def endpoint(
-        fn: Callable[[Request], Awaitable[Any]],
-        *,
-        auth: bool = False,
-        generation: bool = False,
-        handler: str = "",
-    ) -> Callable[[Request], Awaitable[Any]]:
-        async def handle(request: Request) -> Any:
-            span: Span = NO_SPAN
-            if generation and state.tracer.enabled:
-                # a child of the caller's traceparent (the EPP's pick, through the gateway)
-                span = state.tracer.start(
-                    "kvgate.engine.request", request.headers, {"http.route": handler, "kvgate.model": model}
-                )
-                request.state.span = span
-            try:
-                if auth and state.api_key is not None:
-                    check_api_key(request)
-                if generation:
-                    if state.refusing:
-                        raise APIError(
-                            503,
-                            "The server is shutting down; send the request to another replica.",
-                            code="draining",
-                        )
-                    if state.failure_injection and FAILURE_HEADER in request.headers:
-                        injected = await _inject_failure(request.headers[FAILURE_HEADER])
-                        if injected is not None:
-                            return injected  # a broken response carries no extra headers
-                response = await fn(request)
-            except APIError as exc:
-                response = exc.response()
-            except Exception:  # never a stack trace to the client; the log has it
-                log.exception("unhandled error in %s %s", request.method, request.url.path)
-                response = error_response(500, "Internal server error.", code="internal_error")
-            if handler:
-                state.metrics.note_http(handler, request.method, getattr(response, "status_code", 200))
-            if span is not NO_SPAN:
-                span.set_attribute("http.response.status_code", getattr(response, "status_code", 200))
-                if isinstance(response, SSEResponse):
-                    response.span = span  # ends with the stream
-                else:
-                    span.end()
-            # Echo the gateway's request id so Envoy/EPP logs and ours line up.
-            request_id = request.headers.get("x-request-id")
-            if request_id and _REQUEST_ID.fullmatch(request_id):
-                if isinstance(response, SSEResponse):
-                    response.extra_headers.append((b"x-request-id", request_id.encode("latin-1")))
-                elif isinstance(response, Response):
-                    response.headers["x-request-id"] = request_id
-            return response
-
-        return handle
-
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         """The body, counted as it streams in (Content-Length can be absent or lie) and bounded
         in time between chunks, so neither a huge chunked upload nor a trickle holds memory."""
+        state = self.state
         limit = state.max_body_bytes
         too_large = APIError(413, f"Request body larger than {limit} bytes.", code="body_too_large")
         length = request.headers.get("content-length")
@@ -301,80 +366,74 @@ def build_app(state: ServerState) -> Starlette:
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    def handoff(request: Request, raw: bytes) -> Handoff:
-        return Handoff(
-            path=request.url.path,
-            raw_body=raw,
-            prefiller=valid_peer(request.headers.get(PREFILLER_HEADER)),
-            authorization=request.headers.get("authorization"),
-        )
-
-    async def completions(request: Request) -> Any:
-        raw = await read_body(request)
+    # ---- the routes -------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Any:
+        raw = await self.read_body(request)
         req = parse_body(CompletionRequest, raw)
-        result = await serving.completions(req, request.receive, _picked_by(request), handoff(request, raw))
-        if isinstance(result, dict):
-            _trace_result(request, result)
-            return _json(result)
-        return SSEResponse(result.body, on_close=result.close)
+        result = await self.serving_completion.completions(
+            req, request.receive, _picked_by(request), _handoff(request, raw)
+        )
+        return _generation_response(request, result)
 
-    async def chat(request: Request) -> Any:
-        raw = await read_body(request)
+    async def chat(self, request: Request) -> Any:
+        raw = await self.read_body(request)
         req = parse_body(ChatCompletionRequest, raw)
-        result = await serving.chat(req, request.receive, _picked_by(request), handoff(request, raw))
-        if isinstance(result, dict):
-            _trace_result(request, result)
-            return _json(result)
-        return SSEResponse(result.body, on_close=result.close)
+        result = await self.serving_chat.chat(
+            req, request.receive, _picked_by(request), _handoff(request, raw)
+        )
+        return _generation_response(request, result)
 
-    def model_card(name: str) -> dict[str, Any]:
-        adapter = name in model.adapters  # vLLM: an adapter's root is its path, parent the base model
+    def model_card(self, name: str) -> dict[str, Any]:
+        adapter = name in self.model.adapters  # vLLM: an adapter's root is its path, parent the base model
         return {
             "id": name,
             "object": "model",
-            "created": model.created,
+            "created": self.model.created,
             "owned_by": "kvgate",
-            "root": model.adapters[name] if adapter else model.root,
-            "parent": model.name if adapter else None,
-            "max_model_len": model.max_model_len,
+            "root": self.model.adapters[name] if adapter else self.model.root,
+            "parent": self.model.name if adapter else None,
+            "max_model_len": self.model.max_model_len,
             "permission": [],
         }
 
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         return _json(
-            {"object": "list", "data": [model_card(name) for name in [*model.served_names, *model.adapters]]}
+            {
+                "object": "list",
+                "data": [self.model_card(name) for name in [*self.model.served_names, *self.model.adapters]],
+            }
         )
 
-    async def retrieve_model(request: Request) -> Response:
+    async def retrieve_model(self, request: Request) -> Response:
         """OpenAI's GET /v1/models/{model}: one Model object, or 404 for a name not served here.
         Ids may hold slashes (`org/name`); clients send them raw or percent-encoded."""
         name = request.path_params["model_id"]
-        if name not in model.served_names and name not in model.adapters:
+        if name not in self.model.served_names and name not in self.model.adapters:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return _json(model_card(name))
+        return _json(self.model_card(name))
 
-    async def health(request: Request) -> Response:
-        if not engine.alive:
-            raise APIError(503, engine.dead_reason or "The engine is not running.", code="engine_dead")
-        if state.draining:
+    async def health(self, request: Request) -> Response:
+        if not self.engine.alive:
+            raise APIError(503, self.engine.dead_reason or "The engine is not running.", code="engine_dead")
+        if self.state.draining:
             raise APIError(503, "The server is shutting down.", code="draining")
         return Response(b"", status_code=200)
 
-    async def version(request: Request) -> Response:
-        return _json({"version": state.version})
+    async def version(self, request: Request) -> Response:
+        return _json({"version": self.state.version})
 
-    async def metrics(request: Request) -> Response:
-        if state.metrics_auth and state.api_key is not None:
-            check_api_key(request)
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    async def metrics(self, request: Request) -> Response:
+        if self.state.metrics_auth and self.state.api_key is not None:
+            self.check_api_key(request)
+        return Response(self.state.metrics.render(), media_type=CONTENT_TYPE)
 
-    async def tokenize(request: Request) -> Response:
-        req = parse_body(TokenizeRequest, await read_body(request))
-        serving.check_model(req.model)
+    async def tokenize(self, request: Request) -> Response:
+        req = parse_body(TokenizeRequest, await self.read_body(request))
+        self.serving.check_model(req.model)
         if req.messages is not None:
             if not req.messages:
                 raise bad_request("messages must not be empty.", "messages")
-            ids = await serving.chat_prompt_ids(
+            ids = await self.serving.chat_prompt_ids(
                 req.messages,
                 req.add_generation_prompt,
                 req.continue_final_message,
@@ -384,92 +443,76 @@ def build_app(state: ServerState) -> Starlette:
             )
         elif req.prompt is not None:
             # up to the body limit (32 MiB) of text: tokenize it off the event loop
-            encode = serving.tokenizer.encode
+            encode = self.serving.tokenizer.encode
             if len(req.prompt) > INLINE_PROMPT_CHARS:
                 ids = await asyncio.to_thread(encode, req.prompt, add_special_tokens=req.add_special_tokens)
             else:
                 ids = encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
             raise bad_request("Send either 'prompt' or 'messages'.", "prompt")
-        strs = serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        strs = self.serving.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return _json(
-            {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+            {"count": len(ids), "max_model_len": self.model.max_model_len, "tokens": ids, "token_strs": strs}
         )
 
-    async def detokenize(request: Request) -> Response:
-        req = parse_body(DetokenizeRequest, await read_body(request))
-        serving.check_model(req.model)
-        serving.check_token_ids(req.tokens, "tokens")
-        return _json({"prompt": serving.tokenizer.decode(req.tokens)})
+    async def detokenize(self, request: Request) -> Response:
+        req = parse_body(DetokenizeRequest, await self.read_body(request))
+        self.serving.check_model(req.model)
+        self.serving.check_token_ids(req.tokens, "tokens")
+        return _json({"prompt": self.serving.tokenizer.decode(req.tokens)})
 
-    async def openapi(request: Request) -> Response:
+    async def openapi(self, request: Request) -> Response:
         from kvgate.engine.server.openapi import openapi_document
 
-        if "openapi" not in state.extra:
-            state.extra["openapi"] = json.dumps(openapi_document(state.version))
-        return Response(state.extra["openapi"], media_type="application/json")
+        if "openapi" not in self.state.extra:
+            self.state.extra["openapi"] = json.dumps(openapi_document(self.state.version))
+        return Response(self.state.extra["openapi"], media_type="application/json")
 
-    async def kv_transfer_pull(request: Request) -> Response:
+    async def kv_transfer_pull(self, request: Request) -> Response:
         """A producer's pinned blocks, once (prefill/decode disaggregation; never public)."""
-        assert state.kv_transfer is not None
-        body = state.kv_transfer.take_pull(request.path_params["transfer_id"])
+        assert self.state.kv_transfer is not None
+        body = self.state.kv_transfer.take_pull(request.path_params["transfer_id"])
         if body is None:
             raise APIError(404, "No such KV transfer (pulled already, or expired).", code="not_found")
         return StreamingResponse(body(), media_type="application/octet-stream")
 
-    async def load_lora_adapter(request: Request) -> Response:
-        assert state.lora_admin is not None
-        req = parse_body(LoadLoRAAdapterRequest, await read_body(request))
-        return Response(await state.lora_admin.load(req), media_type="text/plain")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        assert self.state.lora_admin is not None
+        req = parse_body(LoadLoRAAdapterRequest, await self.read_body(request))
+        return Response(await self.state.lora_admin.load(req), media_type="text/plain")
 
-    async def unload_lora_adapter(request: Request) -> Response:
-        assert state.lora_admin is not None
-        req = parse_body(UnloadLoRAAdapterRequest, await read_body(request))
-        return Response(await state.lora_admin.unload(req), media_type="text/plain")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        assert self.state.lora_admin is not None
+        req = parse_body(UnloadLoRAAdapterRequest, await self.read_body(request))
+        return Response(await self.state.lora_admin.unload(req), media_type="text/plain")
 
-    def route(path: str, fn: Callable[[Request], Awaitable[Any]], methods: list[str], **kw: bool) -> Route:
-        return Route(path, endpoint(fn, handler=path, **kw), methods=methods)
 
-    routes = [
-        route("/v1/completions", completions, ["POST"], auth=True, generation=True),
-        route("/v1/chat/completions", chat, ["POST"], auth=True, generation=True),
-        route("/v1/models", models, ["GET"], auth=True),
-        route("/v1/models/{model_id:path}", retrieve_model, ["GET"], auth=True),
-        route("/health", health, ["GET"]),
-        route("/ping", health, ["GET", "POST"]),
-        route("/version", version, ["GET"]),
-        route("/tokenize", tokenize, ["POST"], auth=True),
-        route("/detokenize", detokenize, ["POST"], auth=True),
-        route("/metrics", metrics, ["GET"]),
-        route("/openapi.json", openapi, ["GET"]),
-    ]
-    if state.lora_admin is not None:
-        routes += [
-            route("/v1/load_lora_adapter", load_lora_adapter, ["POST"], auth=True),
-            route("/v1/unload_lora_adapter", unload_lora_adapter, ["POST"], auth=True),
-        ]
-    if state.kv_transfer is not None and state.kv_transfer.settings.produces:
-        routes.append(
-            Route(
-                "/v1/kv_transfer/{transfer_id}",
-                endpoint(kv_transfer_pull, auth=True, handler="/v1/kv_transfer"),
-                methods=["GET"],
-            )
-        )
+def _handoff(request: Request, raw: bytes) -> Handoff:
+    return Handoff(
+        path=request.url.path,
+        raw_body=raw,
+        prefiller=valid_peer(request.headers.get(PREFILLER_HEADER)),
+        authorization=request.headers.get("authorization"),
+    )
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = exc.status_code if isinstance(exc, HTTPException) else 500
-        if status == 404:
-            return error_response(404, f"No route {request.url.path}.", code="not_found")
-        if status == 405:
-            return error_response(405, f"Method {request.method} is not allowed on {request.url.path}.")
-        return error_response(status, str(getattr(exc, "detail", "error")))
 
-    async def server_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)
-        return error_response(500, "Internal server error.", code="internal_error")
+def _generation_response(request: Request, result: dict[str, Any] | StreamResult) -> Any:
+    """A completions or chat answer: a JSON body (traced), or the SSE stream."""
+    if isinstance(result, dict):
+        _trace_result(request, result)
+        return _json(result)
+    return SSEResponse(result.body, on_close=result.close)
 
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
-    app.state.kvgate = state
-    app.state.started = time.time()
-    return app
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    if status == 404:
+        return error_response(404, f"No route {request.url.path}.", code="not_found")
+    if status == 405:
+        return error_response(405, f"Method {request.method} is not allowed on {request.url.path}.")
+    return error_response(status, str(getattr(exc, "detail", "error")))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)
+    return error_response(500, "Internal server error.", code="internal_error")

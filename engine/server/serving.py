@@ -1,16 +1,19 @@
-"""OpenAI completions and chat completions on top of `AsyncEngine`.
+"""The shared base of the OpenAI endpoints on top of `AsyncEngine` (split the way vLLM splits its
+serving files: completions in `serving_completion.py`, chat in `serving_chat.py`, the
+prefill/decode hand-off in `pd_handoff.py`).
 
-Turns a validated request into prompt token ids and one `SamplingParams` per choice (n > 1 fans
-out into n engine requests with seeds seed, seed+1, ...), then either collects the finished
-choices (non-streaming) or yields SSE chunks as the engine produces tokens. Response bodies
-are plain dicts serialized with `json.dumps`, which keeps per-token overhead small.
+`OpenAIServing` holds what both endpoints (and /tokenize, /detokenize) share: the model check and
+the request prologue, prompt validation and tokenization, one `SamplingParams` per choice (n > 1
+fans out into n engine requests with seeds seed, seed+1, ...), and queuing on the engine. The
+module also holds the two ways a queued request is answered: its finished choices collected
+(non-streaming) or an SSE body yielding chunks as the engine produces tokens. Response bodies are
+plain dicts serialized with `json.dumps`, which keeps per-token overhead small.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
@@ -18,23 +21,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from kvgate.api.lora import lora_int_id
-from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
+from kvgate.engine.outputs import PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
 from kvgate.engine.server.errors import APIError, bad_request
+from kvgate.engine.server.pd_handoff import Handoff, PDHandoff
 from kvgate.engine.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from kvgate.engine.server.responses import (
-    SSE_DONE,
-    ResponseMeta,
-    chat_logprobs,
-    completion_logprobs,
-    echo_completion_logprobs,
-    prompt_logprobs_json,
-    sse,
-    stream_error,
-)
-from kvgate.engine.server.tools.request import ToolOptions, ToolPlan, plan_tools
-from kvgate.engine.server.tools.stream import ToolStreamer, message_tool_calls
+from kvgate.engine.server.responses import SSE_DONE, ResponseMeta, sse, stream_error
+from kvgate.engine.server.tools.request import ToolOptions
 from kvgate.engine.structured import StructuredOutputError, StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -93,18 +87,9 @@ async def watch_disconnect(receive: Receive, handle: RequestHandle) -> None:
 INLINE_PROMPT_CHARS = 32_768
 
 
-@dataclass(frozen=True)
-class Handoff:
-    """What a prefill/decode hand-off needs of the HTTP request: the route and body to send the
-    prefiller, the prefiller the EPP chose (x-prefiller-host-port), the caller's credentials."""
-
-    path: str
-    raw_body: bytes
-    prefiller: str | None = None
-    authorization: str | None = None
-
-
 class OpenAIServing:
+    """What the OpenAI endpoints share, over one engine and its tokenizer and served model."""
+
     def __init__(
         self,
         engine: AsyncEngine,
@@ -115,7 +100,7 @@ class OpenAIServing:
         kv_transfer: KVTransfer | None = None,
     ) -> None:
         self.engine = engine
-        self.kv = kv_transfer
+        self.pd = PDHandoff(kv_transfer)
         self.tokenizer = tokenizer
         self.model = model
         self.trust_request_chat_template = trust_request_chat_template
@@ -125,7 +110,7 @@ class OpenAIServing:
         self._id_prefix = uuid.uuid4().hex[:16]
         self._ids = itertools.count()
 
-    def _first_token_text(self, token_id: int) -> str:
+    def first_token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
 
     def _next_id(self) -> str:
@@ -137,21 +122,6 @@ class OpenAIServing:
             return lora_int_id(model)
         return None
 
-    async def _submit(
-        self,
-        rid: str,
-        items: list[tuple[list[int], SamplingParams]],
-        model: str,
-        lora_id: int | None,
-        picked_by: str | None,
-    ) -> RequestHandle:
-        try:
-            return await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
-        except APIError as exc:
-            if exc.code == "model_not_found":  # its adapter went between check_model and the engine
-                raise _unknown_model(model) from None
-            raise
-
     # ---- validation shared by both endpoints ----------------------------------------------
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model.served_names:
@@ -160,7 +130,7 @@ class OpenAIServing:
             return name
         raise _unknown_model(name)
 
-    def _reject_unsupported(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+    def reject_unsupported(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n (beam/best-of search is not supported).", "best_of")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -173,7 +143,7 @@ class OpenAIServing:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported by this engine.", "logit_bias")
 
-    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
         """Validate a tokenized prompt; return the max_tokens to use.
 
         An unset max_tokens stays unset: the engine stops the request at the context limit, and
@@ -226,7 +196,7 @@ class OpenAIServing:
                 f"Token id {max(ids)} is out of range: the vocabulary has {vocab} tokens.", param
             )
 
-    def _params(
+    def sampling_params(
         self,
         req: CompletionRequest | ChatCompletionRequest,
         max_tokens: int | None,
@@ -263,7 +233,7 @@ class OpenAIServing:
         # Each choice gets its own seed so choices differ yet stay reproducible (vLLM does the same).
         return [replace(base, seed=None if req.seed is None else req.seed + i) for i in range(req.n)]
 
-    async def _structured(
+    async def structured_outputs(
         self, req: CompletionRequest | ChatCompletionRequest, tool_schema: dict[str, Any] | None = None
     ) -> StructuredOutputSpec | None:
         """The request's output constraint, compiled (a 400 before anything is queued when it
@@ -390,357 +360,80 @@ class OpenAIServing:
             return await asyncio.to_thread(self.chat_prompt, *args)
         return self.chat_prompt(*args)
 
-    # ---- completions -----------------------------------------------------------------------
-    async def completions(
-        self,
-        req: CompletionRequest,
-        receive: Receive,
-        picked_by: str | None = None,
-        handoff: Handoff | None = None,
-    ) -> dict[str, Any] | StreamResult:
+    # ---- the request's way through the engine, shared by both endpoints ---------------------
+    def prologue(self, req: CompletionRequest | ChatCompletionRequest) -> tuple[str, bool]:
+        """What every generation request checks first, in this order (the first that fails is
+        the error): the model it names, the options this engine refuses, a P/D producer's
+        do_remote_decode. Returns the model to answer as, and whether the answer carries
+        kv_transfer_params (`Submitted.pin_for_pull`)."""
         model = self.check_model(req.model)
-        self._reject_unsupported(req)
-        produce = self._produces(req)
-        if req.suffix:
-            raise bad_request("suffix is not supported.", "suffix")
-        _check_prompt_logprobs(req)
-        structured = await self._structured(req)
-        # OpenAI and vLLM: echo with max_tokens 0 scores the prompt and returns it alone (vLLM
-        # runs one token and drops it); without echo, 0 is out of range.
-        if req.max_tokens == 0 and not req.echo:
-            raise bad_request("max_tokens must be at least 1, got 0.", "max_tokens")
-        echo_only = req.echo and req.max_tokens == 0
-        prompt_lp = req.prompt_logprobs
-        if prompt_lp is None and req.echo:
-            prompt_lp = req.logprobs  # echo + logprobs: the prompt's too (None: not asked)
-        p = req.prompt
-        chars = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str)) if p else 0
-        if chars > INLINE_PROMPT_CHARS:
-            prompts = await asyncio.to_thread(self.completion_prompts, req)
-        else:
-            prompts = self.completion_prompts(req)
-        if len(prompts) * req.n > MAX_SEQUENCES_PER_REQUEST:
-            raise bad_request(
-                f"{len(prompts)} prompts x n={req.n} is more than {MAX_SEQUENCES_PER_REQUEST} sequences in one request.",
-                "prompt",
-            )
-        items: list[tuple[list[int], SamplingParams]] = []
-        for ids in prompts:
-            max_tokens = self._check_prompt(ids, 1 if echo_only else req.max_tokens, "prompt")
-            items.extend((ids, p) for p in self._params(req, max_tokens, req.logprobs, prompt_lp, structured))
-        echo = [self.tokenizer.decode(ids) for ids in prompts] if req.echo else None
-        scoring = _Echo(prompts, echo_only, self._first_token_text) if req.echo else None
-        rid = f"cmpl-{self._next_id()}"
+        self.reject_unsupported(req)
+        return model, self.pd.produces(req)
+
+    async def submit(
+        self,
+        id_prefix: str,
+        req: CompletionRequest | ChatCompletionRequest,
+        model: str,
+        prompts: list[list[int]],
+        items: list[tuple[list[int], SamplingParams]],
+        handoff: Handoff | None,
+        picked_by: str | None,
+    ) -> Submitted:
+        """Queue a request's sequences (`items`, from `prompts`) on the engine under a new id.
+        A P/D consumer pulls a single prompt's KV first; the pulled blocks go if queuing fails."""
+        rid = f"{id_prefix}-{self._next_id()}"
         lora_id = self._lora_id(model)
-        imported = await self._kv_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
+        imported = await self.pd.pull_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
         try:
-            handle = await self._submit(rid, items, model, lora_id, picked_by)
-        except BaseException:
-            await self._kv_release(imported)
+            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+        except BaseException as exc:
+            await self.pd.release(imported)
+            if isinstance(exc, APIError) and exc.code == "model_not_found":
+                # its adapter went between check_model and the engine
+                raise _unknown_model(model) from None
             raise
         meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamResult(
-                self._stream_completion(
-                    handle, meta, include_usage, req.logprobs is not None, echo, receive, scoring
-                ),
-                self._closer(handle, imported),
-            )
+        return Submitted(handle, meta, lora_id, imported, self.pd)
+
+
+@dataclass
+class Submitted:
+    """A request queued on the engine, to answer either way: `stream` or `collect`."""
+
+    handle: RequestHandle
+    meta: ResponseMeta
+    lora_id: int | None
+    imported: Imported | None  # the KV a P/D consumer pulled for it, released when it ends
+    pd: PDHandoff
+
+    def stream(self, body: AsyncGenerator[bytes, None]) -> StreamResult:
+        return StreamResult(body, self.pd.closer(self.handle, self.imported))
+
+    async def collect(self, receive: Receive) -> dict[int, RequestOutput]:
+        """Every choice's final output, by index."""
         try:
-            finals = await _collect(handle, receive)
+            return await _collect(self.handle, receive)
         finally:
-            await self._kv_release(imported)
-        choices = []
-        for index in range(len(items)):
-            out = finals[index]
-            generated = "" if echo_only else out.text
-            text = generated if echo is None else echo[index // req.n] + generated
-            lp = None
-            if req.logprobs is not None:
-                if scoring is not None:
-                    lp = scoring.logprobs(index // req.n, out, None if echo_only else out.logprobs)
-                else:
-                    lp = completion_logprobs(out.logprobs, 0)
-            c: dict[str, Any] = {
-                "index": index,
-                "text": text,
-                "logprobs": lp,
-                "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason,
-            }
-            if req.prompt_logprobs is not None:
-                c["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs or [])
-            choices.append(c)
-        body = {
-            "id": rid,
-            "object": "text_completion",
-            "created": meta.created,
-            "model": model,
-            "choices": choices,
-            "usage": meta.usage(finals),
-        }
-        if produce and self.kv is not None:
-            body["kv_transfer_params"] = await self.kv.pin_for_pull(prompts[0], lora_id)
-        return body
+            await self.pd.release(self.imported)
 
-    def _stream_completion(
-        self,
-        handle: RequestHandle,
-        meta: ResponseMeta,
-        include_usage: bool,
-        want_logprobs: bool,
-        echo: list[str] | None,
-        receive: Receive,
-        scoring: _Echo | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        offsets: dict[int, int] = {}  # per choice that has started: its text offset (logprobs)
-        echo_only = scoring is not None and scoring.echo_only
-
-        def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
-            text = "" if echo_only else out.delta_text
-            first = index not in offsets
-            if echo is not None and first:
-                text = echo[index // meta.n] + text
-            chunk_lp = None
-            if want_logprobs:
-                new_lp = None if echo_only else (out.new_logprobs or [])
-                if scoring is not None and first:
-                    chunk_lp = scoring.logprobs(index // meta.n, out, new_lp)
-                    offsets[index] = sum(len(t) for t in chunk_lp["tokens"])
-                else:
-                    chunk_lp = completion_logprobs(new_lp, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + sum(len(p.sampled.decoded) for p in new_lp or [])
-            else:
-                offsets.setdefault(index, 0)
-            if not text and not out.finished and not chunk_lp:
-                return None
-            return {
-                "index": index,
-                "text": text,
-                "logprobs": chunk_lp,
-                "finish_reason": out.finish_reason if out.finished else None,
-                "stop_reason": out.stop_reason if out.finished else None,
-            }
-
-        return _sse_stream(handle, meta, "text_completion", include_usage, receive, choice)
-
-    # ---- chat completions ------------------------------------------------------------------
-    async def chat(
-        self,
-        req: ChatCompletionRequest,
-        receive: Receive,
-        picked_by: str | None = None,
-        handoff: Handoff | None = None,
-    ) -> dict[str, Any] | StreamResult:
-        model = self.check_model(req.model)
-        self._reject_unsupported(req)
-        produce = self._produces(req)
-        tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_options)
-        structured = await self._structured(req, tool_plan.json_schema())
-        if req.top_logprobs is not None and not req.logprobs:
-            raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
-        _check_prompt_logprobs(req)
-        ids = await self.chat_prompt_ids(
-            req.messages,
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.chat_template_kwargs,
-            req.chat_template,
-            req.tools,
-        )
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._check_prompt(ids, requested, "messages")
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        items = [(ids, p) for p in self._params(req, max_tokens, logprobs, req.prompt_logprobs, structured)]
-        rid = f"chatcmpl-{self._next_id()}"
-        lora_id = self._lora_id(model)
-        imported = await self._kv_in(req, handoff, ids, lora_id)
-        try:
-            handle = await self._submit(rid, items, model, lora_id, picked_by)
-        except BaseException:
-            await self._kv_release(imported)
-            raise
-        meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(ids)])
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamResult(
-                self._stream_chat(handle, meta, include_usage, req.logprobs, receive, tool_plan),
-                self._closer(handle, imported),
-            )
-        try:
-            finals = await _collect(handle, receive)
-        finally:
-            await self._kv_release(imported)
-        choices = []
-        for index in range(len(items)):
-            out = finals[index]
-            message, finish_reason = self._tool_message(tool_plan, out)
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": {"content": chat_logprobs(out.logprobs or [])} if req.logprobs else None,
-                    "finish_reason": finish_reason,
-                    "stop_reason": out.stop_reason,
-                }
-            )
-        body = {
-            "id": rid,
-            "object": "chat.completion",
-            "created": meta.created,
-            "model": model,
-            "choices": choices,
-            "usage": meta.usage(finals),
-        }
-        if req.prompt_logprobs is not None:  # vLLM: on the response, not per choice (one prompt)
-            body["prompt_logprobs"] = prompt_logprobs_json(finals[0].prompt_logprobs or [])
-        if produce and self.kv is not None:
-            body["kv_transfer_params"] = await self.kv.pin_for_pull(ids, lora_id)
-        return body
-
-    # -- prefill/decode disaggregation -------------------------------------------------------
-    def _produces(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
-        """A prefill for a decode engine (vLLM's do_remote_decode): answered with the
-        kv_transfer_params to pull its blocks with. Only on a producer; elsewhere ignored."""
-        params = req.kv_transfer_params
-        if params is None or not params.do_remote_decode or self.kv is None or not self.kv.settings.produces:
-            return False
-        if req.stream:
-            raise bad_request("kv_transfer_params.do_remote_decode needs stream false.", "kv_transfer_params")
-        return True
-
-    async def _kv_in(
-        self,
-        req: CompletionRequest | ChatCompletionRequest,
-        handoff: Handoff | None,
-        prompt_ids: list[int],
-        lora_id: int | None,
-    ) -> Imported | None:
-        """A consumer's hand-off, before the request is queued: the prompt's KV pulled from a
-        producer into this engine's prefix cache (None: none, or it failed: computed here)."""
-        kv = self.kv
-        if kv is None or not kv.settings.consumes:
-            return None
-        auth = handoff.authorization if handoff else None
-        params = req.kv_transfer_params
-        if params is not None and params.do_remote_prefill:
-            got = await kv.pull(params.model_dump(), prompt_ids, lora_id, auth)
-        elif handoff is not None and handoff.prefiller:
-            try:
-                body = json.loads(handoff.raw_body)
-            except ValueError:
-                return None
-            got = await kv.prefill_remotely(handoff.prefiller, handoff.path, body, prompt_ids, lora_id, auth)
-        else:
-            return None
-        metrics = kv.metrics
-        with metrics.lock:
-            metrics.external_queries.inc(len(prompt_ids))
-            metrics.external_hits.inc(got.tokens if got else 0)
-            metrics.touch()
-        return got
-
-    async def _kv_release(self, imported: Imported | None) -> None:
-        if imported is not None and self.kv is not None:
-            await self.kv.release(imported)
-
-    def _closer(self, handle: RequestHandle, imported: Imported | None) -> Callable[[], None]:
-        """A stream's close: the request's, then (off the caller's stack) the pulled blocks'."""
-        if imported is None:
-            return handle.close
-
-        def close() -> None:
-            handle.close()
-            asyncio.get_running_loop().create_task(self._kv_release(imported))
-
-        return close
-
-    def _tool_message(self, plan: ToolPlan, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
-        """A finished choice's message and finish_reason: tool calls read out of its text when
-        the request asked for them (OpenAI: finish_reason "tool_calls", except for a named
-        function, which finishes "stop")."""
-        parser = plan.parser(self.tool_options)
-        calls = parser.parse(out.text, final=True) if parser is not None else None
-        if calls is None or not calls.calls:
-            return {"role": "assistant", "content": out.text}, out.finish_reason
-        found = calls.calls if plan.parallel else calls.calls[:1]
-        message = {
-            "role": "assistant",
-            "content": calls.content or None,
-            "tool_calls": message_tool_calls(found),
-        }
-        return message, _tool_finish_reason(plan, out.finish_reason)
-
-    def _stream_chat(
-        self,
-        handle: RequestHandle,
-        meta: ResponseMeta,
-        include_usage: bool,
-        want_logprobs: bool,
-        receive: Receive,
-        tool_plan: ToolPlan | None = None,
-    ) -> AsyncGenerator[bytes, None]:
-        streamers: dict[int, ToolStreamer] = {}  # per choice, when tool calls are parsed
-
-        def tool_delta(index: int, out: RequestOutput) -> tuple[dict[str, Any], str | None]:
-            assert tool_plan is not None
-            streamer = streamers.get(index)
-            if streamer is None:
-                parser = tool_plan.parser(self.tool_options)
-                assert parser is not None
-                streamer = streamers[index] = ToolStreamer(
-                    parser, max_calls=None if tool_plan.parallel else 1
-                )
-            delta = streamer.delta(out.text, final=out.finished)
-            finish: str | None = out.finish_reason
-            if out.finished and streamer.called:
-                finish = _tool_finish_reason(tool_plan, finish)
-            return delta, finish
-
-        parse_tools = tool_plan is not None and tool_plan.parser(self.tool_options) is not None
-
-        def choice(index: int, out: RequestOutput) -> dict[str, Any] | None:
-            lp = None
-            if want_logprobs and out.new_logprobs:
-                lp = {"content": chat_logprobs(out.new_logprobs)}
-            if parse_tools:
-                delta, finish_reason = tool_delta(index, out)
-            else:
-                delta = {"content": out.delta_text} if out.delta_text else {}
-                finish_reason = out.finish_reason
-            if not delta and not out.finished and lp is None:
-                return None
-            c: dict[str, Any] = {
-                "index": index,
-                "delta": delta,
-                "logprobs": lp,
-                "finish_reason": finish_reason if out.finished else None,
-            }
-            if out.finished:
-                c["stop_reason"] = out.stop_reason
-            return c
-
-        # The role arrives first, like OpenAI, so clients can render a bubble before any token.
-        roles = [
-            {
-                "index": i,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-            for i in range(len(handle.ids))
-        ]
-        return _sse_stream(handle, meta, "chat.completion.chunk", include_usage, receive, choice, roles)
+    async def pin_for_pull(self, prompt_ids: list[int]) -> dict[str, Any]:
+        """A P/D producer's kv_transfer_params: the prompt's blocks pinned for the decoder."""
+        return await self.pd.pin_for_pull(prompt_ids, self.lora_id)
 
 
-def _tool_finish_reason(plan: ToolPlan, finish_reason: str | None) -> str | None:
-    if plan.mode == "named" or finish_reason != "stop":
-        return finish_reason
-    return "tool_calls"
+def include_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """stream_options.include_usage: a usage chunk ends the stream."""
+    return bool(req.stream_options and req.stream_options.include_usage)
 
 
-async def _sse_stream(
+def check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
+    # vLLM's rule: the streamed bodies have no place for them.
+    if req.stream and req.prompt_logprobs:
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+
+
+async def sse_stream(
     handle: RequestHandle,
     meta: ResponseMeta,
     obj: str,
@@ -818,24 +511,3 @@ async def _collect(handle: RequestHandle, receive: Receive) -> dict[int, Request
         watcher.cancel()
         handle.close()
     return finals
-
-
-def _check_prompt_logprobs(req: CompletionRequest | ChatCompletionRequest) -> None:
-    # vLLM's rule: the streamed bodies have no place for them.
-    if req.stream and req.prompt_logprobs:
-        raise bad_request("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
-
-
-@dataclass
-class _Echo:
-    """Completions with echo: what the logprobs of each prompt's choices start with."""
-
-    prompts: list[list[int]]
-    echo_only: bool  # max_tokens 0: the prompt alone, the one token run to get there dropped
-    first_token_text: Callable[[int], str]
-
-    def logprobs(
-        self, prompt_index: int, out: RequestOutput, generated: list[PositionLogprobs] | None
-    ) -> dict[str, Any]:
-        first = self.first_token_text(self.prompts[prompt_index][0])
-        return echo_completion_logprobs(out.prompt_logprobs or [None], first, generated)
