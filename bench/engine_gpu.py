@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.core.runner_api import ScheduledBatch, ScheduledSeq
 from kvgate.engine.loader import Checkpoint
 from kvgate.engine.model_runner import TorchModelRunner
 from kvgate.engine.models.config import ModelConfig, RopeScaling
-from kvgate.engine.runner_api import ScheduledBatch, ScheduledSeq
 from kvgate.engine.sampling_params import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {

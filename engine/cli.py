@@ -47,6 +47,19 @@ def _bytes(text: str) -> int:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    """The flags of `kvgate engine serve`, one function per argument group (in --help order)."""
+    _add_model_args(p)
+    _add_cache_args(p)
+    _add_lora_args(p)
+    _add_pd_args(p)
+    _add_server_args(p)
+    _add_tool_args(p)
+    _add_kv_events_args(p)
+    _add_simulation_args(p)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Which model, on which device, with what context length."""
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -78,6 +91,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--max-model-len", type=_positive_int, default=None, help="context length; unset: the model's"
     )
 
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """The scheduler's budgets, the KV pool and the host KV tier."""
     s = p.add_argument_group("scheduling and KV cache")
     s.add_argument(
         "--max-num-seqs", type=_positive_int, default=128, help="most sequences running in one step"
@@ -133,6 +149,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="when a block is copied to the host tier: when the device pool evicts it (default; the "
         "tiers hold different blocks) or as soon as a step computes it (vLLM's native offloading)",
     )
+
+
+def _add_lora_args(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters served as models."""
     lo = p.add_argument_group("LoRA adapters (vLLM's flags)")
     lo.add_argument(
         "--enable-lora",
@@ -168,6 +188,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "unload (0: refuse at once)",
     )
 
+
+def _add_pd_args(p: argparse.ArgumentParser) -> None:
+    """Prefill/decode disaggregation: the engine's role and the hand-off's timeouts."""
     pd = p.add_argument_group("prefill/decode disaggregation (vLLM's kv_role)")
     pd.add_argument(
         "--kv-role",
@@ -193,6 +216,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="seconds a producer holds blocks for a pull that does not come (a consumer that died)",
     )
 
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP server: address, auth, draining, slow clients, logs and traces."""
     h = p.add_argument_group("HTTP server")
     h.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
     h.add_argument(
@@ -273,6 +299,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     add_log_level(h)
     add_otlp_endpoint(h)
 
+
+def _add_tool_args(p: argparse.ArgumentParser) -> None:
+    """Tool calling."""
     t = p.add_argument_group("tool calling (vLLM's flags)")
     t.add_argument(
         "--enable-auto-tool-choice",
@@ -289,6 +318,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "Hermes, Qwen2.5/3), llama3_json (Llama 3.1/3.2 JSON), pythonic ([f(x=1)]: Llama 3.2/4)",
     )
 
+
+def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
+    """KV events published for the EPP's prefix-cache index."""
     k = p.add_argument_group("KV events (vLLM ZMQ layout, read by llm-d / kvgate EPP)")
     k.add_argument(
         "--kv-events-endpoint",
@@ -312,6 +344,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     k.add_argument("--kv-events-buffer", type=_positive_int, default=10_000, help="batches kept for replay")
 
+
+def _add_simulation_args(p: argparse.ArgumentParser) -> None:
+    """The timing model that replaces the model with --simulate."""
     add_simulation_group(
         p,
         "simulation (no model: real scheduler, KV cache, metrics and events)",

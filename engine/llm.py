@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvgate.engine.config import DEFAULT_MODEL, EngineConfig
+from kvgate.engine.core.runner_api import ModelRunner
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import FinishReason, PositionLogprobs, RequestOutput
-from kvgate.engine.runner_api import ModelRunner
 from kvgate.engine.sampling_params import SamplingParams
 
 # A string, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [int]}.

@@ -14,11 +14,9 @@ from typing import Any
 
 from kvgate.api.contracts.kv_events import KVEvent
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
-from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput, TokenLogprob
-from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner_api import (
+from kvgate.engine.core.kv_cache_manager import KVCacheManager
+from kvgate.engine.core.request import Request, RequestStatus
+from kvgate.engine.core.runner_api import (
     ModelRunner,
     PromptLogprobsChunk,
     SampledToken,
@@ -26,8 +24,10 @@ from kvgate.engine.runner_api import (
     SupportsKVTransfer,
     SupportsLoRA,
 )
+from kvgate.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.detokenizer import ByteLevelTable, IncrementalDetokenizer
+from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput, TokenLogprob
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.structured.manager import StructuredOutputManager
 
 log = logging.getLogger(__name__)

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvgate.engine.core.runner_api import ScheduledSeq
 from kvgate.engine.layers.linear import Linear, MergedLinear
 from kvgate.engine.layers.lora import LoRABatch, LoRAWeights, slot_groups
 from kvgate.engine.loader.peft import LoRAAdapter, load_peft_adapter
 from kvgate.engine.models.llama import LlamaForCausalLM
-from kvgate.engine.runner_api import ScheduledSeq
 
 log = logging.getLogger(__name__)
 

@@ -17,16 +17,7 @@ import torch
 
 from kvgate.api.tokenizer import resolve_model
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.layers.attention import (
-    AttentionBackend,
-    TorchAttentionBackend,
-    TritonAttentionBackend,
-    build_attention_metadata,
-)
-from kvgate.engine.layers.sampler import Sampler, SampleRequest
-from kvgate.engine.loader import Checkpoint, load_model, open_checkpoint
-from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
-from kvgate.engine.runner_api import (
+from kvgate.engine.core.runner_api import (
     ModelRunner,
     PromptLogprobsChunk,
     SampledToken,
@@ -36,6 +27,15 @@ from kvgate.engine.runner_api import (
     SupportsKVTransfer,
     SupportsLoRA,
 )
+from kvgate.engine.layers.attention import (
+    AttentionBackend,
+    TorchAttentionBackend,
+    TritonAttentionBackend,
+    build_attention_metadata,
+)
+from kvgate.engine.layers.sampler import Sampler, SampleRequest
+from kvgate.engine.loader import Checkpoint, load_model, open_checkpoint
+from kvgate.engine.models.llama import KVCache, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from kvgate.api.tokenizer import Tokenizer

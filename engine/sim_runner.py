@@ -22,7 +22,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.runner_api import (
+from kvgate.engine.core.runner_api import (
     ModelRunner,
     PromptLogprobsChunk,
     SampledToken,

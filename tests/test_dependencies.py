@@ -303,7 +303,7 @@ def test_the_closure_reaches_what_the_image_runs() -> None:
     files = {p.relative_to(ROOT).as_posix() for p in image_closure("engine").files}
     assert {
         "engine/server/app.py",
-        "engine/server/kv_transfer.py",
+        "engine/server/kv_transfer_http.py",
         "api/tokenizer.py",
         "kvgate/cli.py",
     } <= files

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgate.engine.runner_api import SampledToken
+from kvgate.engine.core.runner_api import SampledToken
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.structured.bitmask import unpack_bitmask
 

@@ -29,7 +29,7 @@ from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
 from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
-from kvgate.engine.server.kv_transfer import KVTransfer, valid_peer
+from kvgate.engine.server.kv_transfer_http import KVTransfer, valid_peer
 from kvgate.engine.server.lora_admin import LoadLoRAAdapterRequest, LoRAAdmin, UnloadLoRAAdapterRequest
 from kvgate.engine.server.metrics import CONTENT_TYPE, EngineMetrics
 from kvgate.engine.server.pd_handoff import Handoff

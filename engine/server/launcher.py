@@ -246,7 +246,7 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     version = _version()
     kv_transfer = None
     if options.kv_role != "none":
-        from kvgate.engine.server.kv_transfer import KVTransfer, KVTransferSettings
+        from kvgate.engine.server.kv_transfer_http import KVTransfer, KVTransferSettings
 
         host, _, adv_port = advertised_endpoint(options.host, port).rpartition(":")
         try:

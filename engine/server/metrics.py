@@ -17,9 +17,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvgate.api.contracts import metrics as names
-from kvgate.engine.block_pool import HASH_ALGO
+from kvgate.engine.core.block_pool import HASH_ALGO
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -242,7 +243,253 @@ class CacheConfigInfo:
         }
 
 
+_M = TypeVar("_M", bound=_Metric)
+
+# A plain series: one family labelled only by model name and engine, kept in an attribute of
+# `EngineMetrics`: (attribute, name, kind, help). Attribute None: exported, never set.
+_Series = tuple[str | None, str, str, str]
+
+# The scheduler's state and vLLM's cumulative token counts.
+_STEP_SERIES: tuple[_Series, ...] = (
+    ("running", names.NUM_REQUESTS_RUNNING, "gauge", "Number of requests in model execution batches."),
+    ("waiting", names.NUM_REQUESTS_WAITING, "gauge", "Number of requests waiting to be processed."),
+    ("kv_usage", names.KV_CACHE_USAGE_PERC, "gauge", "KV-cache usage. 1 means 100 percent usage."),
+    (
+        "gpu_usage",
+        names.GPU_CACHE_USAGE_PERC,
+        "gauge",
+        "GPU KV-cache usage. 1 means 100 percent usage (deprecated alias).",
+    ),
+    ("prompt_tokens", names.PROMPT_TOKENS_TOTAL, "counter", "Number of prefill tokens processed."),
+    ("generation_tokens", names.GENERATION_TOKENS_TOTAL, "counter", "Number of generation tokens processed."),
+    (
+        "prefix_queries",
+        names.PREFIX_CACHE_QUERIES_TOTAL,
+        "counter",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        "prefix_hits",
+        names.PREFIX_CACHE_HITS_TOTAL,
+        "counter",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
+    ("preemptions", names.NUM_PREEMPTIONS_TOTAL, "counter", "Cumulative number of preemptions."),
+)
+
+# Where prompt tokens came from (after the by-source family). vLLM registers the external and
+# multimodal ones whatever the config; a kvgate consumer (--kv-role) counts the prompt tokens it
+# asked a producer for and those it pulled, and the host KV tier (--kv-offloading-size, a
+# connector in vLLM) the tokens looked up in it and loaded from it; multimodal stays 0.
+_PROMPT_SERIES: tuple[_Series, ...] = (
+    (
+        "prompt_cached",
+        names.PROMPT_TOKENS_CACHED_TOTAL,
+        "counter",
+        "Number of cached prompt tokens (local + external).",
+    ),
+    (
+        "prompt_recomputed",
+        names.PROMPT_TOKENS_RECOMPUTED_TOTAL,
+        "counter",
+        "Number of cached tokens recomputed for forward pass.",
+    ),
+    (
+        "external_queries",
+        names.EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
+        "counter",
+        "External prefix cache queries from KV connector cross-instance cache sharing, "
+        "in terms of number of queried tokens.",
+    ),
+    (
+        "external_hits",
+        names.EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
+        "counter",
+        "External prefix cache hits from KV connector cross-instance cache sharing, "
+        "in terms of number of cached tokens.",
+    ),
+    (
+        None,
+        names.MM_CACHE_QUERIES_TOTAL,
+        "counter",
+        "Multi-modal cache queries, in terms of number of queried items.",
+    ),
+    (
+        None,
+        names.MM_CACHE_HITS_TOTAL,
+        "counter",
+        "Multi-modal cache hits, in terms of number of cached items.",
+    ),
+)
+
+# The host KV tier, LoRA slots and P/D pins (after the kv_transfer families).
+_KV_SERIES: tuple[_Series, ...] = (
+    (
+        "host_kv_usage",
+        names.CPU_CACHE_USAGE_PERC,
+        "gauge",
+        "CPU KV-cache usage. 1 means 100 percent usage (the host tier, --kv-offloading-size).",
+    ),
+    ("host_kv_stores", names.KVGATE_KV_OFFLOAD_STORES_TOTAL, "counter", "KV blocks copied to the host tier."),
+    (
+        "host_kv_loads",
+        names.KVGATE_KV_OFFLOAD_LOADS_TOTAL,
+        "counter",
+        "KV blocks loaded back from the host tier instead of computed again.",
+    ),
+    (
+        "host_kv_copy_seconds",
+        names.KVGATE_KV_OFFLOAD_SECONDS_TOTAL,
+        "counter",
+        "Seconds steps spent copying KV blocks between the device and the host tier.",
+    ),
+    (
+        "lora_loads",
+        "kvgate:lora_adapter_loads_total",
+        "counter",
+        "LoRA adapters put into a device slot (each costs a weight copy; LoRA-aware routing avoids them).",
+    ),
+    (
+        "kv_transfer_pinned",
+        "kvgate:kv_transfer_pinned_blocks",
+        "gauge",
+        "KV blocks a producer holds for pulls not made yet.",
+    ),
+)
+
+# kvgate's own gauges for routers (after the cache config info).
+_ROUTING_SERIES: tuple[_Series, ...] = (
+    # 1 from SIGTERM on, while the engine still serves its grace period
+    (
+        "draining",
+        names.KVGATE_DRAINING,
+        "gauge",
+        "1 while the server is shutting down: route new requests elsewhere.",
+    ),
+    # the prefill work ahead of a new request (a router's latency estimate)
+    (
+        "prefill_pending",
+        names.KVGATE_PREFILL_TOKENS_PENDING,
+        "gauge",
+        "Prompt tokens still to compute, queued and running (prefix-cache hits excluded).",
+    ),
+)
+
+# vLLM's per-request histograms, labelled by model name and engine: (attribute, name, help,
+# buckets); buckets None: 1-2-5 steps up to the context length (token counts).
+_HISTOGRAMS: tuple[tuple[str, str, str, tuple[float, ...] | None], ...] = (
+    ("ttft", names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    ("itl", names.INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    ("e2e", names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", E2E_BUCKETS),
+    (
+        "tpot",
+        names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
+        "Histogram of time_per_output_token_seconds per request.",
+        ITL_BUCKETS,
+    ),
+    (
+        "queue_time",
+        names.REQUEST_QUEUE_TIME_SECONDS,
+        "Histogram of time spent in WAITING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "inference_time",
+        names.REQUEST_INFERENCE_TIME_SECONDS,
+        "Histogram of time spent in RUNNING phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "prefill_time",
+        names.REQUEST_PREFILL_TIME_SECONDS,
+        "Histogram of time spent in PREFILL phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    (
+        "decode_time",
+        names.REQUEST_DECODE_TIME_SECONDS,
+        "Histogram of time spent in DECODE phase for request.",
+        REQUEST_LATENCY_BUCKETS,
+    ),
+    ("request_prompt_tokens", names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", None),
+    (
+        "request_generation_tokens",
+        names.REQUEST_GENERATION_TOKENS,
+        "Number of generation tokens processed.",
+        None,
+    ),
+    (
+        "prefill_kv_computed",
+        names.REQUEST_PREFILL_KV_COMPUTED_TOKENS,
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        None,
+    ),
+    (
+        "iteration_tokens",
+        names.ITERATION_TOKENS_TOTAL,
+        "Histogram of number of tokens per engine_step.",
+        tuple(float(b) for b in ITERATION_TOKENS_BUCKETS),
+    ),
+    (
+        "max_num_generation_tokens",
+        names.REQUEST_MAX_NUM_GENERATION_TOKENS,
+        "Histogram of maximum number of requested generation tokens.",
+        None,
+    ),
+    (
+        "params_n",
+        names.REQUEST_PARAMS_N,
+        "Histogram of the n request parameter.",
+        tuple(float(b) for b in PARAMS_N_BUCKETS),
+    ),
+    (
+        "params_max_tokens",
+        names.REQUEST_PARAMS_MAX_TOKENS,
+        "Histogram of the max_tokens request parameter.",
+        None,
+    ),
+)
+
+
 class EngineMetrics:
+    # Set from the tables above (the plain series and the per-request histograms).
+    running: _Child
+    waiting: _Child
+    kv_usage: _Child
+    gpu_usage: _Child
+    prompt_tokens: _Child
+    generation_tokens: _Child
+    prefix_queries: _Child
+    prefix_hits: _Child
+    preemptions: _Child
+    prompt_cached: _Child
+    prompt_recomputed: _Child
+    external_queries: _Child
+    external_hits: _Child
+    host_kv_usage: _Child
+    host_kv_stores: _Child
+    host_kv_loads: _Child
+    host_kv_copy_seconds: _Child
+    lora_loads: _Child
+    kv_transfer_pinned: _Child
+    draining: _Child
+    prefill_pending: _Child
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    tpot: Histogram
+    queue_time: Histogram
+    inference_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    prefill_kv_computed: Histogram
+    iteration_tokens: Histogram
+    max_num_generation_tokens: Histogram
+    params_n: Histogram
+    params_max_tokens: Histogram
+
     def __init__(
         self, model_name: str, cache: CacheConfigInfo, engine_index: str = "0", max_model_len: int = 2048
     ) -> None:
@@ -250,93 +497,30 @@ class EngineMetrics:
         base = {names.LABEL_MODEL_NAME: model_name, names.LABEL_ENGINE: engine_index}
         self._families: list[_Metric] = []
 
-        def scalar(name: str, kind: str, doc: str) -> _Child:
-            family = Scalar(name, kind, doc)
-            self._families.append(family)
-            return family.child(base)
+        def family(metric: _M) -> _M:
+            self._families.append(metric)
+            return metric
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            family = Histogram(name, doc, base, buckets)
-            self._families.append(family)
-            return family
+        def series(rows: tuple[_Series, ...]) -> None:
+            for attribute, name, kind, doc in rows:
+                child = family(Scalar(name, kind, doc)).child(base)
+                if attribute is not None:
+                    setattr(self, attribute, child)
 
         # Unlabelled by model and engine, as vLLM's instrumentator exports it.
-        self.http_requests = Scalar(
-            "http_requests_total", "counter", "Total number of requests by method, status and handler."
+        self.http_requests = family(
+            Scalar(
+                "http_requests_total", "counter", "Total number of requests by method, status and handler."
+            )
         )
-        self._families.append(self.http_requests)
-        self.running = scalar(
-            names.NUM_REQUESTS_RUNNING, "gauge", "Number of requests in model execution batches."
+        series(_STEP_SERIES)
+        by_source = family(
+            Scalar(names.PROMPT_TOKENS_BY_SOURCE_TOTAL, "counter", "Number of prompt tokens by source.")
         )
-        self.waiting = scalar(
-            names.NUM_REQUESTS_WAITING, "gauge", "Number of requests waiting to be processed."
-        )
-        self.kv_usage = scalar(
-            names.KV_CACHE_USAGE_PERC, "gauge", "KV-cache usage. 1 means 100 percent usage."
-        )
-        self.gpu_usage = scalar(
-            names.GPU_CACHE_USAGE_PERC,
-            "gauge",
-            "GPU KV-cache usage. 1 means 100 percent usage (deprecated alias).",
-        )
-        self.prompt_tokens = scalar(
-            names.PROMPT_TOKENS_TOTAL, "counter", "Number of prefill tokens processed."
-        )
-        self.generation_tokens = scalar(
-            names.GENERATION_TOKENS_TOTAL, "counter", "Number of generation tokens processed."
-        )
-        self.prefix_queries = scalar(
-            names.PREFIX_CACHE_QUERIES_TOTAL,
-            "counter",
-            "Prefix cache queries, in terms of number of queried tokens.",
-        )
-        self.prefix_hits = scalar(
-            names.PREFIX_CACHE_HITS_TOTAL,
-            "counter",
-            "Prefix cache hits, in terms of number of cached tokens.",
-        )
-        self.preemptions = scalar(names.NUM_PREEMPTIONS_TOTAL, "counter", "Cumulative number of preemptions.")
-        by_source = Scalar(
-            names.PROMPT_TOKENS_BY_SOURCE_TOTAL, "counter", "Number of prompt tokens by source."
-        )
-        self._families.append(by_source)
         self.prompt_by_source = {
             src: by_source.child({**base, "source": src}) for src in PROMPT_TOKEN_SOURCES
         }
-        self.prompt_cached = scalar(
-            names.PROMPT_TOKENS_CACHED_TOTAL, "counter", "Number of cached prompt tokens (local + external)."
-        )
-        self.prompt_recomputed = scalar(
-            names.PROMPT_TOKENS_RECOMPUTED_TOTAL,
-            "counter",
-            "Number of cached tokens recomputed for forward pass.",
-        )
-        # vLLM registers these whatever the config; a kvgate consumer (--kv-role) counts the
-        # prompt tokens it asked a producer for and those it pulled, and the host KV tier
-        # (--kv-offloading-size, a connector in vLLM) the tokens looked up in it and loaded
-        # from it; multimodal stays 0.
-        self.external_queries = scalar(
-            names.EXTERNAL_PREFIX_CACHE_QUERIES_TOTAL,
-            "counter",
-            "External prefix cache queries from KV connector cross-instance cache sharing, "
-            "in terms of number of queried tokens.",
-        )
-        self.external_hits = scalar(
-            names.EXTERNAL_PREFIX_CACHE_HITS_TOTAL,
-            "counter",
-            "External prefix cache hits from KV connector cross-instance cache sharing, "
-            "in terms of number of cached tokens.",
-        )
-        scalar(
-            names.MM_CACHE_QUERIES_TOTAL,
-            "counter",
-            "Multi-modal cache queries, in terms of number of queried items.",
-        )
-        scalar(
-            names.MM_CACHE_HITS_TOTAL,
-            "counter",
-            "Multi-modal cache hits, in terms of number of cached items.",
-        )
+        series(_PROMPT_SERIES)
         # Prefill/decode disaggregation (kvgate's own; vLLM's connectors export theirs).
         self._kv_transfer_families = {
             "requests": Scalar(
@@ -355,131 +539,41 @@ class EngineMetrics:
         }
         self._families.extend(self._kv_transfer_families.values())
         self._kv_transfer_base = base
-        self.kv_transfer_seconds = histogram(
-            "kvgate:kv_transfer_seconds",
-            "Consumer hand-off time: the prefill call and the pull.",
-            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+        self.kv_transfer_seconds = family(
+            Histogram(
+                "kvgate:kv_transfer_seconds",
+                "Consumer hand-off time: the prefill call and the pull.",
+                base,
+                (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            )
         )
-        self.host_kv_usage = scalar(
-            names.CPU_CACHE_USAGE_PERC,
-            "gauge",
-            "CPU KV-cache usage. 1 means 100 percent usage (the host tier, --kv-offloading-size).",
+        series(_KV_SERIES)
+        sleep = family(
+            Scalar(
+                names.ENGINE_SLEEP_STATE,
+                "gauge",
+                "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
+                "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
+            )
         )
-        self.host_kv_stores = scalar(
-            names.KVGATE_KV_OFFLOAD_STORES_TOTAL, "counter", "KV blocks copied to the host tier."
-        )
-        self.host_kv_loads = scalar(
-            names.KVGATE_KV_OFFLOAD_LOADS_TOTAL,
-            "counter",
-            "KV blocks loaded back from the host tier instead of computed again.",
-        )
-        self.host_kv_copy_seconds = scalar(
-            names.KVGATE_KV_OFFLOAD_SECONDS_TOTAL,
-            "counter",
-            "Seconds steps spent copying KV blocks between the device and the host tier.",
-        )
-        self.lora_loads = scalar(
-            "kvgate:lora_adapter_loads_total",
-            "counter",
-            "LoRA adapters put into a device slot (each costs a weight copy; LoRA-aware routing avoids them).",
-        )
-        self.kv_transfer_pinned = scalar(
-            "kvgate:kv_transfer_pinned_blocks", "gauge", "KV blocks a producer holds for pulls not made yet."
-        )
-        sleep = Scalar(
-            names.ENGINE_SLEEP_STATE,
-            "gauge",
-            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; "
-            "weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
-        )
-        self._families.append(sleep)
         for state in SLEEP_STATES:  # kvgate has no sleep mode: always awake
             sleep.child({**base, "sleep_state": state}).set(1.0 if state == "awake" else 0.0)
-        success = Scalar(names.REQUEST_SUCCESS_TOTAL, "counter", "Count of successfully processed requests.")
-        self._families.append(success)
+        success = family(
+            Scalar(names.REQUEST_SUCCESS_TOTAL, "counter", "Count of successfully processed requests.")
+        )
         self.success = {r: success.child({**base, "finished_reason": r}) for r in FINISH_REASONS}
-        self.ttft = histogram(
-            names.TIME_TO_FIRST_TOKEN_SECONDS, "Histogram of time to first token in seconds.", TTFT_BUCKETS
-        )
-        self.itl = histogram(
-            names.INTER_TOKEN_LATENCY_SECONDS, "Histogram of inter-token latency in seconds.", ITL_BUCKETS
-        )
-        self.e2e = histogram(
-            names.E2E_REQUEST_LATENCY_SECONDS, "Histogram of e2e request latency in seconds.", E2E_BUCKETS
-        )
-        self.tpot = histogram(
-            names.REQUEST_TIME_PER_OUTPUT_TOKEN_SECONDS,
-            "Histogram of time_per_output_token_seconds per request.",
-            ITL_BUCKETS,
-        )
-        self.queue_time = histogram(
-            names.REQUEST_QUEUE_TIME_SECONDS,
-            "Histogram of time spent in WAITING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.inference_time = histogram(
-            names.REQUEST_INFERENCE_TIME_SECONDS,
-            "Histogram of time spent in RUNNING phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.prefill_time = histogram(
-            names.REQUEST_PREFILL_TIME_SECONDS,
-            "Histogram of time spent in PREFILL phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
-        self.decode_time = histogram(
-            names.REQUEST_DECODE_TIME_SECONDS,
-            "Histogram of time spent in DECODE phase for request.",
-            REQUEST_LATENCY_BUCKETS,
-        )
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            names.REQUEST_PROMPT_TOKENS, "Number of prefill tokens processed.", token_buckets
-        )
-        self.request_generation_tokens = histogram(
-            names.REQUEST_GENERATION_TOKENS, "Number of generation tokens processed.", token_buckets
-        )
-        self.prefill_kv_computed = histogram(
-            names.REQUEST_PREFILL_KV_COMPUTED_TOKENS,
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
-            token_buckets,
-        )
-        self.iteration_tokens = histogram(
-            names.ITERATION_TOKENS_TOTAL,
-            "Histogram of number of tokens per engine_step.",
-            tuple(float(b) for b in ITERATION_TOKENS_BUCKETS),
-        )
-        self.max_num_generation_tokens = histogram(
-            names.REQUEST_MAX_NUM_GENERATION_TOKENS,
-            "Histogram of maximum number of requested generation tokens.",
-            token_buckets,
-        )
-        self.params_n = histogram(
-            names.REQUEST_PARAMS_N,
-            "Histogram of the n request parameter.",
-            tuple(float(b) for b in PARAMS_N_BUCKETS),
-        )
-        self.params_max_tokens = histogram(
-            names.REQUEST_PARAMS_MAX_TOKENS, "Histogram of the max_tokens request parameter.", token_buckets
-        )
+        for attribute, name, doc, buckets in _HISTOGRAMS:
+            setattr(
+                self,
+                attribute,
+                family(Histogram(name, doc, base, token_buckets if buckets is None else buckets)),
+            )
         # vLLM's info gauges carry no model_name: the cache config plus the engine index.
-        info = Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig")
-        self._families.append(info)
+        info = family(Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig"))
         info.child({**cache.labels(), "engine": engine_index}).set(1)
-        # kvgate's own: 1 from SIGTERM on, while the engine still serves its grace period
-        self.draining = scalar(
-            names.KVGATE_DRAINING,
-            "gauge",
-            "1 while the server is shutting down: route new requests elsewhere.",
-        )
-        # kvgate's own: the prefill work ahead of a new request (a router's latency estimate)
-        self.prefill_pending = scalar(
-            names.KVGATE_PREFILL_TOKENS_PENDING,
-            "gauge",
-            "Prompt tokens still to compute, queued and running (prefix-cache hits excluded).",
-        )
-        self._lora = Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.")
-        self._families.append(self._lora)
+        series(_ROUTING_SERIES)
+        self._lora = family(Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests."))
         self._lora_labels: dict[str, str] | None = None
         self._max_lora = 0  # --max-loras with --enable-lora; 0: LoRA off
         self._last = StatsSnapshot()

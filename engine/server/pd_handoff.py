@@ -20,7 +20,7 @@ from kvgate.engine.server.errors import bad_request
 from kvgate.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
-    from kvgate.engine.server.kv_transfer import Imported, KVTransfer
+    from kvgate.engine.server.kv_transfer_http import Imported, KVTransfer
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from kvgate.engine.server.tools.request import ToolOptions
 from kvgate.engine.structured import StructuredOutputError, StructuredOutputSpec
 
 if TYPE_CHECKING:
-    from kvgate.engine.server.kv_transfer import Imported, KVTransfer
+    from kvgate.engine.server.kv_transfer_http import Imported, KVTransfer
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 

@@ -12,11 +12,11 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvgate.engine.runner_api import ScheduledBatch
+from kvgate.engine.core.runner_api import ScheduledBatch
 from kvgate.engine.structured.spec import StructuredOutputError, StructuredOutputSpec
 
 if TYPE_CHECKING:
-    from kvgate.engine.request import Request
+    from kvgate.engine.core.request import Request
     from kvgate.engine.structured.grammar import GrammarCompiler, GrammarMatcher
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.engine.runner_api import ModelRunner, SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.core.runner_api import ModelRunner, SampledToken, ScheduledBatch, ScheduledSeq
 from kvgate.engine.sampling_params import SamplingParams
 
 

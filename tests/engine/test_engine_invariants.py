@@ -144,7 +144,7 @@ def test_random_workloads_keep_invariants(
 
 
 def _solo_tokens(runner: SimulatedRunner, rid: str, n: int) -> list[int]:
-    from kvgate.engine.runner_api import ScheduledBatch, ScheduledSeq
+    from kvgate.engine.core.runner_api import ScheduledBatch, ScheduledSeq
 
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     out = []

@@ -9,12 +9,12 @@ import pytest
 
 from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvgate.engine.config import EngineConfig, SimulationConfig
-from kvgate.engine.kv_cache_manager import KVCacheManager, OffloadOn
+from kvgate.engine.core.kv_cache_manager import KVCacheManager, OffloadOn
+from kvgate.engine.core.request import Request
+from kvgate.engine.core.runner_api import ScheduledBatch
+from kvgate.engine.core.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.request import Request
-from kvgate.engine.runner_api import ScheduledBatch
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.sim_runner import SimulatedRunner
 
 BS = 4

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvgate.api.contracts.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvgate.engine.block_pool import BlockPool, hash_block_tokens
-from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.request import Request
+from kvgate.engine.core.block_pool import BlockPool, hash_block_tokens
+from kvgate.engine.core.kv_cache_manager import KVCacheManager
+from kvgate.engine.core.request import Request
 from kvgate.engine.sampling_params import SamplingParams
 
 BS = 4

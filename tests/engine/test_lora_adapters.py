@@ -254,7 +254,7 @@ def _tiny_manager(max_loras: int, max_cpu_loras: int | None = None) -> Any:
 
 
 def _seq(rid: str, n: int, lora_id: int | None) -> Any:
-    from kvgate.engine.runner_api import ScheduledSeq
+    from kvgate.engine.core.runner_api import ScheduledSeq
 
     return ScheduledSeq(rid, [1] * n, 0, [0], True, SamplingParams(), lora_id=lora_id)
 

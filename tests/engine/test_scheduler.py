@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from kvgate.engine.config import EngineConfig, SimulationConfig
-from kvgate.engine.kv_cache_manager import KVCacheManager
-from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner_api import ScheduledBatch
+from kvgate.engine.core.kv_cache_manager import KVCacheManager
+from kvgate.engine.core.request import Request, RequestStatus
+from kvgate.engine.core.runner_api import ScheduledBatch
+from kvgate.engine.core.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.sampling_params import SamplingParams
-from kvgate.engine.scheduler import Scheduler, SchedulerConfig
 from kvgate.engine.sim_runner import SimulatedRunner
 
 BS = 4

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvgate.engine.config import EngineConfig, SimulationConfig
-from kvgate.engine.runner_api import ScheduledBatch, ScheduledSeq
+from kvgate.engine.core.runner_api import ScheduledBatch, ScheduledSeq
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sim_runner import SimulatedRunner
 

@@ -14,8 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.core.runner_api import SampledToken, ScheduledBatch
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.runner_api import SampledToken, ScheduledBatch
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.app import ServerState, build_app
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError

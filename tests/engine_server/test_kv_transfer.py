@@ -187,7 +187,7 @@ def test_forged_blocks_never_reach_the_cache(tmp_path) -> None:
     with made-up KV and intact digests. Without the pool's secret its tag cannot check out, so
     nothing it sent becomes findable; the request is computed here and answers normally."""
     from kvgate.api.tokenizer import load_tokenizer
-    from kvgate.engine.kv_transfer import prompt_block_hashes
+    from kvgate.engine.kv_transfer_blocks import prompt_block_hashes
 
     prompt = _prompt("poison")
     ids = load_tokenizer("default").encode(prompt)

@@ -90,7 +90,7 @@ def _check_hash_algo_label(algo: str) -> None:
     import hashlib
     import struct
 
-    from kvgate.engine.block_pool import hash_block_tokens
+    from kvgate.engine.core.block_pool import hash_block_tokens
 
     tokens = list(range(100, 116))
     h = hashlib.new(algo, digest_size=8) if algo.startswith("blake2") else hashlib.new(algo)

@@ -88,7 +88,7 @@ def test_images_carry_no_test_fakes_and_epp_operator_no_torch(open_image: Callab
 
 # Imports every module of the component's package (and the CLI, which `kvgate --help` runs) and
 # prints the ones that fail with their error: a module whose third-party import the image's extra
-# lacks crashes the pod that reaches it (the engine's kv_transfer.py once imported httpx).
+# lacks crashes the pod that reaches it (the engine's KV-transfer code once imported httpx).
 _IMPORT_ALL = r"""
 import importlib, pkgutil, sys
 package = importlib.import_module(sys.argv[1])

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from kvgate.api.contracts.kv_events import KVEvent
-from kvgate.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
-from kvgate.engine.host_kv_tier import HostBlock, HostKVTier
-from kvgate.engine.request import Request
+from kvgate.engine.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from kvgate.engine.core.host_kv_tier import HostBlock, HostKVTier
+from kvgate.engine.core.request import Request
 
 OffloadOn = Literal["evict", "compute"]
 OFFLOAD_POLICIES: tuple[OffloadOn, ...] = ("evict", "compute")

@@ -5,7 +5,8 @@ Blocks are named by their prefix-cache hash chain (`hash_block_tokens`), never b
 consumer takes only the blocks whose hashes equal the ones its own tokenization of the prompt
 gives: a prompt the two engines tokenized differently, another adapter, or another block size
 simply matches less, and the rest is computed locally. Everything here runs on the engine
-thread, between steps (`AsyncEngine.call`); moving the bytes happens elsewhere, outside it.
+thread, between steps (`AsyncEngine.call`); moving the bytes happens outside it, in the server
+half (`kvgate.engine.server.kv_transfer_http`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvgate.engine.block_pool import KVBlock, hash_block_tokens
+from kvgate.engine.core.block_pool import KVBlock, hash_block_tokens
 
 if TYPE_CHECKING:
     from kvgate.engine.llm_engine import LLMEngine

@@ -15,9 +15,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvgate.engine.kv_cache_manager import CacheHit, KVCacheManager
-from kvgate.engine.request import Request, RequestStatus
-from kvgate.engine.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.core.kv_cache_manager import CacheHit, KVCacheManager
+from kvgate.engine.core.request import Request, RequestStatus
+from kvgate.engine.core.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ producer unpins the blocks once they are sent, or when the pin times out (a cons
 
 llm-d runs the decode side of this as a sidecar next to vLLM (it reads ``x-prefiller-host-port``,
 calls the prefiller, then vLLM with the returned ``kv_transfer_params``); kvgate's engine server
-reads the header itself, so a decode pod is one container.
+reads the header itself, so a decode pod is one container. What runs on the engine thread (pinning
+blocks, taking pulled ones in) is `kvgate.engine.kv_transfer_blocks`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import Any
 
 import httpx
 
-from kvgate.engine import kv_transfer as core
-from kvgate.engine.runner_api import SimulatesTransfer, SupportsKVTransfer
+from kvgate.engine import kv_transfer_blocks as blocks
+from kvgate.engine.core.runner_api import SimulatesTransfer, SupportsKVTransfer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.metrics import EngineMetrics
 
@@ -100,7 +101,7 @@ class KVTransferSettings:
 
 @dataclass
 class _Pinned:
-    pin: core.Pin
+    pin: blocks.Pin
     hashes: list[int]
     timer: asyncio.TimerHandle | None = None
 
@@ -109,7 +110,7 @@ class _Pinned:
 class Imported:
     """A consumer's pulled blocks, held until its request no longer needs them."""
 
-    pin: core.Pin
+    pin: blocks.Pin
     tokens: int  # prompt tokens they hold
     seconds: float = 0.0
     released: bool = field(default=False)
@@ -127,7 +128,7 @@ class KVTransfer:
         self._client: httpx.AsyncClient | None = None
         llm = engine.engine
         self.block_size: int = llm.block_size
-        self.layout = core.runner_kv_layout(llm)
+        self.layout = blocks.runner_kv_layout(llm)
         if settings.role != "none" and self.layout is None:
             raise ValueError("--kv-role needs a model runner that can read and write KV blocks")
 
@@ -155,8 +156,8 @@ class KVTransfer:
     async def pin_for_pull(self, prompt_ids: list[int], lora_id: int | None) -> dict[str, Any]:
         """After a `do_remote_decode` request: hold its prompt's cached blocks for one pull and
         say where to pull them (vLLM's field names)."""
-        hashes = core.prompt_block_hashes(prompt_ids, self.block_size, lora_id)
-        pin = await self.engine.call(lambda llm: core.pin_cached_prefix(llm, hashes))
+        hashes = blocks.prompt_block_hashes(prompt_ids, self.block_size, lora_id)
+        pin = await self.engine.call(lambda llm: blocks.pin_cached_prefix(llm, hashes))
         tid = secrets.token_urlsafe(18)
         entry = _Pinned(pin, hashes[: len(pin.blocks)])
         self._pins[tid] = entry
@@ -188,7 +189,7 @@ class KVTransfer:
             return
         if entry.timer is not None:
             entry.timer.cancel()
-        await self.engine.call(lambda llm: core.release(llm, entry.pin))
+        await self.engine.call(lambda llm: blocks.release(llm, entry.pin))
         self._gauge()
 
     def take_pull(self, tid: str) -> Callable[[], AsyncIterator[bytes]] | None:
@@ -279,7 +280,7 @@ class KVTransfer:
             return
         got.released = True
         try:
-            await self.engine.call(lambda llm: core.release(llm, got.pin))
+            await self.engine.call(lambda llm: blocks.release(llm, got.pin))
         except Exception:  # the engine is gone: nothing left to give back
             log.debug("KV transfer: release after the engine stopped", exc_info=True)
 
@@ -328,9 +329,9 @@ class KVTransfer:
         if peer is None or not isinstance(tid, str) or not re.fullmatch(r"[A-Za-z0-9_\-]{8,64}", tid):
             raise TransferFailed("bad_params", f"cannot pull from {host!r}:{port!r}")
         self._check_trusted(peer)
-        ours = core.prompt_block_hashes(prompt_ids, self.block_size, lora_id)
+        ours = blocks.prompt_block_hashes(prompt_ids, self.block_size, lora_id)
         received = 0
-        plan: core.ImportPlan | None = None
+        plan: blocks.ImportPlan | None = None
         try:
             async with self._client_for().stream(
                 "GET", f"http://{peer}{TRANSFER_PATH}/{tid}", headers=self._auth(authorization)
@@ -353,7 +354,7 @@ class KVTransfer:
                     matched += 1
                 if matched == 0:
                     raise TransferFailed("no_match", "the producer's blocks are not this prompt's")
-                plan = await self.engine.call(lambda llm: core.reserve_import(llm, ours[:matched]))
+                plan = await self.engine.call(lambda llm: blocks.reserve_import(llm, ours[:matched]))
                 runner = self._kv_runner()
                 tag = self._tagger(tid, head_line)
                 pending_ids: list[int] = []
@@ -397,7 +398,7 @@ class KVTransfer:
             self._count("bytes", {"direction": "received"}, received)
         final = plan
         kept = await self.engine.call(
-            lambda llm: core.commit_import(llm, final, len(final.hashes), prompt_ids, lora_id)
+            lambda llm: blocks.commit_import(llm, final, len(final.hashes), prompt_ids, lora_id)
         )
         return Imported(final.pin, kept * self.block_size)
 
@@ -417,9 +418,9 @@ class KVTransfer:
         mac.update(tid.encode() + b"\n" + head_line + b"\n")
         return mac
 
-    async def _abandon(self, plan: core.ImportPlan | None) -> None:
+    async def _abandon(self, plan: blocks.ImportPlan | None) -> None:
         if plan is not None:
-            await self.engine.call(lambda llm: core.commit_import(llm, plan, 0, [], None))
+            await self.engine.call(lambda llm: blocks.commit_import(llm, plan, 0, [], None))
 
     # -- metrics ----------------------------------------------------------------------------
     def _count(self, what: str, labels: dict[str, str], amount: float = 1.0) -> None:
