@@ -295,6 +295,11 @@ class PredictedLatencyScorer:
     eviction_penalty: float = 3.0
     # How long a prefix this replica routed somewhere counts as that engine's to keep cached.
     working_set_seconds: float = 20.0
+    # Prompt tokens computed on an engine, charged again in proportion to its recent working
+    # set over the candidates' mean: a prefix computed somewhere goes where the fewest prefixes
+    # live, so prefixes spread evenly over the pool as they first appear (as a placement that
+    # knows the groups in advance deals them) instead of wherever the queue is shortest then.
+    balance_penalty: float = 2.0
     # Learn each engine's speed apart (a pool of mixed accelerators) instead of the pool's one.
     per_endpoint_speed: bool = False
     prefix: PrecisePrefixCacheScorer = field(init=False)
@@ -334,10 +339,15 @@ class PredictedLatencyScorer:
             {
                 e.address: self.working_sets.blocks(e.address, ctx.now)
                 for e in endpoints
-                if e.metrics.kv_blocks_total
+                if e.metrics.kv_blocks_total or self.balance_penalty
             }
-            if self.eviction_penalty
+            if self.eviction_penalty or self.balance_penalty
             else {}
+        )
+        mean_held = (
+            sum(working_set_blocks.values()) / len(working_set_blocks)
+            if self.balance_penalty and working_set_blocks
+            else 0.0
         )
         for e in endpoints:
             on_device = int(fractions[e.address] * full)
@@ -351,6 +361,8 @@ class PredictedLatencyScorer:
             if loaded > 0:
                 ttft += loaded * self.model.copy_seconds_per_token(speed)
             extra = self.work_penalty * mine
+            if mean_held > 0:
+                extra += self.balance_penalty * mine * working_set_blocks[e.address] / mean_held
             if self.eviction_penalty and m.kv_blocks_total:
                 # Blocks this request adds to what the engine must keep cached; past its
                 # capacity, each one pushes out a block a recent request will want again.

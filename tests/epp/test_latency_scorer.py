@@ -277,3 +277,24 @@ def test_another_replicas_pick_stays_placed_while_it_waits_too() -> None:
     later = SchedulingContext(request("s" * 400 + "Q" * 40), store, NOW + 10)
     s.predict(later, store.all())
     assert later.cache[PREFILL_TOKENS]["busy:1"] == 40
+
+
+def test_a_prompt_cold_everywhere_goes_where_the_fewest_prefixes_live() -> None:
+    """Two idle engines; this replica recently sent `a:1` three other prefixes and `b:1` one.
+    A new prefix is charged its compute again in proportion to each engine's working set over
+    the mean, so it lands on `b:1` (a placement that knew the groups would deal it there);
+    with the balance off the two tie."""
+    store = pool({"a:1": 0, "b:1": 0})
+    s = scorer(balance_penalty=2.0)
+    for i, where in enumerate(["a:1", "a:1", "a:1", "b:1"]):
+        keys = s.working_sets.sampled([hash(("other", i, b)) for b in range(80)])
+        s.working_sets.touch(where, keys, NOW - 1.0)
+    got = predict(s, store)
+    assert got["b:1"] < got["a:1"]
+    held = {"a:1": 3.0, "b:1": 1.0}
+    mean = sum(held.values()) / 2
+    base = 440 * PER_TOKEN + STEP
+    for address in got:
+        assert got[address] == pytest.approx(base + 2.0 * 440 * held[address] / mean * PER_TOKEN)
+    off = predict(scorer(balance_penalty=0.0), store)
+    assert off["a:1"] == off["b:1"]
