@@ -128,7 +128,13 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
     applied = apply_preset(args, "llm-d-shared-prefix", defaults)
     assert args.groups == 64 and args.prefix_tokens == 4096 and args.engines == 16
     assert args.request_rate == "4,8,16,24" and "--prefix-tokens 6000" not in applied
-    assert set(PRESETS) == {"llm-d-shared-prefix", "llm-d-tiered", "multi-turn-chat", "pd-long-prompt", "lora"}
+    assert set(PRESETS) == {
+        "llm-d-shared-prefix",
+        "llm-d-tiered",
+        "multi-turn-chat",
+        "pd-long-prompt",
+        "lora",
+    }
 
 
 def test_lora_adapters_cost_slot_loads_that_affinity_routing_avoids() -> None:
