@@ -36,6 +36,15 @@ def _objective(text: str) -> tuple[str, int]:
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
+    _add_endpoint_args(p)
+    _add_scheduling_args(p)
+    _add_serving_args(p)
+    _add_request_limit_args(p)
+    _add_metrics_args(p)
+
+
+def _add_endpoint_args(p: argparse.ArgumentParser) -> None:
+    """Where the pool's endpoints come from."""
     d = p.add_argument_group("endpoints")
     d.add_argument(
         "--endpoints",
@@ -71,6 +80,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="in Kubernetes: pod port serving KV-event replay (0: none)",
     )
 
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    """The scheduling profile or config file, P/D, objectives and the tokenizer."""
     s = p.add_argument_group("scheduling")
     s.add_argument("--config-file", default="", help="EndpointPickerConfig YAML (GIE format)")
     s.add_argument(
@@ -107,6 +119,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "--tokenizer-revision", default=None, help="Hub revision (branch, tag or commit) of --tokenizer"
     )
 
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """The ext_proc server: its ports (gRPC, health, metrics), TLS and gRPC implementation."""
     n = p.add_argument_group("serving")
     n.add_argument("--host", default="127.0.0.1", help="address to bind; use 0.0.0.0 in a pod")
     n.add_argument("--grpc-port", type=_port, default=9002, help="ext_proc gRPC port")
@@ -137,6 +152,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "chunks far below it)",
     )
 
+
+def _add_request_limit_args(p: argparse.ArgumentParser) -> None:
+    """Limits on hostile input."""
     g = p.add_argument_group("request limits (hostile input)")
     add_request_template_flag(
         g, "render chat templates sent in requests (as the engines' flag of the same name)"
@@ -155,6 +173,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="largest request body the EPP buffers; larger: 413 (the gateway's own limit comes first)",
     )
 
+
+def _add_metrics_args(p: argparse.ArgumentParser) -> None:
+    """How often engine metrics are scraped and under which names (vLLM's or others)."""
     m = p.add_argument_group("engine metrics")
     m.add_argument(
         "--refresh-metrics-interval",

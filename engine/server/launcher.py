@@ -27,8 +27,13 @@ import uvicorn
 from kvgate.api.tracing import Tracer
 from kvgate.engine.config import EngineConfig
 
-if TYPE_CHECKING:  # for annotations only; build_engine imports it when it runs
+if TYPE_CHECKING:  # for annotations only; each is imported where it is built, when it runs
     from kvgate.engine.llm_engine import LLMEngine
+    from kvgate.engine.server.app import ServerState
+    from kvgate.engine.server.async_engine import AsyncEngine
+    from kvgate.engine.server.kv_publisher import KVEventPublisher
+    from kvgate.engine.server.kv_transfer_http import KVTransfer
+    from kvgate.engine.server.metrics import EngineMetrics
 
 log = logging.getLogger("kvgate.engine")
 
@@ -182,24 +187,15 @@ def serve(config: EngineConfig, options: ServerOptions) -> int:
 
 
 async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine, sock: socket.socket) -> int:
-    from kvgate.engine.server.app import ServerState, build_app
+    """Build the server around the loaded engine, listen, serve until a signal drains it."""
+    from kvgate.engine.server.app import build_app
     from kvgate.engine.server.async_engine import AsyncEngine
-    from kvgate.engine.server.kv_publisher import KVEventPublisher
-    from kvgate.engine.server.lora_admin import LoRAAdmin
     from kvgate.engine.server.metrics import CacheConfigInfo, EngineMetrics
-    from kvgate.engine.server.serving import ModelInfo, OpenAIServing
     from kvgate.engine.server.slow_clients import protocol_class
-    from kvgate.engine.server.tools.request import ToolOptions
 
-    tools = ToolOptions(options.enable_auto_tool_choice, options.tool_call_parser)
-    try:
-        tools.check()
-    except ValueError as exc:
-        raise ServeError(str(exc)) from None
     port = sock.getsockname()[1]
     stats = engine.get_stats()
     model_name = config.model_name()
-    served = [model_name, *(a for a in options.model_aliases if a != model_name)]
     cache = CacheConfigInfo(
         block_size=stats.block_size,
         num_gpu_blocks=stats.num_kv_blocks,
@@ -210,89 +206,12 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
     if config.enable_lora:
         metrics.set_lora_state(max_lora=config.max_loras, running=(), waiting=())
-    adapters = dict(options.lora_modules)
-    publisher = None
-    if options.kv_events_endpoint:
-        topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
-        from kvgate.api.contracts.kv_events import topic_for
-
-        try:
-            publisher = KVEventPublisher(
-                options.kv_events_endpoint,
-                topic_for(topic_endpoint, model_name),
-                replay_endpoint=options.kv_events_replay_endpoint,
-                buffer_size=options.kv_events_buffer,
-                connect=options.kv_events_connect,
-            )
-        except Exception as exc:  # zmq.ZMQError or OSError: a bad or taken endpoint
-            hint = (
-                ""
-                if options.kv_events_connect
-                else " (to push to a remote subscriber, add --kv-events-connect)"
-            )
-            raise ServeError(
-                f"cannot open the KV-event sockets at {options.kv_events_endpoint}: {exc}{hint}"
-            ) from None
+    publisher = _kv_publisher(options, port, model_name)
     async_engine = AsyncEngine(engine, metrics, publisher, max_queued_requests=options.max_queued_requests)
-    tokenizer = engine.tokenizer
-    info = ModelInfo(
-        served_names=served,
-        root=config.model,
-        max_model_len=int(engine.max_model_len),
-        vocab_size=int(engine.vocab_size),
-        created=int(time.time()),
-        adapters=adapters,
-    )
-    version = _version()
-    kv_transfer = None
-    if options.kv_role != "none":
-        from kvgate.engine.server.kv_transfer_http import KVTransfer, KVTransferSettings
-
-        host, _, adv_port = advertised_endpoint(options.host, port).rpartition(":")
-        try:
-            kv_transfer = KVTransfer(
-                async_engine,
-                KVTransferSettings(
-                    role=options.kv_role,
-                    advertise_host=host.strip("[]"),
-                    advertise_port=int(adv_port),
-                    engine_id=f"{model_name}@{host}:{adv_port}",
-                    pin_timeout=options.kv_pin_timeout,
-                    timeout=options.kv_transfer_timeout,
-                    secret=(os.environ.get("KVGATE_KV_TRANSFER_SECRET") or options.api_key or "").encode()
-                    or None,
-                ),
-                metrics,
-                options.api_key,
-            )
-        except ValueError as exc:
-            raise ServeError(str(exc)) from None
-
-    state = ServerState(
-        serving=OpenAIServing(
-            async_engine,
-            tokenizer,
-            info,
-            trust_request_chat_template=options.trust_request_chat_template,
-            tool_options=tools,
-            kv_transfer=kv_transfer,
-        ),
-        engine=async_engine,
-        metrics=metrics,
-        version=version,
-        api_key=options.api_key,
-        failure_injection=options.enable_failure_injection or config.simulate,
-        max_body_bytes=options.max_request_body_bytes,
-        body_read_timeout=options.body_read_timeout or None,
-        body_total_timeout=options.body_total_timeout or None,
-        metrics_auth=options.metrics_require_api_key,
-        tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
-        lora_admin=LoRAAdmin(async_engine, info, options.lora_unload_grace) if config.enable_lora else None,
-        kv_transfer=kv_transfer,
-    )
-    app = build_app(state)
+    kv_transfer = _kv_transfer(options, port, model_name, async_engine, metrics)
+    state = _server_state(config, options, engine, async_engine, metrics, kv_transfer)
     uv_config = uvicorn.Config(
-        app,
+        build_app(state),
         http=protocol_class(_http_protocol(options.http_parser), options.header_read_timeout),
         log_config=None,
         log_level=logging.WARNING,
@@ -304,6 +223,157 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     server = _Server(uv_config)
     loop = asyncio.get_running_loop()
     async_engine.start(loop)
+    _drain_on_signals(loop, server, state, options)
+
+    # Listen only now that the engine is built (probes during a model load are refused, not
+    # left hanging), and before the ready line: connections arriving between that line and
+    # uvicorn's accept loop wait in the backlog.
+    sock.listen(2048)
+    mode = " (simulated)" if config.simulate else ""
+    kv = ""
+    if publisher is not None:
+        replay = f" replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
+        kv = f", kv events {publisher.endpoint}{replay} topic {publisher.topic.decode()}"
+    if kv_transfer is not None:
+        kv += f", kv role {options.kv_role}"
+    log.info(
+        "kvgate engine serving %s%s: block_size=%d kv_blocks=%d max_model_len=%d on http://%s%s",
+        model_name,
+        mode,
+        stats.block_size,
+        stats.num_kv_blocks,
+        state.serving.model.max_model_len,
+        advertised_endpoint(options.host, port)
+        if options.host in ("0.0.0.0", "::")
+        else f"{options.host}:{port}",
+        kv,
+    )
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        if kv_transfer is not None:
+            with contextlib.suppress(Exception):  # pins die with the engine anyway
+                await asyncio.wait_for(kv_transfer.close(), 5.0)
+        await asyncio.to_thread(async_engine.stop)
+        await asyncio.to_thread(state.tracer.shutdown)
+    return 0
+
+
+def _kv_publisher(options: ServerOptions, port: int, model_name: str) -> KVEventPublisher | None:
+    """The KV-event sockets (--kv-events-endpoint), or None when the engine publishes none."""
+    if not options.kv_events_endpoint:
+        return None
+    from kvgate.api.contracts.kv_events import topic_for
+    from kvgate.engine.server.kv_publisher import KVEventPublisher
+
+    topic_endpoint = options.kv_events_topic_endpoint or advertised_endpoint(options.host, port)
+    try:
+        return KVEventPublisher(
+            options.kv_events_endpoint,
+            topic_for(topic_endpoint, model_name),
+            replay_endpoint=options.kv_events_replay_endpoint,
+            buffer_size=options.kv_events_buffer,
+            connect=options.kv_events_connect,
+        )
+    except Exception as exc:  # zmq.ZMQError or OSError: a bad or taken endpoint
+        hint = (
+            "" if options.kv_events_connect else " (to push to a remote subscriber, add --kv-events-connect)"
+        )
+        raise ServeError(
+            f"cannot open the KV-event sockets at {options.kv_events_endpoint}: {exc}{hint}"
+        ) from None
+
+
+def _kv_transfer(
+    options: ServerOptions, port: int, model_name: str, async_engine: AsyncEngine, metrics: EngineMetrics
+) -> KVTransfer | None:
+    """The prefill/decode KV hand-off (--kv-role), or None when the engine takes no part."""
+    if options.kv_role == "none":
+        return None
+    from kvgate.engine.server.kv_transfer_http import KVTransfer, KVTransferSettings
+
+    host, _, adv_port = advertised_endpoint(options.host, port).rpartition(":")
+    try:
+        return KVTransfer(
+            async_engine,
+            KVTransferSettings(
+                role=options.kv_role,
+                advertise_host=host.strip("[]"),
+                advertise_port=int(adv_port),
+                engine_id=f"{model_name}@{host}:{adv_port}",
+                pin_timeout=options.kv_pin_timeout,
+                timeout=options.kv_transfer_timeout,
+                secret=(os.environ.get("KVGATE_KV_TRANSFER_SECRET") or options.api_key or "").encode()
+                or None,
+            ),
+            metrics,
+            options.api_key,
+        )
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+
+
+def _server_state(
+    config: EngineConfig,
+    options: ServerOptions,
+    engine: LLMEngine,
+    async_engine: AsyncEngine,
+    metrics: EngineMetrics,
+    kv_transfer: KVTransfer | None,
+) -> ServerState:
+    """What every route shares: the OpenAI serving layer over the engine, and the server's
+    settings (auth, limits, tracing, LoRA admin)."""
+    from kvgate.engine.server.app import ServerState
+    from kvgate.engine.server.lora_admin import LoRAAdmin
+    from kvgate.engine.server.serving import ModelInfo, OpenAIServing
+    from kvgate.engine.server.tools.request import ToolOptions
+
+    tools = ToolOptions(options.enable_auto_tool_choice, options.tool_call_parser)
+    try:
+        tools.check()
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+    model_name = config.model_name()
+    info = ModelInfo(
+        served_names=[model_name, *(a for a in options.model_aliases if a != model_name)],
+        root=config.model,
+        max_model_len=int(engine.max_model_len),
+        vocab_size=int(engine.vocab_size),
+        created=int(time.time()),
+        adapters=dict(options.lora_modules),
+    )
+    return ServerState(
+        serving=OpenAIServing(
+            async_engine,
+            engine.tokenizer,
+            info,
+            trust_request_chat_template=options.trust_request_chat_template,
+            tool_options=tools,
+            kv_transfer=kv_transfer,
+        ),
+        engine=async_engine,
+        metrics=metrics,
+        version=_version(),
+        api_key=options.api_key,
+        failure_injection=options.enable_failure_injection or config.simulate,
+        max_body_bytes=options.max_request_body_bytes,
+        body_read_timeout=options.body_read_timeout or None,
+        body_total_timeout=options.body_total_timeout or None,
+        metrics_auth=options.metrics_require_api_key,
+        tracer=Tracer(options.otlp_endpoint, "kvgate-engine"),
+        lora_admin=LoRAAdmin(async_engine, info, options.lora_unload_grace) if config.enable_lora else None,
+        kv_transfer=kv_transfer,
+    )
+
+
+def _drain_on_signals(
+    loop: asyncio.AbstractEventLoop, server: _Server, state: ServerState, options: ServerOptions
+) -> None:
+    """SIGTERM/SIGINT drain: announce it (/health 503, kvgate:draining 1) so pickers stop
+    sending, keep admitting for --drain-grace-period, then refuse and wait up to
+    --shutdown-timeout for requests in flight (ending the rest with a 503). A second signal
+    stops at once."""
+    async_engine, metrics = state.engine, state.metrics
     drain_task: asyncio.Task[None] | None = None
 
     async def drain() -> None:
@@ -336,39 +406,6 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, on_signal, sig)
-
-    # Listen only now that the engine is built (probes during a model load are refused, not
-    # left hanging), and before the ready line: connections arriving between that line and
-    # uvicorn's accept loop wait in the backlog.
-    sock.listen(2048)
-    mode = " (simulated)" if config.simulate else ""
-    kv = ""
-    if publisher is not None:
-        replay = f" replay {publisher.replay_endpoint}" if publisher.replay_endpoint else ""
-        kv = f", kv events {publisher.endpoint}{replay} topic {publisher.topic.decode()}"
-    if kv_transfer is not None:
-        kv += f", kv role {options.kv_role}"
-    log.info(
-        "kvgate engine serving %s%s: block_size=%d kv_blocks=%d max_model_len=%d on http://%s%s",
-        model_name,
-        mode,
-        stats.block_size,
-        stats.num_kv_blocks,
-        info.max_model_len,
-        advertised_endpoint(options.host, port)
-        if options.host in ("0.0.0.0", "::")
-        else f"{options.host}:{port}",
-        kv,
-    )
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        if kv_transfer is not None:
-            with contextlib.suppress(Exception):  # pins die with the engine anyway
-                await asyncio.wait_for(kv_transfer.close(), 5.0)
-        await asyncio.to_thread(async_engine.stop)
-        await asyncio.to_thread(state.tracer.shutdown)
-    return 0
 
 
 class _Server(uvicorn.Server):
