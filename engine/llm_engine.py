@@ -130,7 +130,8 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError("the KV cache has no room for a single block; give it more memory")
         self.max_model_len = self._resolve_max_model_len(num_blocks)
-        host_blocks = self.runner.num_host_kv_blocks if isinstance(self.runner, SupportsKVOffload) else 0
+        self.offload_runner = self.runner if isinstance(self.runner, SupportsKVOffload) else None
+        host_blocks = self.offload_runner.num_host_kv_blocks if self.offload_runner is not None else 0
         if config.kv_offloading_size and not host_blocks:
             log.warning("this runner keeps no host KV tier; --kv-offloading-size is ignored")
         self.kv = KVCacheManager(
@@ -451,7 +452,7 @@ class LLMEngine:
 
     def _host_stats(self) -> dict[str, Any]:
         host = self.kv.host
-        if host is None:
+        if host is None or self.offload_runner is None:
             return {}
         return {
             "num_host_kv_blocks": host.num_blocks,
@@ -460,7 +461,7 @@ class LLMEngine:
             "host_cache_hits_total": self.kv.host_cache_hits,
             "host_kv_stores_total": host.stores_total,
             "host_kv_loads_total": host.loads_total,
-            "host_kv_copy_seconds_total": getattr(self.runner, "kv_copy_seconds_total", 0.0),
+            "host_kv_copy_seconds_total": self.offload_runner.kv_copy_seconds_total,
         }
 
     def _lora_names(self, ids: set[int]) -> tuple[str, ...]:
