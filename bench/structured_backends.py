@@ -31,49 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TYPICAL_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 40},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "email": {"type": "string", "pattern": "^[a-z0-9.]+@[a-z0-9]+\\.[a-z]{2,4}$"},
-        "role": {"type": "string", "enum": ["admin", "user", "guest"]},
-        "active": {"type": "boolean"},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-        "address": {
-            "type": "object",
-            "properties": {
-                "street": {"type": "string"},
-                "city": {"type": "string"},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["street", "city", "zip"],
-            "additionalProperties": False,
-        },
-        "score": {"type": "number"},
-    },
-    "required": ["name", "age", "email", "role", "active", "tags", "address", "score"],
-    "additionalProperties": False,
-}
-
-INSTANCE = {
-    "name": "Ada Lovelace",
-    "age": 36,
-    "email": "ada@example.org",
-    "role": "admin",
-    "active": True,
-    "tags": ["math", "engines"],
-    "address": {"street": "12 St James Square", "city": "London", "zip": "10001"},
-    "score": 99.5,
-}
-
-
-def variant(i: int) -> dict[str, Any]:
-    """The typical schema made distinct (a cold compile each time, no library cache hit)."""
-    s = json.loads(json.dumps(TYPICAL_SCHEMA))
-    s["properties"]["name"]["maxLength"] = 40 + i
-    return s
-
+from kvgate.bench.schemas import TYPICAL_INSTANCE, TYPICAL_SCHEMA, typical_schema_variant
 
 HOSTILE: dict[str, tuple[str, str]] = {
     # DFA blow-up: the n-th symbol from the end (2^n states as a DFA).
@@ -204,12 +162,12 @@ def measure(name: str, steps: int) -> dict[str, Any]:
     cold = []
     for i in range(5):
         t0 = time.perf_counter()
-        b.compile("json", json.dumps(variant(i)))
+        b.compile("json", json.dumps(typical_schema_variant(i)))
         cold.append(time.perf_counter() - t0)
     out["compile_typical_ms"] = statistics.median(cold) * 1e3
     compiled = b.compile("json", json.dumps(TYPICAL_SCHEMA))
     # Token sequence of a valid instance in the compact form both use (no whitespace).
-    text = json.dumps(INSTANCE, separators=(",", ":"))
+    text = json.dumps(TYPICAL_INSTANCE, separators=(",", ":"))
     tokens = [*tok.encode(text), tok.eos_token_id]
     for batch in (8, 32):
         ms = b.matchers(compiled, batch)
