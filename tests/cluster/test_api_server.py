@@ -273,7 +273,9 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
             got = children()
             wanted = {"Deployment", "Service", "InferencePool", "Role", "RoleBinding", "ServiceAccount",
                       "PodDisruptionBudget", "NetworkPolicy", "ConfigMap"}  # fmt: skip
-            return got if wanted <= set(got) else None
+            # every kind, and both Deployments (the engines' and the EPP's): the operator writes
+            # them one after another, so seeing every kind can come before the second one
+            return got if wanted <= set(got) and got["Deployment"] >= 2 else None
 
         got = eventually(reconciled, 90, "the operator's children")
         assert got["Deployment"] >= 2, got  # the engines and the EPP
