@@ -73,6 +73,18 @@ class _TierBlocks:
     engine_to_key: dict[int, int] = field(default_factory=dict)
     key_refs: dict[int, int] = field(default_factory=dict)  # one key may back several engine hashes
 
+    def remove(self, engine_hash: int) -> int | None:
+        """Forget one engine hash; returns its key when no other engine hash backs it any more."""
+        key = self.engine_to_key.pop(engine_hash, None)
+        if key is None:
+            return None
+        refs = self.key_refs[key] - 1
+        if refs:
+            self.key_refs[key] = refs
+            return None
+        del self.key_refs[key]
+        return key
+
 
 @dataclass
 class _EndpointBlocks:
@@ -142,16 +154,10 @@ class PreciseIndex:
         blocks = self._endpoints.get(endpoint)
         if blocks is None:
             return
-        device = blocks.device
         for engine_hash in engine_hashes:
-            key = device.engine_to_key.pop(engine_hash, None)
+            key = blocks.device.remove(engine_hash)
             if key is None:
                 continue
-            refs = device.key_refs[key] - 1
-            if refs:
-                device.key_refs[key] = refs
-                continue
-            del device.key_refs[key]
             holders = self._holders.get(key)
             if holders is not None:
                 holders.discard(endpoint)
@@ -160,18 +166,9 @@ class PreciseIndex:
 
     def _removed_from_host(self, endpoint: str, engine_hashes: Iterable[int]) -> None:
         blocks = self._endpoints.get(endpoint)
-        if blocks is None:
-            return
-        host = blocks.host
-        for engine_hash in engine_hashes:
-            key = host.engine_to_key.pop(engine_hash, None)
-            if key is None:
-                continue
-            refs = host.key_refs[key] - 1
-            if refs:
-                host.key_refs[key] = refs
-            else:
-                del host.key_refs[key]
+        if blocks is not None:
+            for engine_hash in engine_hashes:
+                blocks.host.remove(engine_hash)
 
     def clear(self, endpoint: str) -> None:
         blocks = self._endpoints.pop(endpoint, None)
