@@ -17,6 +17,19 @@ class Preset:
     values: dict[str, object]
 
 
+_LLM_D_SHARED_PREFIX: dict[str, object] = {
+    "workload": "shared-prefix",
+    "groups": 64,
+    "prefix_tokens": 6000,
+    "suffix_tokens": 1200,
+    "output_tokens": 100,
+    "engines": 16,
+    "sim_kv_blocks": 1800,
+    "request_rate": "4,8,16,24",
+    "num_requests": 200,
+    "warmup_requests": 64,
+}
+
 PRESETS: dict[str, Preset] = {
     # llm-d's precise-prefix routing benchmark shape: many long system prompts shared by users
     # who each add a long unique question, on engines whose KV cache cannot hold every prefix
@@ -24,37 +37,14 @@ PRESETS: dict[str, Preset] = {
     "llm-d-shared-prefix": Preset(
         "64 system prompts of 6,000 tokens, 1,200-token questions, 100-token answers; 16 simulated "
         "engines of 1,800 KV blocks (4 prefixes each); 4, 8, 16 and 24 req/s",
-        {
-            "workload": "shared-prefix",
-            "groups": 64,
-            "prefix_tokens": 6000,
-            "suffix_tokens": 1200,
-            "output_tokens": 100,
-            "engines": 16,
-            "sim_kv_blocks": 1800,
-            "request_rate": "4,8,16,24",
-            "num_requests": 200,
-            "warmup_requests": 64,
-        },
+        _LLM_D_SHARED_PREFIX,
     ),
     # The same shape on engines with a host KV tier four times their device pool (vLLM's CPU
     # offloading as llm-d's tiered prefix cache runs it): 7,200 blocks at a PCIe-class link.
     "llm-d-tiered": Preset(
         "llm-d-shared-prefix on engines that also keep a host KV tier of 7,200 blocks (4x the "
         "device pool) at 50 GB/s; 4, 8, 16 and 24 req/s",
-        {
-            "workload": "shared-prefix",
-            "groups": 64,
-            "prefix_tokens": 6000,
-            "suffix_tokens": 1200,
-            "output_tokens": 100,
-            "engines": 16,
-            "sim_kv_blocks": 1800,
-            "sim_cpu_kv_blocks": 7200,
-            "request_rate": "4,8,16,24",
-            "num_requests": 200,
-            "warmup_requests": 64,
-        },
+        {**_LLM_D_SHARED_PREFIX, "sim_cpu_kv_blocks": 7200},
     ),
     # Chat sessions that resend their growing history every turn (a coding assistant, an agent):
     # a turn is only sent once the previous one of its conversation has answered. Conversations
