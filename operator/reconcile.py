@@ -24,6 +24,7 @@ from kvgate.api.k8s.crds import (
     PoolSignals,
     Port,
     RoutingSpec,
+    TenantsSpec,
 )
 from kvgate.operator import children as ch
 from kvgate.operator.adapter_sync import sync_adapters
@@ -42,10 +43,11 @@ from kvgate.operator.resources import (
     HTTP_ROUTES,
     INFERENCE_POOLS,
     SCALED_OBJECTS,
+    SECRETS,
     resource_of,
 )
 from kvgate.operator.signals import SignalReader
-from kvgate.operator.status import Event, model_deployment_status, problems
+from kvgate.operator.status import Event, degraded_by, model_deployment_status, problems, tenants_problem
 
 APPLIED_ANNOTATION = "kvgate.dev/applied"
 log = logging.getLogger("kvgate.operator")
@@ -313,6 +315,12 @@ class Reconciler:
             )
         status: dict[str, Any] = {"observedGeneration": generation, **report.fields}
         conds = report.conditions
+        events = list(report.events)
+        if spec.tenants is not None:
+            problem = await self._tenants_problem(namespace, spec.tenants)
+            if problem is not None:
+                conds, warned = degraded_by(conds, *problem, old_conditions)
+                events += warned
         if self.signals is not None:
             status["signals"], metrics_cond, has_data = await self._signals(name, spec, report.query)
             status["autoscaler"]["hasData"] = has_data
@@ -321,7 +329,17 @@ class Reconciler:
         if adapters_cond is not None:
             conds.append(adapters_cond)
         status["conditions"] = merge_conditions(old_conditions, conds, generation)
-        return Outcome(_drop_none(status), report.events)
+        return Outcome(_drop_none(status), events)
+
+    async def _tenants_problem(self, namespace: str, tenants: TenantsSpec) -> tuple[str, str] | None:
+        """Whether spec.tenants' Secret holds its key: the picker pods need it to start. Not
+        watched: the resync (or any child's change) sees it created or fixed."""
+        try:
+            secret = await self.client.get(SECRETS, namespace, tenants.secret_name)
+        except ApiError as exc:  # e.g. no `get` on Secrets: the pods will say, the pass goes on
+            log.warning("cannot read Secret %s/%s (spec.tenants): %s", namespace, tenants.secret_name, exc)
+            return None
+        return tenants_problem(tenants, secret)
 
     async def _adapters(
         self,

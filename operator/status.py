@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvgate.api.k8s.crds import InferencePoolSpec, InferencePoolStatus, ModelDeploymentSpec
+from kvgate.api.k8s.crds import InferencePoolSpec, InferencePoolStatus, ModelDeploymentSpec, TenantsSpec
 from kvgate.operator import children as ch
 from kvgate.operator.conditions import Cond, find
 
@@ -187,6 +187,45 @@ def model_deployment_status(
         "autoscaler": {"kind": scaler or "none", "query": query},
     }
     return StatusReport(fields, conds, events, query)
+
+
+def tenants_problem(tenants: TenantsSpec, secret: dict[str, Any] | None) -> tuple[str, str] | None:
+    """Why the endpoint picker cannot read spec.tenants' file, as (reason, message), from its
+    Secret as read (None: absent); None when the file is there."""
+    name = tenants.secret_name
+    if secret is None:
+        return "TenantsSecretNotFound", (
+            f"Secret {name} (spec.tenants.secretName) does not exist in this namespace: the endpoint "
+            "picker pods cannot start (their tenants volume does not mount) until it does."
+        )
+    data = secret.get("data") or {}
+    if tenants.key not in data:
+        keys = ", ".join(sorted(data)) or "none"
+        return "TenantsKeyNotFound", (
+            f"Secret {name} has no key {tenants.key!r} (spec.tenants.key; its keys: {keys}): the endpoint "
+            "picker exits with 'cannot read tenants file'."
+        )
+    return None
+
+
+def degraded_by(
+    conds: list[Cond], reason: str, message: str, old_conditions: list[dict[str, Any]] | None
+) -> tuple[list[Cond], list[Event]]:
+    """The conditions with Degraded True for this problem (after any problem Degraded already
+    names), the picker's not-ready Ready saying why, and a Warning event the first time."""
+    out: list[Cond] = []
+    for c in conds:
+        if c.type == "Degraded":
+            c = (
+                Cond("Degraded", "True", c.reason, f"{c.message} Also: {message}")
+                if c.status == "True"
+                else Cond("Degraded", "True", reason, message)
+            )
+        elif c.type == "Ready" and c.reason == "EndpointPickerNotReady":
+            c = Cond("Ready", c.status, c.reason, f"{c.message} {message}")
+        out.append(c)
+    first = message not in (find(old_conditions, "Degraded") or {}).get("message", "")
+    return out, [Event("Warning", reason, message)] if first else []
 
 
 def problems(exc: ValidationError, root: str = "") -> str:

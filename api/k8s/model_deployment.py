@@ -184,6 +184,164 @@ def _default_scorers() -> list[ScorerSpec]:
     ]
 
 
+# A Gateway API duration (GEP-2257): 1 to 4 numbers, each with a unit, e.g. 30s, 1m30s, 500ms.
+DURATION_PATTERN = r"^([0-9]{1,5}(h|m|s|ms)){1,4}$"
+_DURATION_PART = re.compile(r"([0-9]{1,5})(h|ms|m|s)")
+_DURATION_UNIT_SECONDS = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+# A Secret's name (a DNS subdomain) and the name of one of its keys.
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# Where the endpoint picker's container sees spec.tenants' Secret (read-only).
+TENANTS_DIR = "/etc/kvgate/tenants"
+
+
+def duration_seconds(text: str) -> float:
+    """A Gateway API duration (DURATION_PATTERN) in seconds. ValueError: not one."""
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"{text!r} is not a duration (e.g. 30s, 1m30s, 500ms)")
+    return sum(int(n) * _DURATION_UNIT_SECONDS[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+class FlowControlSpec(K8sModel):
+    """The endpoint picker's flow control (`kvgate epp serve --flow-*`): requests held in the picker
+    and dispatched by priority, then by fairness between tenants, when an engine has room. Every
+    field left out keeps the picker's own default."""
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "false: no flow control (`--no-flow-control`): every request is routed at once, as "
+            "it arrives; the other fields are then not passed."
+        ),
+    )
+    max_queued: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests held at most, all flows together (`--flow-max-queued`); beyond, a 429/503.",
+        json_schema_extra={"format": "int64"},
+    )
+    max_queued_per_flow: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Requests held at most per flow, one tenant at one priority (`--flow-max-queued-per-flow`); "
+            "beyond, a 429."
+        ),
+        json_schema_extra={"format": "int64"},
+    )
+    # Like resource quantities, an int-or-string the CRD does not check further: the operator's
+    # InvalidSpec condition says what is wrong with it.
+    max_queued_bytes: int | str | None = Field(
+        default=None,
+        description=(
+            "Request bodies held at most, all flows together: a byte count or a quantity, e.g. 512Mi "
+            "(`--flow-max-queued-bytes`, in bytes)."
+        ),
+    )
+    ttl: str | None = Field(
+        default=None,
+        description=(
+            "How long a request may be held before it is answered 429 (sheddable) or 503: a duration "
+            "above 0, e.g. 30s, 1m30s, 500ms (`--flow-ttl`, in seconds)."
+        ),
+        # The pattern is checked by _ttl_is_a_positive_duration, whose message says more than
+        # pydantic's pattern error; the CRD carries it, with a CEL rule for a zero duration (and
+        # a maxLength, which bounds the rule's estimated cost).
+        json_schema_extra={
+            "pattern": DURATION_PATTERN,
+            "maxLength": 32,
+            "x-kubernetes-validations": [
+                {"rule": "self.matches('[1-9]')", "message": "ttl must be above 0, e.g. 30s"}
+            ],
+        },
+    )
+    dispatch_queue_depth: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "An engine has room for a held request while fewer requests than this wait there, this "
+            "picker's picks its metrics do not show yet included (`--flow-dispatch-queue-depth`)."
+        ),
+        json_schema_extra={"format": "int64"},
+    )
+    dispatch_prefill_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "... and, where the engine reports it, while less prompt work than this many tokens is "
+            "ahead of a new request there (`--flow-dispatch-prefill-tokens`; 0: not checked)."
+        ),
+        json_schema_extra={"format": "int64"},
+    )
+
+    @field_validator("max_queued_bytes")
+    @classmethod
+    def _bytes_is_a_positive_size(cls, value: int | str | None) -> int | str | None:
+        if value is None:
+            return None
+        try:
+            exact = parse_quantity(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not a byte count or a Kubernetes quantity (e.g. 536870912, 512Mi, 1G)"
+            ) from None
+        if exact < 1:
+            raise ValueError(f"{value!r}: must be above 0 bytes")
+        if exact != int(exact):
+            raise ValueError(f"{value!r} is not a whole number of bytes (e.g. 536870912, 512Mi, 1G)")
+        return value
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl_is_a_positive_duration(cls, value: str | None) -> str | None:
+        # The CRD's pattern and CEL rule say the same; this says why where the API server did not check.
+        if value is not None and duration_seconds(value) <= 0:
+            raise ValueError(f"{value!r}: ttl must be above 0 (how long a request may be held), e.g. 30s")
+        return value
+
+    def max_queued_byte_count(self) -> int | None:
+        return None if self.max_queued_bytes is None else memory_bytes(self.max_queued_bytes)
+
+    def ttl_seconds(self) -> float | None:
+        return None if self.ttl is None else duration_seconds(self.ttl)
+
+
+class TenantsSpec(K8sModel):
+    """A Secret holding the endpoint picker's tenants file."""
+
+    secret_name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_NAME_PATTERN,
+        description=(
+            "A Secret in the ModelDeployment's namespace; the operator mounts it read-only into the "
+            f"endpoint picker pods at {TENANTS_DIR}."
+        ),
+    )
+    key: str = Field(
+        default="tenants.yaml",
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description=(
+            "The Secret's key holding the tenants file: a YAML list of {name, key, weight, priority} "
+            f"(`kvgate epp serve --tenants {TENANTS_DIR}/<key>`)."
+        ),
+    )
+
+    @field_validator("key")
+    @classmethod
+    def _key_is_a_file_name(cls, key: str) -> str:
+        # Kubernetes refuses these as Secret keys too: the key is a file name in the mount.
+        if key in (".", "..") or key.startswith(".."):
+            raise ValueError(f"{key!r} is not a Secret key (it must not be '.', '..' or start with '..')")
+        return key
+
+    def path(self) -> str:
+        """The tenants file as the picker's container sees it."""
+        return f"{TENANTS_DIR}/{self.key}"
+
+
 class RoutingSpec(K8sModel):
     epp_image: str | None = Field(
         default=None, description="Endpoint picker image; the operator's default when unset."
@@ -218,6 +376,13 @@ class RoutingSpec(K8sModel):
         description=(
             "Endpoint picker replicas, all serving at once (each rebuilds the same prefix index from "
             "the engines' KV events). Two by default, so a rollout or a node loss never stops routing."
+        ),
+    )
+    flow_control: FlowControlSpec | None = Field(
+        default=None,
+        description=(
+            "The endpoint picker's flow control: queue bounds, the held-request TTL and when an engine "
+            "has room. Unset: the picker's defaults (flow control on)."
         ),
     )
 
@@ -300,7 +465,7 @@ class HTTPRouteSpec(K8sModel):
     hostnames: list[str] | None = Field(default=None, max_length=16)
     path_prefix: str = Field(default="/", pattern=r"^/")
     request_timeout: str | None = Field(
-        default="300s", pattern=r"^([0-9]{1,5}(h|m|s|ms)){1,4}$", description="Gateway API duration."
+        default="300s", pattern=DURATION_PATTERN, description="Gateway API duration."
     )
     match_model_name: bool = Field(
         default=False,
@@ -651,6 +816,15 @@ class ModelDeploymentSpec(K8sModel):
             "A second KV tier in each engine's host memory, under the prefix cache (vLLM's native CPU "
             "offloading): blocks leaving the device pool are kept there and loaded back on a hit "
             "instead of computed again. Unset: no tier. Changing it restarts the engines."
+        ),
+    )
+    tenants: TenantsSpec | None = Field(
+        default=None,
+        description=(
+            "Tenants of the pool: a Secret holding the endpoint picker's tenants file. Clients then "
+            "present a tenant's key (Authorization: Bearer <key>) and the tenant becomes the request's "
+            "fairness id. The Secret must exist in this namespace (a Degraded condition says so when "
+            "it does not). Unset: no keys are asked for."
         ),
     )
 

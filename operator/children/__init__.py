@@ -67,6 +67,8 @@ from kvgate.operator.children.epp import (
     epp_config_yaml,
     epp_objects,
     epp_target_for_md,
+    flow_control_args,
+    tenants_volume,
     tokenizer_source,
 )
 from kvgate.operator.children.model_deployment import OPTIONAL_CHILDREN, model_deployment_children
@@ -115,6 +117,7 @@ __all__ = [
     "epp_objects",
     "epp_target_for_md",
     "external_metric_name",
+    "flow_control_args",
     "hf_adapter_list",
     "hf_token_env",
     "horizontal_pod_autoscaler",
@@ -131,5 +134,6 @@ __all__ = [
     "readiness_gates",
     "scaled_object",
     "standard_labels",
+    "tenants_volume",
     "tokenizer_source",
 ]

@@ -4,11 +4,20 @@ one picker (ServiceAccount, Role, RoleBinding, ConfigMap, Deployment, Service, P
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import yaml
 
-from kvgate.api.k8s.crds import POOL_GROUP, ModelDeploymentSpec, ModelSource, RoutingSpec
+from kvgate.api.k8s.crds import (
+    POOL_GROUP,
+    TENANTS_DIR,
+    FlowControlSpec,
+    ModelDeploymentSpec,
+    ModelSource,
+    RoutingSpec,
+    TenantsSpec,
+)
 from kvgate.operator.children.common import (
     API_KEY_ENV,
     EPP_CONFIG_KEY,
@@ -98,6 +107,8 @@ class EPPTarget:
     api_key_env: dict[str, Any] | None = None
     # Prefill/decode disaggregation (spec.disaggregation): the picker's --pd-threshold.
     pd_threshold: int | None = None
+    # spec.tenants: a Secret mounted read-only at TENANTS_DIR, its key the picker's --tenants file.
+    tenants: TenantsSpec | None = None
 
 
 def epp_target_for_md(
@@ -119,9 +130,41 @@ def epp_target_for_md(
         kv_events_port=spec.engine.kv_events_port,
         kv_replay_port=spec.engine.kv_events_replay_port,
         api_key_env=next((e.wire() for e in spec.engine.env if e.name == API_KEY_ENV), None),
+        tenants=spec.tenants,
         # A request streaming when the EPP restarts must be able to finish through it.
         termination_grace_seconds=spec.engine.drain_seconds + spec.engine.shutdown_timeout_seconds + 10,
     )
+
+
+def _seconds(value: float) -> str:
+    """Seconds as a plain decimal (90, 0.5, 0.001: no exponent), which `--flow-ttl` reads."""
+    text = format(Decimal(repr(float(value))), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def flow_control_args(flow: FlowControlSpec | None) -> list[str]:
+    """spec.routing.flowControl as `kvgate epp serve` flags; only what the spec sets (the
+    picker keeps its own defaults for the rest)."""
+    if flow is None:
+        return []
+    if not flow.enabled:
+        return ["--no-flow-control"]
+    args: list[str] = []
+    if flow.max_queued is not None:
+        args += ["--flow-max-queued", str(flow.max_queued)]
+    if flow.max_queued_per_flow is not None:
+        args += ["--flow-max-queued-per-flow", str(flow.max_queued_per_flow)]
+    count = flow.max_queued_byte_count()
+    if count is not None:
+        args += ["--flow-max-queued-bytes", str(count)]
+    ttl = flow.ttl_seconds()
+    if ttl is not None:
+        args += ["--flow-ttl", _seconds(ttl)]
+    if flow.dispatch_queue_depth is not None:
+        args += ["--flow-dispatch-queue-depth", str(flow.dispatch_queue_depth)]
+    if flow.dispatch_prefill_tokens is not None:
+        args += ["--flow-dispatch-prefill-tokens", str(flow.dispatch_prefill_tokens)]
+    return args
 
 
 def epp_args(target: EPPTarget) -> list[str]:
@@ -148,6 +191,9 @@ def epp_args(target: EPPTarget) -> list[str]:
         args += ["--kv-replay-port", str(target.kv_replay_port)]
     if not target.routing.secure_serving:
         args.append("--secure-serving=false")
+    args += flow_control_args(target.routing.flow_control)
+    if target.tenants is not None:
+        args += ["--tenants", target.tenants.path()]
     if target.pd_threshold is not None:
         args += ["--pd-threshold", str(target.pd_threshold)]
     if target.tokenizer:
@@ -155,6 +201,13 @@ def epp_args(target: EPPTarget) -> list[str]:
         if target.tokenizer.revision:
             args += ["--tokenizer-revision", target.tokenizer.revision]
     return args
+
+
+def tenants_volume(tenants: TenantsSpec) -> dict[str, Any]:
+    """The tenants Secret as a volume: the whole Secret (no `items`), so a missing key is the
+    picker's one-line "cannot read tenants file" exit, not a pod stuck on its mount; readable
+    by the pod's group (fsGroup) only."""
+    return {"name": "tenants", "secret": {"secretName": tenants.secret_name, "defaultMode": 0o440}}
 
 
 def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any]]:
@@ -228,6 +281,7 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
             {"name": "config", "mountPath": "/config", "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             *([{"name": "models", "mountPath": MODEL_DIR, "readOnly": True}] if claim else []),
+            *([{"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True}] if target.tenants else []),
         ],
         "securityContext": container_security(),
     }
@@ -284,6 +338,7 @@ def epp_objects(target: EPPTarget, config: OperatorConfig) -> list[dict[str, Any
                             if claim
                             else []
                         ),
+                        *([tenants_volume(target.tenants)] if target.tenants else []),
                     ],
                 },
             },

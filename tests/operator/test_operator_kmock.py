@@ -31,6 +31,7 @@ from kvgate.operator.resources import (
     NETWORK_POLICIES,
     PDBS,
     SCALED_OBJECTS,
+    SECRETS,
     SERVICES,
 )
 
@@ -378,6 +379,47 @@ async def test_an_invalid_kv_offload_size_is_refused_with_a_condition(cluster: A
         what="Warning event",
     )
     assert cluster.children(UID) == {}
+
+
+async def test_a_missing_tenants_secret_is_a_degraded_condition_until_it_exists(
+    cluster: Any, operator: Any
+) -> None:
+    """spec.tenants names a Secret that is not there: the children are made (the picker pods
+    wait on their mount), and Degraded plus a Warning event say which Secret; a Secret without
+    the key says that; once the key is there the condition clears on the next pass (the resync:
+    Secrets are not watched). test_status.py checks the event is posted once per problem."""
+    await cluster.client.create(
+        MODEL_DEPLOYMENTS, NS, model_deployment({"tenants": {"secretName": "llm-tenants"}})
+    )
+    await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN)
+    pod = cluster.objects(DEPLOYMENTS)["smol-epp"]["spec"]["template"]["spec"]
+    assert {"name": "tenants", "secret": {"secretName": "llm-tenants", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    assert "/etc/kvgate/tenants/tenants.yaml" in pod["containers"][0]["args"]
+
+    def degraded(reason: str) -> dict[str, Any] | None:
+        cond = condition(cluster, "Degraded") or {}
+        return cond if cond.get("reason") == reason else None
+
+    cond = await cluster.eventually(lambda: degraded("TenantsSecretNotFound"), what="TenantsSecretNotFound")
+    assert cond["status"] == "True" and "Secret llm-tenants (spec.tenants.secretName)" in cond["message"]
+    await cluster.eventually(
+        lambda: [e for e in cluster.objects(EVENTS).values() if e.get("reason") == "TenantsSecretNotFound"],
+        what="Warning event",
+    )
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "llm-tenants", "namespace": NS},
+        "data": {"other.yaml": "LSBbXQ=="},
+    }
+    await cluster.client.create(SECRETS, NS, secret)
+    cond = await cluster.eventually(lambda: degraded("TenantsKeyNotFound"), what="TenantsKeyNotFound")
+    assert "no key 'tenants.yaml'" in cond["message"]
+    await cluster.client.patch(SECRETS, NS, "llm-tenants", {"data": {"tenants.yaml": "LSBbXQ=="}})
+    cond = await cluster.eventually(lambda: degraded("AsExpected"), what="Degraded cleared")
+    assert cond["status"] == "False"
 
 
 async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: Any, operator: Any) -> None:

@@ -9,7 +9,13 @@ import pytest
 from kvgate.api.k8s.crds import ModelDeploymentSpec
 from kvgate.operator import children as ch
 from kvgate.operator.conditions import Cond
-from kvgate.operator.status import gateway_accepted, model_deployment_status, rollout_conditions
+from kvgate.operator.status import (
+    degraded_by,
+    gateway_accepted,
+    model_deployment_status,
+    rollout_conditions,
+    tenants_problem,
+)
 
 NAME = "smol"
 
@@ -191,3 +197,40 @@ def test_autoscaling_off() -> None:
     assert by_type(report.conditions)["Autoscaling"].reason == "Disabled"
     assert "Routed" not in by_type(report.conditions)
     assert report.query is None and report.fields["autoscaler"] == {"kind": "none", "query": None}
+
+
+def test_the_tenants_secret_missing_or_without_its_key_is_named() -> None:
+    tenants = _spec(tenants={"secretName": "llm-tenants"}).tenants
+    assert tenants is not None
+    reason, msg = tenants_problem(tenants, None) or ("", "")
+    assert reason == "TenantsSecretNotFound"
+    assert "Secret llm-tenants (spec.tenants.secretName) does not exist" in msg
+    reason, msg = tenants_problem(tenants, {"data": {"other.yaml": "eA=="}}) or ("", "")
+    assert reason == "TenantsKeyNotFound"
+    assert "no key 'tenants.yaml'" in msg and "its keys: other.yaml" in msg
+    assert tenants_problem(tenants, {"data": {"tenants.yaml": "LSBuYW1lOiBh"}}) is None
+
+
+def test_a_tenants_problem_degrades_and_warns_once() -> None:
+    problem = ("TenantsSecretNotFound", "Secret t (spec.tenants.secretName) does not exist.")
+    # A new picker, not ready: Ready says why, Degraded turns True, one Warning event.
+    conds, events = degraded_by(rollout_conditions(NAME, engine(), epp(2, 0)), *problem, None)
+    got = by_type(conds)
+    assert (got["Degraded"].status, got["Degraded"].reason) == ("True", "TenantsSecretNotFound")
+    assert got["Ready"].reason == "EndpointPickerNotReady" and problem[1] in got["Ready"].message
+    assert [(e.type, e.reason) for e in events] == [("Warning", "TenantsSecretNotFound")]
+    # The next pass, still missing: no second event.
+    old = [{"type": c.type, "reason": c.reason, "message": c.message} for c in conds]
+    assert degraded_by(rollout_conditions(NAME, engine(), epp(2, 0)), *problem, old)[1] == []
+    # Pickers already serving (a rollout waits on the new one): Ready stays, Degraded says why.
+    got = by_type(degraded_by(rollout_conditions(NAME, engine(), epp()), *problem, None)[0])
+    assert got["Ready"].status == "True" and got["Degraded"].reason == "TenantsSecretNotFound"
+    # Already degraded for another reason: that reason stays first, the message adds this one.
+    deadline = [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "x"}
+    ]
+    got = by_type(
+        degraded_by(rollout_conditions(NAME, engine(conditions=deadline), epp()), *problem, None)[0]
+    )
+    assert got["Degraded"].reason == "ProgressDeadlineExceeded"
+    assert got["Degraded"].message == f"x Also: {problem[1]}"
