@@ -196,10 +196,13 @@ def saturation(stack) -> Saturation:
         )
 
     def shed_while_saturated() -> httpx.Response:
-        # while the EPP's own scrape shows the pool saturated (mean waiting >= 5 with 4 running
-        # each), sheddable work is refused; the queue drains as we go, so check and send together
-        queue = _gauge(epp.metrics_text(), "inference_pool_average_queue_size")
-        assert queue >= 6.0, f"mean queue {queue}: not saturated yet"
+        # while the pool has no room (flow control holds critical work in the EPP: the engines
+        # have 5 waiting each, its dispatch limit), sheddable work is refused; the queues drain
+        # as we go, so check and send together
+        text = epp.metrics_text()
+        held = _gauge_sum(text, "inference_extension_flow_control_queue_size")
+        queue = _gauge(text, "inference_pool_average_queue_size")
+        assert held >= 1 and queue >= 4.0, f"{held} held, mean queue {queue}: not saturated yet"
         shed = sheddable("sheddable work")
         assert shed.status_code == 429, shed.text
         return shed
@@ -263,6 +266,11 @@ def test_epp_exports_gie_metrics(stack, client, saturation: Saturation) -> None:
     # the duration of a request is recorded when its exchange with Envoy ends, after the reply
     text = eventually(exported, 10, "the GIE metrics")
     assert _gauge(text, "inference_pool_ready_pods") == 3
+
+
+def _gauge_sum(text: str, name: str) -> float:
+    """A gauge summed over its series (0 when none is exported yet)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def _gauge(text: str, name: str) -> float:

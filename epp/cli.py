@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvgate.api.cli_args import add_log_level, add_otlp_endpoint, add_request_template_flag, non_negative_int
 from kvgate.api.cli_args import boolean as _bool
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
+
+if TYPE_CHECKING:
+    from kvgate.epp.flow_control import FlowControlConfig
 
 HELP = "run the endpoint picker: an Envoy ext_proc server that routes each request to the best engine"
 
@@ -40,6 +46,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     _add_scheduling_args(p)
     _add_serving_args(p)
     _add_request_limit_args(p)
+    _add_tenant_args(p)
     _add_metrics_args(p)
 
 
@@ -174,6 +181,110 @@ def _add_request_limit_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _flow_ttl(text: str) -> float:
+    value = _duration(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite duration, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class _FlowDefaults:
+    """FlowControlConfig's defaults, kept here so `kvgate --help` need not import flow control
+    (tests/epp/test_tenants.py checks they agree)."""
+
+    enabled: bool = True
+    max_queued: int = 50_000
+    max_queued_per_flow: int = 10_000
+    max_queued_bytes: int = 512 << 20
+    ttl_s: float = 30.0
+    dispatch_queue_depth: int = 5
+    dispatch_prefill_tokens: int = 1024
+
+
+FLOW_DEFAULTS = _FlowDefaults()
+
+
+def _add_tenant_args(p: argparse.ArgumentParser) -> None:
+    """Who may use the pool (API keys) and how waiting requests are shared among them."""
+    d = FLOW_DEFAULTS
+    t = p.add_argument_group("tenants and flow control")
+    t.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="YAML list of tenants {name, key, weight, priority}: every request must carry one's key "
+        "(Authorization: Bearer KEY; else 401) and is scheduled as that tenant, whatever "
+        "x-gateway-inference-fairness-id says; unset: no key asked for",
+    )
+    t.add_argument(
+        "--flow-control",
+        action=argparse.BooleanOptionalAction,
+        default=d.enabled,
+        help="hold requests in the EPP while no engine has room and dispatch them by priority, then "
+        "fairness between tenants",
+    )
+    t.add_argument(
+        "--flow-max-queued",
+        type=_positive_int,
+        default=d.max_queued,
+        metavar="N",
+        help="requests held at once, all flows together; beyond it 503 (429 if sheddable)",
+    )
+    t.add_argument(
+        "--flow-max-queued-per-flow",
+        type=_positive_int,
+        default=d.max_queued_per_flow,
+        metavar="N",
+        help="requests held at once per flow (tenant and priority); beyond it 429",
+    )
+    t.add_argument(
+        "--flow-max-queued-bytes",
+        type=_positive_int,
+        default=d.max_queued_bytes,
+        metavar="N",
+        help="request body bytes held at once, all flows together; beyond it 503 (429 if sheddable)",
+    )
+    t.add_argument(
+        "--flow-ttl",
+        type=_flow_ttl,
+        default=d.ttl_s,
+        metavar="SECONDS",
+        help="longest a request is held, in seconds (or e.g. 500ms); then 503 (429 if sheddable)",
+    )
+    t.add_argument(
+        "--flow-dispatch-queue-depth",
+        type=_positive_int,
+        default=d.dispatch_queue_depth,
+        metavar="N",
+        help="an engine has room only while fewer than N requests wait there, counting this EPP's picks its "
+        "metrics do not show yet",
+    )
+    t.add_argument(
+        "--flow-dispatch-prefill-tokens",
+        type=non_negative_int,
+        default=d.dispatch_prefill_tokens,
+        metavar="N",
+        help="... and, where the engine reports its pending prefill tokens, while fewer than N are "
+        "ahead of a new request (0: not checked)",
+    )
+
+
+def flow_control_config(args: argparse.Namespace) -> FlowControlConfig:
+    """The flow-control flags as a FlowControlConfig (its other settings at their defaults)."""
+    from kvgate.epp.flow_control import FlowControlConfig
+
+    return FlowControlConfig(
+        enabled=args.flow_control,
+        max_queued=args.flow_max_queued,
+        max_queued_per_flow=args.flow_max_queued_per_flow,
+        max_queued_bytes=args.flow_max_queued_bytes,
+        ttl_s=args.flow_ttl,
+        dispatch_queue_depth=args.flow_dispatch_queue_depth,
+        dispatch_prefill_tokens=args.flow_dispatch_prefill_tokens,
+    )
+
+
 def _add_metrics_args(p: argparse.ArgumentParser) -> None:
     """How often engine metrics are scraped and under which names (vLLM's or others)."""
     m = p.add_argument_group("engine metrics")
@@ -219,6 +330,17 @@ def run(args: argparse.Namespace) -> int:
 
     if bool(args.endpoints) == bool(args.pool_name):
         return _fail("give exactly one of --endpoints (static list) or --pool-name (Kubernetes)")
+    if args.tenants:
+        from kvgate.epp.tenants import TenantsFileError, load_tenants
+
+        try:  # checked before anything starts: a bad file is a one-line error, not a crash later
+            load_tenants(args.tenants)
+        except TenantsFileError as exc:
+            return _fail(f"--tenants: {exc}")
+    try:
+        flow_control = flow_control_config(args)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         endpoints = (
             static_endpoints(args.endpoints, args.kv_events_endpoints, args.kv_replay_endpoints)
@@ -281,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
         pd_threshold=args.pd_threshold,
         grpc_server=args.grpc_server,
         grpc_max_message_bytes=args.grpc_max_message_bytes,
+        tenants_file=args.tenants or None,
+        flow_control=flow_control,
     )
     try:
         asyncio.run(serve_forever(settings))

@@ -37,6 +37,7 @@ class Decision:
     prefill: str | None = None
     pd_decision: str = ""
     pd_reason: str = ""
+    retry_after: int = 0  # seconds, for a 429/503 the client may retry (Retry-After); 0: none
 
     @property
     def routed(self) -> bool:
@@ -103,10 +104,12 @@ class Director:
             endpoints = [e for e in endpoints if e.address in allowed]
         return endpoints
 
-    def pick(self, request: InferenceRequest) -> Decision:
+    def pick(self, request: InferenceRequest, among: list[EndpointState] | None = None) -> Decision:
+        """Route one request; `among`: choose only from these candidates (flow control passes
+        the ones with room)."""
         t0 = time.perf_counter()
         now = self.clock()
-        candidates = self.candidates(request)
+        candidates = self.candidates(request) if among is None else among
         if not candidates:
             if request.subset is not None:
                 why = (

@@ -26,12 +26,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from kvgate.api.contracts.admissions import PICKED_BY_HEADER
+from kvgate.api.contracts.admissions import PICKED_BY_HEADER, SERVICE_TOKENS_HEADER
 from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
-from kvgate.api.tracing import TRACEPARENT, Tracer
+from kvgate.api.tracing import TRACEPARENT, Span, Tracer
 from kvgate.epp.director import Decision, Director
+from kvgate.epp.flow_control import FlowGate, Held
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import BadRequest, InferenceRequest, PromptPolicy, Tokenizer, parse_body
+from kvgate.epp.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, valid_fairness_id
 
 log = logging.getLogger("kvgate.epp.extproc")
 
@@ -46,6 +48,9 @@ SLO_TTFT_HEADER = "x-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-slo-tpot-ms"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 REQUEST_ID_HEADER = "x-request-id"
+# The response's last bytes kept to read its token usage from (flow control's correction).
+USAGE_TAIL_BYTES = 4096
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 MAX_CHUNK = 62_000  # Envoy's ext_proc keeps streamed body messages under its 64 KiB gRPC frame
 # A client's x-request-id is kept only when it looks like an id; anything else (8,000 forged
 # characters, odd bytes) is replaced, so logs and echoes never carry it.
@@ -78,6 +83,7 @@ def immediate(
     request_id: str = "",
     param: str | None = None,
     code: str | int | None = None,
+    retry_after: int = 0,
 ) -> ep.ProcessingResponse:
     body = json.dumps(
         {
@@ -92,6 +98,8 @@ def immediate(
     headers = [_header("content-type", "application/json")]
     if request_id:
         headers.append(_header(REQUEST_ID_HEADER, request_id))
+    if retry_after > 0:
+        headers.append(_header("retry-after", str(retry_after)))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
@@ -170,6 +178,7 @@ class _Exchange:
     generated_id: bool = False
     traceparent: str | None = None  # the pick's span, sent on to the engine when tracing
     subset: list[str] | None = None
+    tenant: Tenant | None = None  # who the request's API key says sent it (with a tenants file)
     body: bytearray = field(default_factory=bytearray)
     body_done: bool = False
     request: InferenceRequest | None = None
@@ -177,10 +186,16 @@ class _Exchange:
     rewriter: ModelRewriter | None = None
     finished: bool = False
     running_label: str = ""  # the model label its running-requests gauge was raised under
+    awaiting_route: bool = False  # complete, waiting for flow control to dispatch it
+    held: Held | None = None  # its place in flow control, once dispatched
+    response_tail: bytes = b""  # the end of the response body, where the usage block is
 
 
 class EndpointPickerHandler:
     """The protocol logic, callable without gRPC (tests drive it message by message)."""
+
+    # Flow control (kvgate.epp.flow_control); None: every request is picked as it completes.
+    flow: FlowGate | None = None
 
     def __init__(
         self,
@@ -191,6 +206,7 @@ class EndpointPickerHandler:
         policy: PromptPolicy | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         tracer: Tracer | None = None,
+        tenants: TenantRegistry | None = None,
     ) -> None:
         self.director = director
         self.metrics = metrics
@@ -199,6 +215,8 @@ class EndpointPickerHandler:
         self.policy = policy or PromptPolicy()
         self.max_body_bytes = max_body_bytes
         self.tracer = tracer or Tracer(None, "kvgate-epp")
+        # Tenants (a tenants file): every request must carry one's API key; None: no key asked for.
+        self.tenants = tenants
 
     # -- request phase ----------------------------------------------------------------------
     def on_request_headers(
@@ -212,6 +230,26 @@ class EndpointPickerHandler:
             rid = str(uuid.uuid4())
             x.generated_id = True
         x.request_id = rid
+        if self.tenants is not None:
+            # The key is checked before the body is read: a stranger's request costs no buffering.
+            auth = headers.get("authorization", "")
+            x.tenant = self.tenants.authenticate(auth)
+            if x.tenant is None:
+                self._count_error(x, "", "", 401)
+                given = bool(auth.strip().partition(" ")[2].strip())
+                log.info("request %s answered 401: %s API key", x.request_id, "wrong" if given else "no")
+                resp = immediate(
+                    401,
+                    "Incorrect API key provided."
+                    if given
+                    else "You didn't provide an API key. Send it in an Authorization header "
+                    "(Authorization: Bearer YOUR_KEY).",
+                    "invalid_request_error",
+                    x.request_id,
+                    code="invalid_api_key",
+                )
+                resp.immediate_response.headers.set_headers.append(_header("www-authenticate", "Bearer"))
+                return [resp]
         if SUBSET_HINT_NAMESPACE in metadata.filter_metadata:
             hint = metadata.filter_metadata[SUBSET_HINT_NAMESPACE].fields.get(SUBSET_HINT_KEY)
             if hint is None:
@@ -269,14 +307,23 @@ class EndpointPickerHandler:
         headers = x.headers
         model = body["model"] if body else ""
         objective = headers.get(OBJECTIVE_HEADER) or None
+        if objective and objective in self.objectives:
+            priority = self.objectives[objective]
+        else:  # no objective names a priority: the tenant's own (0 without tenants)
+            priority = x.tenant.priority if x.tenant is not None else 0
+        if self.tenants is not None:
+            # The API key named the tenant; a client's own fairness header is never believed.
+            fairness_id = x.tenant.name if x.tenant is not None else None
+        else:  # GIE: the client's fairness header, if it could be a tenant's name
+            fairness_id = valid_fairness_id(headers.get(FAIRNESS_HEADER))
         return InferenceRequest(
             request_id=x.request_id,
             model=model,
             target_model=headers.get(MODEL_REWRITE_HEADER) or model,
             body=body,
             objective=objective,
-            priority=self.objectives.get(objective, 0) if objective else 0,
-            fairness_id=headers.get(FAIRNESS_HEADER) or None,
+            priority=priority,
+            fairness_id=fairness_id,
             slo_ttft_s=_milliseconds(headers.get(SLO_TTFT_HEADER)),
             slo_tpot_s=_milliseconds(headers.get(SLO_TPOT_HEADER)),
             path=headers.get(":path", ""),
@@ -293,17 +340,47 @@ class EndpointPickerHandler:
         return PromptPolicy(self.policy.trust_request_chat_template, self.director.datastore.context_limit())
 
     def route(self, x: _Exchange) -> list[ep.ProcessingResponse]:
-        """Pick an endpoint for the prepared request and answer Envoy."""
+        """Pick an endpoint for the prepared request and answer Envoy. Under flow control the
+        pick waits for a dispatch: this marks the exchange and `route_async` does it."""
+        if self.flow is not None:
+            x.awaiting_route = True
+            return []
+        span = self._begin_route(x)
+        try:
+            decision = self.director.pick(x.request)  # type: ignore[arg-type]
+        except Exception:
+            return self._pick_failed(x, span)
+        return self._answer(x, decision, span)
+
+    async def route_async(self, x: _Exchange) -> list[ep.ProcessingResponse]:
+        """`route`, waiting in flow control until the pool has room (or the request's 429/503)."""
+        x.awaiting_route = False
+        if self.flow is None:
+            return self.route(x)
+        span = self._begin_route(x)
+        try:
+            held = await self.flow.admit(x.request, len(x.body))  # type: ignore[arg-type]
+        except asyncio.CancelledError:
+            span.end()
+            raise
+        except Exception:
+            return self._pick_failed(x, span)
+        assert held.decision is not None
+        span.set_attribute("kvgate.flow.queued_ms", 1000 * held.queued_seconds)
+        span.set_attribute("kvgate.flow.fairness_id", held.key.fairness_id)
+        if held.decision.routed:
+            x.held = held
+        return self._answer(x, held.decision, span)
+
+    def _begin_route(self, x: _Exchange) -> Span:
         req = x.request
         assert req is not None
-        body = req.body
         model, target = req.model, req.target_model
-        rewrite = x.headers.get(MODEL_REWRITE_HEADER) or ""
         if self.metrics is not None:
             label = self.metrics.model_label
             self.metrics.requests.labels(label(model), label(target)).inc()
             self.metrics.request_sizes.labels(label(model), label(target)).observe(len(x.body))
-        span = self.tracer.start(
+        return self.tracer.start(
             "kvgate.epp.pick",
             x.headers,
             {
@@ -312,16 +389,25 @@ class EndpointPickerHandler:
                 "kvgate.profile": self.director.profile.name,
             },
         )
-        try:
-            decision = self.director.pick(req)
-        except Exception:
-            log.exception("request %s: scheduler failed", x.request_id)
-            self._count_error(x, model, target, 500)
-            span.set_attribute("kvgate.pick.status", 500)
-            span.end()
-            return [
-                immediate(500, "the endpoint picker failed to schedule this request", request_id=x.request_id)
-            ]
+
+    def _pick_failed(self, x: _Exchange, span: Span) -> list[ep.ProcessingResponse]:
+        req = x.request
+        assert req is not None
+        log.exception("request %s: scheduler failed", x.request_id)
+        self._count_error(x, req.model, req.target_model, 500)
+        span.set_attribute("kvgate.pick.status", 500)
+        span.end()
+        return [
+            immediate(500, "the endpoint picker failed to schedule this request", request_id=x.request_id)
+        ]
+
+    def _answer(self, x: _Exchange, decision: Decision, span: Span) -> list[ep.ProcessingResponse]:
+        """Envoy's answer for a decision: the routed request, or the EPP's own error reply."""
+        req = x.request
+        assert req is not None
+        body = req.body
+        model, target = req.model, req.target_model
+        rewrite = x.headers.get(MODEL_REWRITE_HEADER) or ""
         span.set_attributes(
             {
                 "kvgate.pick.status": decision.status,
@@ -343,7 +429,15 @@ class EndpointPickerHandler:
         if not decision.routed:
             self._count_error(x, model, target, decision.status)
             log.info("request %s answered %d: %s", x.request_id, decision.status, decision.reason)
-            return [immediate(decision.status, decision.reason, decision.error_type, x.request_id)]
+            return [
+                immediate(
+                    decision.status,
+                    decision.reason,
+                    decision.error_type,
+                    x.request_id,
+                    retry_after=decision.retry_after,
+                )
+            ]
         x.decision = decision
         if self.metrics is not None:
             self.metrics.scheduler.observe(decision.scheduler_seconds)
@@ -376,6 +470,9 @@ class EndpointPickerHandler:
             # The engine announces the admission to every EPP replica (a client's own value is
             # overwritten): see kvgate.api.contracts.admissions.
             _header(PICKED_BY_HEADER, self.director.datastore.replica_id),
+            # What the EPP decided the request's fairness id is (its tenant, with a tenants file),
+            # never the client's own value: the engine sees what the EPP scheduled.
+            _header(FAIRNESS_HEADER, (x.request.fairness_id if x.request else None) or DEFAULT_TENANT),
         ]
         if has_body:
             set_headers.append(_header("content-length", str(len(payload))))
@@ -383,6 +480,8 @@ class EndpointPickerHandler:
             set_headers.append(_header(REQUEST_ID_HEADER, x.request_id))
         if x.traceparent:
             set_headers.append(_header(TRACEPARENT, x.traceparent))
+        if x.held is not None:  # the engine announces it: other replicas count the service too
+            set_headers.append(_header(SERVICE_TOKENS_HEADER, f"{x.held.charged:.1f}"))
         # The prefill engine the decode engine pulls the prompt's KV from. A client's own value
         # never reaches the engine: it would make the engine call any address the client names.
         remove_headers: list[str] = []
@@ -436,6 +535,8 @@ class EndpointPickerHandler:
     def on_response_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
         self.director.response_seen()
         chunk = msg.body
+        if x.held is not None:  # the usage block closes the body (or the last SSE event)
+            x.response_tail = (x.response_tail + chunk)[-USAGE_TAIL_BYTES:]
         if x.rewriter is not None:
             chunk = x.rewriter.feed(chunk, msg.end_of_stream)
         if msg.end_of_stream:
@@ -467,6 +568,10 @@ class EndpointPickerHandler:
         if x.decision is None:
             return
         self.director.finished(x.decision.targets[0])
+        if self.flow is not None:
+            if x.held is not None:
+                self.flow.controller.completed(x.held, completion_tokens(x.response_tail))
+            self.flow.poke()  # a slot may have opened
         if self.metrics is not None and x.request is not None:
             req = x.request
             label = self.metrics.model_label
@@ -490,7 +595,7 @@ class EndpointPickerHandler:
         x.body_done = True
         if refused := await asyncio.to_thread(self.prepare, x):
             return refused
-        out = self.route(x)
+        out = await self.route_async(x)
         if trailers and not (out and out[0].HasField("immediate_response")):
             out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
         return out
@@ -538,6 +643,10 @@ async def run_exchange(
                     responses = await handler.finish_body_async(x, msg)
                 else:
                     responses = handler.handle(x, msg)
+                    if x.awaiting_route:  # held by flow control until the pool has room
+                        routed = await handler.route_async(x)
+                        immediate_answer = routed and routed[0].HasField("immediate_response")
+                        responses = routed if immediate_answer else routed + responses
             except Exception:
                 log.exception("request %s: ext_proc handler failed", x.request_id)
                 await write(immediate(500, "internal error in the endpoint picker", request_id=x.request_id))
@@ -567,6 +676,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return None if msg is eof else msg
 
         await run_exchange(self.handler, read, context.write)
+
+
+def completion_tokens(tail: bytes) -> int | None:
+    """The output token count of the response's usage block, when its tail carries one
+    (non-streamed bodies always; streams with stream_options.include_usage)."""
+    found = _COMPLETION_TOKENS.findall(tail)
+    return int(found[-1]) if found else None
 
 
 def _milliseconds(value: str | None) -> float | None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -18,6 +21,9 @@ from kvgate.api.contracts.metrics import (
     POOL_READY_PODS,
 )
 from kvgate.epp.datastore import Datastore
+
+if TYPE_CHECKING:
+    from kvgate.epp.flow_control import FlowController, FlowKey
 
 _LATENCY_BUCKETS = (
     0.005,
@@ -153,6 +159,96 @@ class ModelLabels:
         return UNKNOWN_MODEL
 
 
+# Flow control, in GIE's names where GIE has the metric (its pkg/epp/metrics/metrics.go:
+# inference_extension_flow_control_*, labels fairness_id, priority, inference_pool), else kvgate's.
+FLOW_QUEUE_DURATION = "inference_extension_flow_control_request_queue_duration_seconds"
+FLOW_QUEUE_SIZE = "inference_extension_flow_control_queue_size"
+FLOW_QUEUE_BYTES = "inference_extension_flow_control_queue_bytes"
+FLOW_REJECTIONS = "kvgate_epp_flow_control_rejections"  # exported with _total
+FLOW_SERVICE_TOKENS = "kvgate_epp_flow_control_tenant_service_tokens"  # exported with _total
+FLOW_REFUNDED_TOKENS = "kvgate_epp_flow_control_tenant_refunded_tokens"  # exported with _total
+LABEL_FAIRNESS_ID = "fairness_id"
+LABEL_PRIORITY = "priority"
+LABEL_INFERENCE_POOL = "inference_pool"
+OUTCOME_DISPATCHED = "Dispatched"  # GIE's QueueOutcome for a dispatched request
+# GIE's buckets for the queue duration
+_FLOW_QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Reasons a held request is answered 429/503 (kvgate.epp.flow_control); a flow's ttl_expired
+# series is created at 0 when the flow is first seen, so `increase()` counts its first expiry.
+TTL_EXPIRED = "ttl_expired"
+
+OTHER_FAIRNESS_ID = "other"  # the label of every fairness id past MAX_FAIRNESS_LABELS
+MAX_FAIRNESS_LABELS = 100
+
+
+class FairnessLabels:
+    """Fairness ids label metrics, and without a tenants file they come from a client header:
+    the first MAX_FAIRNESS_LABELS ids seen (and the configured tenants, always) are their own
+    label; any other is `other`."""
+
+    def __init__(self, limit: int = MAX_FAIRNESS_LABELS) -> None:
+        self.limit = limit
+        self._admitted: set[str] = set()
+        self._configured: set[str] = set()
+
+    def configure(self, names: Iterable[str]) -> None:
+        self._configured |= set(names)
+
+    def __call__(self, fairness_id: str) -> str:
+        if fairness_id in self._admitted or fairness_id in self._configured:
+            return fairness_id
+        if len(self._admitted) < self.limit:
+            self._admitted.add(fairness_id)
+            return fairness_id
+        return OTHER_FAIRNESS_ID
+
+
+class _FlowCollector(Collector):
+    """Queue size per flow and queued bytes, read from the controller at scrape time. A flow
+    seen once stays exported (0 while empty), so its graph drops to 0 instead of ending."""
+
+    def __init__(self, metrics: EppMetrics) -> None:
+        self.metrics = metrics
+        self.controller: FlowController | None = None  # set by EppMetrics.watch_flow_control
+
+    def collect(self):
+        m = self.metrics
+        controller = self.controller
+        if controller is None:
+            return
+        # Scrapes run on the metrics server's thread while the controller changes on the event
+        # loop: a read that met a change is retried (the counts are a moment's anyway).
+        queued: dict[FlowKey, int] = {}
+        for _ in range(5):
+            try:
+                queued = dict(controller.queue_sizes())
+                break
+            except RuntimeError:  # a dict changed size while it was read
+                continue
+        sizes: dict[tuple[str, str], int] = {}
+        for key, n in queued.items():
+            labels = m._flow_labels(key)
+            sizes[labels] = sizes.get(labels, 0) + n
+        with m._flow_lock:
+            for labels in m._flows:
+                sizes.setdefault(labels, 0)
+        pool = m.pool_name
+        size = GaugeMetricFamily(
+            FLOW_QUEUE_SIZE,
+            "Requests held in the EPP's flow-control queues, per flow",
+            labels=[LABEL_FAIRNESS_ID, LABEL_PRIORITY, LABEL_INFERENCE_POOL],
+        )
+        for (fairness_id, priority), n in sorted(sizes.items()):
+            size.add_metric([fairness_id, priority, pool], n)
+        held = GaugeMetricFamily(
+            FLOW_QUEUE_BYTES,
+            "Request bodies held in the EPP's flow-control queues, in bytes (all flows)",
+            labels=[LABEL_INFERENCE_POOL],
+        )
+        held.add_metric([pool], controller.queued_bytes)
+        yield from (size, held)
+
+
 class EppMetrics:
     def __init__(self, datastore: Datastore, pool_name: str = "local") -> None:
         self.model_label = ModelLabels(datastore)
@@ -209,6 +305,90 @@ class EppMetrics:
         self.pool_name = pool_name
         r.register(_PoolCollector(datastore, pool_name))
         self._plugin_children: dict[str, Histogram] = {}
+        # Flow control: exported once watch_flow_control names the controller.
+        self.fairness_label = FairnessLabels()
+        self._flows: set[tuple[str, str]] = set()  # (fairness_id, priority) labels seen
+        self._flow_lock = threading.Lock()  # events on the event loop, scrapes on their thread
+        # Registered before the flow counters: the flows it finds get their ttl_expired series
+        # (at 0) in time for the same scrape.
+        self._flow_collector = _FlowCollector(self)
+        r.register(self._flow_collector)
+        flow = [LABEL_FAIRNESS_ID, LABEL_PRIORITY]
+        self.flow_queue_duration = Histogram(
+            FLOW_QUEUE_DURATION,
+            "Time requests spent held in the EPP's flow-control queues before their dispatch "
+            "(outcome Dispatched; its _count: the requests dispatched)",
+            [*flow, "outcome", LABEL_INFERENCE_POOL],
+            buckets=_FLOW_QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.flow_rejections = Counter(
+            FLOW_REJECTIONS,
+            "Requests flow control answered 429/503 instead of dispatching, by reason: "
+            "ttl_expired, queue_full, flow_queue_full, pick_<status>",
+            [*flow, "reason", LABEL_INFERENCE_POOL],
+            registry=r,
+        )
+        self.flow_service = Counter(
+            FLOW_SERVICE_TOKENS,
+            "Service this replica charged each tenant in fair shares (weighted tokens: prompt "
+            "plus weighted output, the output estimated at dispatch); net service: this minus "
+            + FLOW_REFUNDED_TOKENS
+            + "_total",
+            [LABEL_FAIRNESS_ID, LABEL_INFERENCE_POOL],
+            registry=r,
+        )
+        self.flow_refunded = Counter(
+            FLOW_REFUNDED_TOKENS,
+            "Weighted tokens given back to each tenant when a request produced less output than "
+            "its dispatch estimate",
+            [LABEL_FAIRNESS_ID, LABEL_INFERENCE_POOL],
+            registry=r,
+        )
+
+    # -- flow control (kvgate.epp.flow_control.FlowObserver) --------------------------------
+    def watch_flow_control(self, controller: FlowController, tenants: Iterable[str] = ()) -> None:
+        """Export `controller`'s queues and outcomes: become its observer, read its queues at
+        scrape time, and count the service it charges (chained after an `on_charge` already
+        set; one set later must chain this one). `tenants`: configured names, always labelled
+        as themselves."""
+        self.fairness_label.configure(tenants)
+        controller.observer = self
+        previous: Callable[[str, float], None] | None = controller.on_charge
+
+        def on_charge(tenant: str, tokens: float) -> None:
+            self.charged(tenant, tokens)
+            if previous is not None:
+                previous(tenant, tokens)
+
+        controller.on_charge = on_charge
+        self._flow_collector.controller = controller
+
+    def _flow_labels(self, key: FlowKey) -> tuple[str, str]:
+        with self._flow_lock:
+            labels = (self.fairness_label(key.fairness_id), str(key.priority))
+            if labels not in self._flows:
+                self._flows.add(labels)
+                self.flow_rejections.labels(*labels, TTL_EXPIRED, self.pool_name)  # starts at 0
+            return labels
+
+    def dispatched(self, key: FlowKey, queued_seconds: float) -> None:
+        fairness_id, priority = self._flow_labels(key)
+        self.flow_queue_duration.labels(fairness_id, priority, OUTCOME_DISPATCHED, self.pool_name).observe(
+            max(0.0, queued_seconds)
+        )
+
+    def rejected(self, key: FlowKey, reason: str) -> None:
+        fairness_id, priority = self._flow_labels(key)
+        self.flow_rejections.labels(fairness_id, priority, reason, self.pool_name).inc()
+
+    def charged(self, tenant: str, tokens: float) -> None:
+        if not math.isfinite(tokens) or tokens == 0:
+            return
+        with self._flow_lock:
+            label = self.fairness_label(tenant)
+        counter = self.flow_service if tokens > 0 else self.flow_refunded
+        counter.labels(label, self.pool_name).inc(abs(tokens))
 
     def describe_plugins(self, plugins: dict[str, tuple[str, str]]) -> None:
         """plugin name -> (extension point, type): resolved once, not per request."""

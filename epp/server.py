@@ -19,6 +19,8 @@ from kvgate.api.tracing import Tracer
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.director import Director
 from kvgate.epp.extproc import DEFAULT_MAX_BODY_BYTES, EndpointPickerHandler, ExternalProcessor
+from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowGate
+from kvgate.epp.flow_sharing import share_service
 from kvgate.epp.grpclib_server import DEFAULT_MAX_MESSAGE_BYTES, GrpclibExtProcServer
 from kvgate.epp.health import EppHealth, ThreadedHealthServer
 from kvgate.epp.kv_subscriber import KVEventSubscribers
@@ -27,6 +29,7 @@ from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
 from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
+from kvgate.epp.tenants import load_tenants
 
 log = logging.getLogger("kvgate.epp")
 
@@ -59,6 +62,11 @@ class ServerSettings:
     grpc_server: str = "grpclib"
     # largest gRPC message the ext_proc port takes (grpcio's default); larger: RESOURCE_EXHAUSTED
     grpc_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # A tenants file (kvgate.epp.tenants): every request needs one tenant's API key, and the
+    # tenant becomes its fairness id. None: no key asked for.
+    tenants_file: str | None = None
+    # Requests held and dispatched by priority and fairness when the pool has room.
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
 
 def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
@@ -101,6 +109,8 @@ class EppServer:
             | {profile.picker.name: ("Picker", profile.picker.type_name)}
         )
         objectives = {**settings.config.objectives, **settings.objectives}
+        # The CLI has checked the file already; a bad one here is a TenantsFileError.
+        self.tenants = load_tenants(settings.tenants_file) if settings.tenants_file else None
         self.handler = EndpointPickerHandler(
             self.director,
             self.metrics,
@@ -109,7 +119,14 @@ class EppServer:
             policy=PromptPolicy(settings.trust_request_chat_template, settings.max_model_len),
             max_body_bytes=settings.max_request_body_bytes,
             tracer=self.tracer,
+            tenants=self.tenants,
         )
+        self.flow: FlowGate | None = None
+        if settings.flow_control.enabled:
+            controller = FlowController(self.director, settings.flow_control, self.tenants)
+            self.metrics.watch_flow_control(controller, tenants=self.tenants.tenants if self.tenants else ())
+            share_service(controller, self.datastore)
+            self.flow = self.handler.flow = FlowGate(controller)
         self.health = EppHealth(self.datastore)
         self.grpc_port = settings.grpc_port
         self.health_port = settings.grpc_health_port
@@ -202,6 +219,8 @@ class EppServer:
         )
 
     async def stop(self) -> None:
+        if self.flow is not None:
+            await self.flow.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -144,6 +144,15 @@ EPP = [
     ("KV events live", "short", [("kvgate_epp_kv_events_live", "{{endpoint}}")]),
     ("Prefix index blocks", "short", [("kvgate_epp_prefix_index_blocks", "{{endpoint}}")]),
     ("Queue per endpoint", "short", [("inference_pool_per_pod_queue_size", "{{model_server_pod}}")]),
+    # flow control (kvgate.epp.flow_control): held requests per flow (tenant, priority)
+    ("Flow-control queue per flow", "short",
+     [("sum by (fairness_id, priority) (inference_extension_flow_control_queue_size)",
+       "{{fairness_id}} p{{priority}}")]),
+    ("Flow-control queue time p90 per flow", "s",
+     [(_q("inference_extension_flow_control_request_queue_duration_seconds", "fairness_id, priority"),
+       "{{fairness_id}} p{{priority}}")]),
+    ("Flow-control rejections/s by reason", "reqps",
+     [(f"sum by (reason) (rate(kvgate_epp_flow_control_rejections_total[{R}]))", "{{reason}}")]),
 ]  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kvgate.api.contracts.admissions import PICKED_BY_HEADER, valid_replica_id
+from kvgate.api.contracts.admissions import Pick, pick_from_headers
 from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
 from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
@@ -73,10 +73,11 @@ class ServerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _picked_by(request: Request) -> str | None:
+def _pick(request: Request) -> Pick | None:
     """The kvgate EPP replica that routed this request, when it asked for an admission
-    announcement (kvgate.api.contracts.admissions); a malformed value asks for nothing."""
-    return valid_replica_id(request.headers.get(PICKED_BY_HEADER))
+    announcement, with the tenant and the service it charged when it said them
+    (kvgate.api.contracts.admissions); a malformed replica id asks for nothing."""
+    return pick_from_headers(request.headers)
 
 
 def _trace_result(request: Request, result: dict[str, Any]) -> None:
@@ -371,16 +372,14 @@ class Handlers:
         raw = await self.read_body(request)
         req = parse_body(CompletionRequest, raw)
         result = await self.serving_completion.completions(
-            req, request.receive, _picked_by(request), _handoff(request, raw)
+            req, request.receive, _pick(request), _handoff(request, raw)
         )
         return _generation_response(request, result)
 
     async def chat(self, request: Request) -> Any:
         raw = await self.read_body(request)
         req = parse_body(ChatCompletionRequest, raw)
-        result = await self.serving_chat.chat(
-            req, request.receive, _picked_by(request), _handoff(request, raw)
-        )
+        result = await self.serving_chat.chat(req, request.receive, _pick(request), _handoff(request, raw))
         return _generation_response(request, result)
 
     def model_card(self, name: str) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.api.contracts.admissions import Pick
 from kvgate.engine.llm_engine import LoRANotLoaded
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class _Add:
     accepted: asyncio.Future[None]
     arrival_wall: float  # time.time() at arrival: the engine's own timestamps are wall clock
     parent: _Parent
-    picked_by: str | None = None  # the kvgate EPP replica that routed it: announce its admission
+    pick: Pick | None = None  # a kvgate EPP replica routed it: announce its admission
 
 
 @dataclass
@@ -185,7 +186,7 @@ class AsyncEngine:
         request_id: str,
         items: list[tuple[list[int], SamplingParams]],
         lora_id: int | None = None,
-        picked_by: str | None = None,
+        pick: Pick | None = None,
     ) -> RequestHandle:
         """Admit one client request as one engine request per (prompt, params) item.
 
@@ -201,6 +202,9 @@ class AsyncEngine:
         arrival_wall = time.time()
         parents = _parents(items)
         futures = []
+        # The service the EPP charged is the whole request's: announced once, with its first
+        # sequence (the others are announced for their prefixes alone).
+        rest = Pick(pick.picked_by) if pick is not None else None
         with self._cv:
             if self.max_queued_requests is not None:
                 waiting = self._waiting + len(self._adds)
@@ -218,7 +222,17 @@ class AsyncEngine:
                 self._pending.add(fut)
                 self._routes[rid] = (handle, index)
                 self._adds.append(
-                    _Add(rid, prompt, params, arrival, lora_id, fut, arrival_wall, parents[index], picked_by)
+                    _Add(
+                        rid,
+                        prompt,
+                        params,
+                        arrival,
+                        lora_id,
+                        fut,
+                        arrival_wall,
+                        parents[index],
+                        pick if index == 0 else rest,
+                    )
                 )
             self._cv.notify()
         # Only the uncached part is work: a request whose prefix is cached must not make this
@@ -326,10 +340,16 @@ class AsyncEngine:
                     for add in adds:
                         refused = self._apply_add(add)
                         result.accepts.append((add.accepted, refused))
-                        if refused is None and add.picked_by and self.publisher is not None:
+                        if refused is None and add.pick is not None and self.publisher is not None:
                             # Before the step: the other EPP replicas learn of this pick now,
                             # not after its prefill stores blocks.
-                            self.publisher.publish_admission(add.picked_by, add.prompt_token_ids, add.lora_id)
+                            self.publisher.publish_admission(
+                                add.pick.picked_by,
+                                add.prompt_token_ids,
+                                add.lora_id,
+                                add.pick.fairness_id,
+                                add.pick.service_tokens,
+                            )
                     # After the adds: a client may leave before its admission was answered.
                     for rid in aborts:
                         # A client that left mid-request counts as finished_reason="abort".

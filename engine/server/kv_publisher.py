@@ -88,11 +88,24 @@ class KVEventPublisher:
         except zmq.Again:  # PUB never blocks past its HWM; a slow subscriber catches up via replay
             pass
 
-    def publish_admission(self, picked_by: str, token_ids: list[int], lora_id: int | None) -> None:
-        """Announce a request a kvgate EPP replica picked (see kvgate.api.contracts.admissions).
+    def publish_admission(
+        self,
+        picked_by: str,
+        token_ids: list[int],
+        lora_id: int | None,
+        fairness_id: str | None = None,
+        service_tokens: float = 0.0,
+    ) -> None:
+        """Announce a request a kvgate EPP replica picked (see kvgate.api.contracts.admissions),
+        with the tenant it served and the service it charged when the EPP said them.
         Not sequenced or replayed: an announcement only bridges the seconds before the KV events
-        and scrapes that follow it, so a lost one costs nothing lasting."""
-        payload = admissions.encode(admissions.Admission(picked_by, token_ids, lora_id))
+        and scrapes that follow it, so a lost one costs nothing lasting (for fair shares: that
+        tenant's service on this replica is counted a little low until its next pick)."""
+        payload = admissions.encode(
+            admissions.Admission(
+                picked_by, token_ids, lora_id, fairness_id=fairness_id, service_tokens=service_tokens
+            )
+        )
         try:
             self._pub.send_multipart((self.admission_topic, payload), flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
+from kvgate.api.contracts.admissions import Pick
 from kvgate.api.lora import lora_int_id
 from kvgate.engine.outputs import PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -378,7 +379,7 @@ class OpenAIServing:
         prompts: list[list[int]],
         items: list[tuple[list[int], SamplingParams]],
         handoff: Handoff | None,
-        picked_by: str | None,
+        pick: Pick | None,
     ) -> Submitted:
         """Queue a request's sequences (`items`, from `prompts`) on the engine under a new id.
         A P/D consumer pulls a single prompt's KV first; the pulled blocks go if queuing fails."""
@@ -386,7 +387,7 @@ class OpenAIServing:
         lora_id = self._lora_id(model)
         imported = await self.pd.pull_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
         try:
-            handle = await self.engine.submit(rid, items, lora_id=lora_id, picked_by=picked_by)
+            handle = await self.engine.submit(rid, items, lora_id=lora_id, pick=pick)
         except BaseException as exc:
             await self.pd.release(imported)
             if isinstance(exc, APIError) and exc.code == "model_not_found":

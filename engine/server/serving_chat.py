@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from kvgate.api.contracts.admissions import Pick
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.server.async_engine import RequestHandle
 from kvgate.engine.server.errors import bad_request
@@ -38,7 +39,7 @@ class OpenAIServingChat:
         self,
         req: ChatCompletionRequest,
         receive: Receive,
-        picked_by: str | None = None,
+        pick: Pick | None = None,
         handoff: Handoff | None = None,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
@@ -61,7 +62,7 @@ class OpenAIServingChat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = serving.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, structured)
         items = [(ids, p) for p in params]
-        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, picked_by)
+        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, pick)
         if req.stream:
             return sub.stream(
                 self._stream(sub.handle, sub.meta, include_usage(req), req.logprobs, receive, tool_plan)

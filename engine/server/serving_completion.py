@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.api.contracts.admissions import Pick
 from kvgate.engine.outputs import PositionLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import RequestHandle
@@ -46,7 +47,7 @@ class OpenAIServingCompletion:
         self,
         req: CompletionRequest,
         receive: Receive,
-        picked_by: str | None = None,
+        pick: Pick | None = None,
         handoff: Handoff | None = None,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
@@ -83,7 +84,7 @@ class OpenAIServingCompletion:
             )
         echo = [serving.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, serving.first_token_text) if req.echo else None
-        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, picked_by)
+        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, pick)
         if req.stream:
             return sub.stream(
                 self._stream(

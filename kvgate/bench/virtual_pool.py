@@ -36,6 +36,7 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sim_runner import SimulatedRunner
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
+from kvgate.epp.flow_control import FlowControlConfig, FlowController, Held
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
 from kvgate.epp.scheduling.framework import SchedulingContext
@@ -87,6 +88,10 @@ class PoolSpec:
     max_loras: int = 2
     # The host KV tier (sim.cpu_kv_blocks > 0): when blocks are copied to it (evict | compute)
     kv_offload_on: str = "evict"
+    # Flow control in every EPP replica (None: requests are picked as they arrive); replicas
+    # tell each other the service they give, `admission_delay` later, as engines announce it.
+    flow_control: FlowControlConfig | None = None
+    tenant_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +107,9 @@ class RequestRecord:
     finished: float | None = None
     scheduled: float | None = None  # start of the step that first ran it (its queue time ends)
     adapter: str | None = None
+    tenant: str = ""
+    status: int = 200  # 429 / 503: answered by flow control, never sent to an engine
+    dispatched: float | None = None  # when flow control let it go (= arrival without it)
 
     @property
     def ttft(self) -> float:
@@ -226,6 +234,7 @@ class VirtualPool:
         if self._partition is not None:
             strategy = "round-robin"  # the replicas still scrape and index; the oracle picks
         self.replicas: list[tuple[Datastore, Director]] = []
+        self.flows: list[FlowController] = []
         for _ in range(pool.epp_replicas):
             cfg = load_config(None, strategy) if config_yaml is None else _parse(config_yaml)
             store = Datastore()
@@ -235,9 +244,12 @@ class VirtualPool:
                 state.served_models = frozenset({MODEL, *pool.adapters})
                 state.served_adapters = frozenset(pool.adapters)
             profile = build_profiles(cfg)[0]
-            self.replicas.append(
-                (store, Director(store, profile, saturation_detector(cfg), clock=self._clock))
-            )
+            director = Director(store, profile, saturation_detector(cfg), clock=self._clock)
+            self.replicas.append((store, director))
+            if pool.flow_control is not None:
+                self.flows.append(FlowController(director, pool.flow_control, _Weights(pool.tenant_weights)))
+        for i, flow in enumerate(self.flows):
+            flow.on_charge = lambda tenant, tokens, i=i: self._share_service(i, tenant, tokens)
         self._events: list[tuple[float, int, str, Any]] = []
         self._seq = itertools.count()
         self.records: dict[str, RequestRecord] = {}
@@ -278,8 +290,19 @@ class VirtualPool:
                     ),
                 )
 
+    def _share_service(self, replica: int, tenant: str, tokens: float) -> None:
+        for j, other in enumerate(self.flows):
+            if j != replica:
+                self._at(self.now + self.pool.admission_delay, "service", (other, tenant, tokens))
+
+    def _dispatch_held(self) -> None:
+        for flow in self.flows:
+            if flow.queued:
+                flow.dispatch()
+
     def _arrive(self, req: BenchRequest, tokens: list[int]) -> None:
-        _, director = self.replicas[req.index % len(self.replicas)]
+        replica = req.index % len(self.replicas)
+        _, director = self.replicas[replica]
         text = " ".join(req.nominal_words)
         model = req.model or MODEL
         body = {"model": model, "prompt": text, "max_tokens": req.max_tokens}
@@ -288,9 +311,36 @@ class VirtualPool:
             model=model,
             target_model=model,
             body=body,
+            priority=req.priority,
+            fairness_id=req.tenant,
             _token_ids=tokens,
             _prompt_text=text,
         )
+        if self.flows:
+            record = RequestRecord(
+                req.index,
+                req.group,
+                "",
+                self.now,
+                len(tokens),
+                req.max_tokens,
+                adapter=req.model,
+                tenant=req.tenant or "",
+            )
+            self.records[request.request_id] = record
+
+            def done(held: Held) -> None:
+                decision = held.decision
+                assert decision is not None
+                self.pick_seconds.append(decision.scheduler_seconds)
+                if not decision.routed:
+                    record.status = decision.status
+                    self._finished(request.request_id, self.now)
+                    return
+                self._admit(req, tokens, request, decision.targets[0])
+
+            self.flows[replica].submit(request, on_done=done)
+            return
         others = (
             [self._would_pick(d, request) for _, d in self.replicas if d is not director]
             if self.pool.measure_agreement and self._partition is None
@@ -302,13 +352,40 @@ class VirtualPool:
             decision = director.pick(request)
             self.pick_seconds.append(decision.scheduler_seconds)
             if not decision.routed:
-                raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
+                if request.priority >= 0:
+                    raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
+                self.records[request.request_id] = RequestRecord(  # shed: answered 429
+                    req.index,
+                    req.group,
+                    "",
+                    self.now,
+                    len(tokens),
+                    req.max_tokens,
+                    tenant=req.tenant or "",
+                    status=decision.status,
+                )
+                self._finished(request.request_id, self.now)
+                return
             address = decision.targets[0]
         if others:
             self.agreed[req.index] = all(o == address for o in others)
         self.records[request.request_id] = RequestRecord(
-            req.index, req.group, address, self.now, len(tokens), req.max_tokens, adapter=req.model
+            req.index,
+            req.group,
+            address,
+            self.now,
+            len(tokens),
+            req.max_tokens,
+            adapter=req.model,
+            tenant=req.tenant or "",
         )
+        self._admit(req, tokens, request, address)
+
+    def _admit(self, req: BenchRequest, tokens: list[int], request: InferenceRequest, address: str) -> None:
+        """The request reaches its engine (and the other replicas hear of the pick)."""
+        record = self.records[request.request_id]
+        record.endpoint = address
+        record.dispatched = self.now
         if self.pool.announce_admissions:
             picker = self.replicas[req.index % len(self.replicas)][0]
             admission = Admission(picker.replica_id, tokens)
@@ -377,6 +454,7 @@ class VirtualPool:
         if events:
             self._at(self.now + self.pool.kv_event_delay, "kv", (address, events))
         self._at(end if end > self.now else self.now + 1e-4, "step", address)
+        self._dispatch_held()
 
     def _finished(self, request_id: str, when: float) -> None:
         for dependent in self._waiting_on.pop(self.records[request_id].index, []):
@@ -412,9 +490,14 @@ class VirtualPool:
             elif kind == "admitted":
                 store, address, admission = payload
                 store.note_admission(address, admission)
+            elif kind == "service":
+                flow, tenant, tokens = payload
+                flow.note_remote_service(tenant, tokens)
             elif kind == "scrape":
                 self._scrape_all()
-                if self._events or self._waiting_on:  # something will still happen
+                self._dispatch_held()
+                held = any(f.queued for f in self.flows)
+                if self._events or self._waiting_on or held:  # something will still happen
                     self._at(self.now + self.pool.scrape_interval, "scrape")
         records = [r for rid, r in self.records.items() if rid not in earlier]
         last = max((r.finished or 0.0) for r in records) if records else 0.0
@@ -432,6 +515,14 @@ class VirtualPool:
             loads,
             agreed,
         )
+
+
+@dataclass
+class _Weights:
+    weights: dict[str, float]
+
+    def weight(self, name: str) -> float:
+        return self.weights.get(name, 1.0)
 
 
 def _parse(raw: dict[str, Any]) -> Any:

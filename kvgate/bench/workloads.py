@@ -59,6 +59,8 @@ class BenchRequest:
     # The prompt as a word sequence, for the nominal (pre-tokenization) ideal-hit-rate estimate.
     nominal_words: tuple[str, ...] = field(default=(), compare=False, repr=False)
     model: str | None = None  # a LoRA adapter to run (None: the stack's model)
+    tenant: str | None = None  # who sends it (the fairness id); None: the anonymous tenant
+    priority: int = 0  # its InferenceObjective's priority (negative: sheddable)
 
     def payload_messages(self) -> list[dict[str, str]]:
         return [m.as_dict() for m in self.messages]

@@ -182,9 +182,24 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--failure-mode",
         choices=["FailOpen", "FailClose"],
-        default="FailOpen",
-        help="when no EPP replica answers a request: FailOpen serves it round-robin from the engines "
-        "(default), FailClose answers 503",
+        default=None,
+        help="when no EPP replica answers a request: FailOpen serves it round-robin from the engines, "
+        "FailClose answers 503; unset: FailOpen, or FailClose with --tenants (FailOpen would skip the "
+        "key check)",
+    )
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenants file for the EPPs (YAML list of {name, key, weight, priority}): every request "
+        "needs one tenant's API key (Authorization: Bearer KEY, the openai client's api_key), else 401",
+    )
+    p.add_argument(
+        "--flow-control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the EPPs hold requests while no engine has room and dispatch them by priority, then "
+        "fairness between tenants; --no-flow-control: each request is picked as it arrives",
     )
     p.add_argument(
         "--lora-modules",
@@ -277,6 +292,20 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ready_timeout <= 0:
         return _fail("--ready-timeout must be > 0")
+    tenants_file = None
+    if args.tenants:
+        from kvgate.epp.tenants import TenantsFileError, load_tenants
+
+        if args.failure_mode == "FailOpen":
+            return _fail(
+                "--tenants with --failure-mode FailOpen: requests no EPP sees would skip the key check"
+            )
+        try:  # checked before anything starts
+            load_tenants(args.tenants)
+        except TenantsFileError as exc:
+            return _fail(f"--tenants: {exc}")
+        tenants_file = str(Path(args.tenants).resolve())
+    failure_mode = args.failure_mode or ("FailClose" if tenants_file else "FailOpen")
     pools = tuple(PoolConfig(name, model, engines) for name, model, engines in args.pool)
     if pools:
         if args.model is not None or args.engines is not None:
@@ -342,7 +371,9 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet,
         otlp_endpoint=args.otlp_endpoint,
         expose_upstream_header=args.expose_upstream_header,
-        failure_mode=args.failure_mode,
+        failure_mode=failure_mode,
+        tenants_file=tenants_file,
+        flow_control=args.flow_control,
         envoy_bin=args.envoy_bin,
         log_dir=log_dir,
         ready_timeout_s=args.ready_timeout,
@@ -405,6 +436,8 @@ def run(args: argparse.Namespace) -> int:
             shout(f"ready: gateway {info.gateway_url} (model {info.model!r}, {engines} engine(s))")
         say("try it:")
         print(info.curl_line(), flush=True)
+        if tenants_file:
+            say(f"(every request needs a key: add -H 'Authorization: Bearer KEY', a key from {tenants_file})")
         say(f"stack details in {log_dir / 'stack.json'}; Ctrl-C stops everything")
         try:
             rc = _watch(stack, stop, shout)  # restarts and crash loops show even with --quiet

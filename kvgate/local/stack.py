@@ -98,6 +98,8 @@ class StackConfig:
     # engines (--kv-role consumer); the EPP splits prompts above `pd_threshold` uncached tokens.
     prefill_engines: int = 0
     pd_threshold: int | None = None
+    tenants_file: str | None = None  # the EPPs' --tenants: API keys asked of every request
+    flow_control: bool = True  # False: the EPPs run with --no-flow-control
 
     def engine_role(self, i: int) -> str | None:
         """prefill / decode for a P/D stack's engine `i`; None in an aggregated stack."""
@@ -264,6 +266,10 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--config-file", cfg.epp_config_file]
     elif cfg.profile:
         argv += ["--profile", cfg.profile]
+    if cfg.tenants_file:
+        argv += ["--tenants", cfg.tenants_file]
+    if not cfg.flow_control:
+        argv.append("--no-flow-control")
     argv += _observability_args(cfg)
     argv += list(cfg.epp_args)
     return ProcessSpec(name=epp_name(cfg, r), argv=argv)
@@ -589,12 +595,17 @@ class LocalStack:
         engines; before that a request for one would be its 404)."""
         url = f"http://{LOOPBACK}:{self.cfg.ports.gateway}/v1/models"
         want = {p.name for p in self.cfg.pools} | {a for p in self.cfg.pools for a, _ in p.lora_modules}
+        headers = {}
+        if self.cfg.tenants_file:  # the EPPs ask every request for a key: the first tenant's
+            from kvgate.epp.tenants import first_key
+
+            headers["authorization"] = f"Bearer {first_key(self.cfg.tenants_file)}"
         last = ""
         while time.monotonic() < deadline:
             if cancel is not None and cancel.is_set():
                 raise StackError("interrupted while starting")
             try:
-                resp = client.get(url)
+                resp = client.get(url, headers=headers)
                 if resp.status_code == 200:
                     missing = want - _listed_ids(resp)
                     if not missing:

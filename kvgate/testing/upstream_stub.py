@@ -31,8 +31,9 @@ COMPLETION = json.dumps(
 ).encode()
 
 
-def stub_handler(metrics: bytes, completion: bytes = COMPLETION) -> Handler:
-    """The asyncio.start_server callback serving one connection's requests until it closes."""
+def stub_handler(metrics: bytes, completion: bytes = COMPLETION, heads: list[bytes] | None = None) -> Handler:
+    """The asyncio.start_server callback serving one connection's requests until it closes;
+    ``heads``: each POST's request line and headers are appended there (what the engine saw)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -44,6 +45,8 @@ def stub_handler(metrics: bytes, completion: bytes = COMPLETION) -> Handler:
                         length = int(line.split(b":", 1)[1])
                 if length:
                     await reader.readexactly(length)
+                if heads is not None and head.startswith(b"POST"):
+                    heads.append(head)
                 if head.startswith(b"GET /metrics"):
                     body, ctype = metrics, b"text/plain"
                 elif head.startswith(b"GET"):

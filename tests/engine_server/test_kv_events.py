@@ -195,7 +195,8 @@ def test_eviction_publishes_block_removed_for_stored_hashes(engine_factory) -> N
 def test_admissions_of_epp_picks_are_announced(sim_engine: EngineProcess) -> None:
     """A request a kvgate EPP picked (x-kvgate-picked-by) is announced on the KV-event socket
     under its own topic, with the prompt's tokens; others are not, and a subscriber filtering
-    on "kv@" (as the tests above and llm-d's indexer do) never sees one."""
+    on "kv@" (as the tests above and llm-d's indexer do) never sees one. With a valid
+    x-kvgate-service-tokens the announcement also names the tenant and the service charged."""
     from kvgate.api.contracts import admissions
 
     assert sim_engine.kv_endpoint is not None
@@ -209,6 +210,21 @@ def test_admissions_of_epp_picks_are_announced(sim_engine: EngineProcess) -> Non
         {},
         {admissions.PICKED_BY_HEADER: "not a replica id"},
         {admissions.PICKED_BY_HEADER: "a9"},
+        {
+            admissions.PICKED_BY_HEADER: "b7",
+            admissions.FAIRNESS_ID_HEADER: "team-a",
+            admissions.SERVICE_TOKENS_HEADER: "321.5",
+        },
+        {  # a service that is not a number: announced, without tenant or service
+            admissions.PICKED_BY_HEADER: "c8",
+            admissions.FAIRNESS_ID_HEADER: "team-a",
+            admissions.SERVICE_TOKENS_HEADER: "nan",
+        },
+        {  # a fairness id that is no tenant's name: the same
+            admissions.PICKED_BY_HEADER: "d6",
+            admissions.FAIRNESS_ID_HEADER: "team a",
+            admissions.SERVICE_TOKENS_HEADER: "5",
+        },
     ):
         r = httpx.post(
             f"{sim_engine.base_url}/v1/completions",
@@ -217,6 +233,19 @@ def test_admissions_of_epp_picks_are_announced(sim_engine: EngineProcess) -> Non
             timeout=30,
         )
         assert r.status_code == 200, r.text
+    # two sequences of one request: the service it was charged is announced once
+    r = httpx.post(
+        f"{sim_engine.base_url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1, "n": 2},
+        headers={
+            **AUTH,
+            admissions.PICKED_BY_HEADER: "e5",
+            admissions.FAIRNESS_ID_HEADER: "team-b",
+            admissions.SERVICE_TOKENS_HEADER: "40",
+        },
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
     announced = []
     while sub.poll(500):
         frames = sub.recv_multipart()
@@ -226,7 +255,15 @@ def test_admissions_of_epp_picks_are_announced(sim_engine: EngineProcess) -> Non
         else:
             assert len(frames) == 3 and frames[0].startswith(b"kv@")  # KV events keep vLLM's layout
     sub.close()
-    assert len(announced) == 1, "only the request with a valid replica id is announced"
+    assert [a.picked_by for _, a in announced] == ["a9", "b7", "c8", "d6", "e5", "e5"], (
+        "only the requests with a valid replica id are announced"
+    )
     topic, adm = announced[0]
     assert topic == admissions.topic_for(sim_engine.base_url.removeprefix("http://"), "sim-model")
     assert adm.picked_by == "a9" and adm.token_ids == ids and adm.lora_id is None
+    assert (adm.fairness_id, adm.service_tokens) == (None, 0.0)
+    told = announced[1][1]
+    assert told.token_ids == ids and (told.fairness_id, told.service_tokens) == ("team-a", 321.5)
+    for _, plain in announced[2:4]:
+        assert (plain.fairness_id, plain.service_tokens) == (None, 0.0)
+    assert [(a.fairness_id, a.service_tokens) for _, a in announced[4:]] == [("team-b", 40.0), (None, 0.0)]

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from kvgate.api.contracts import admissions
-from kvgate.api.contracts.admissions import Admission, AdmissionDecodeError
+from kvgate.api.contracts.admissions import Admission, AdmissionDecodeError, Pick
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
 from kvgate.epp.kv_subscriber import KVEventSubscribers
@@ -53,15 +53,43 @@ def replica(profile: str = "precise-prefix") -> tuple[Datastore, Director]:
 def test_round_trip() -> None:
     sent = Admission("replica-a", [1, 2, 3, 70000], lora_id=7, ts=5.0)
     assert admissions.decode(admissions.encode(sent)) == sent
+    assert len(msgpack.unpackb(admissions.encode(sent))) == 4  # no tenant: the old layout
+    told = Admission("replica-a", [1, 2], ts=5.0, fairness_id="team-a", service_tokens=1536.5)
+    assert len(msgpack.unpackb(admissions.encode(told))) == 6
+    assert admissions.decode(admissions.encode(told)) == told
     assert admissions.topic_for("10.0.0.1:8000", "m") == b"kvgate-admitted@10.0.0.1:8000@m"
     assert admissions.is_admission_topic(b"kvgate-admitted@x@m")
     assert not admissions.is_admission_topic(b"kv@x@m")
 
 
+def test_old_and_newer_layouts_decode() -> None:
+    old = admissions.decode(msgpack.packb([5.0, "replica-a", None, [1, 2]]))
+    assert old == Admission("replica-a", [1, 2], ts=5.0)
+    assert (old.fairness_id, old.service_tokens) == (None, 0.0)
+    # an integer service, and a field from a later version after the six: taken, ignored
+    newer = admissions.decode(msgpack.packb([5, "replica-a", 3, [1], "t.1", 100, {"later": 1}]))
+    assert newer == Admission("replica-a", [1], lora_id=3, ts=5.0, fairness_id="t.1", service_tokens=100.0)
+    assert admissions.decode(msgpack.packb([5.0, "a", None, [1], None, 0.0])).fairness_id is None
+
+
 @pytest.mark.parametrize(
     "raw",
     [
+        b"",
         b"\xc1garbage",
+        msgpack.packb([1.0, "a", None, [1], "t"]),  # five fields
+        msgpack.packb([1.0, "a", None, [1], "bad tenant", 1.0]),
+        msgpack.packb([1.0, "a", None, [1], "-leading-dash", 1.0]),
+        msgpack.packb([1.0, "a", None, [1], "t" * 64, 1.0]),
+        msgpack.packb([1.0, "a", None, [1], "t\n", 1.0]),
+        msgpack.packb([1.0, "a", None, [1], 7, 1.0]),
+        msgpack.packb([1.0, "a", None, [1], "t", "12"]),
+        msgpack.packb([1.0, "a", None, [1], "t", True]),
+        msgpack.packb([1.0, "a", None, [1], "t", -1.0]),
+        msgpack.packb([1.0, "a", None, [1], "t", 1e10]),
+        msgpack.packb([1.0, "a", None, [1], "t", float("nan")]),
+        msgpack.packb([1.0, "a", None, [1], "t", float("inf")]),
+        msgpack.packb([1.0, "a\n", None, [1]]),
         msgpack.packb({"not": "a list"}),
         msgpack.packb([1.0, "a", None]),  # three fields
         msgpack.packb([1.0, "bad id with spaces", None, [1]]),
@@ -80,8 +108,50 @@ def test_forged_payloads_are_refused(raw: bytes) -> None:
 
 def test_header_values_that_name_no_replica_ask_for_nothing() -> None:
     assert admissions.valid_replica_id("3f2a9c01b7e4") == "3f2a9c01b7e4"
-    for bad in (None, "", "a b", "x" * 65, "é", "a\nb"):
+    for bad in (None, "", "a b", "x" * 65, "é", "a\nb", "a\n"):
         assert admissions.valid_replica_id(bad) is None
+
+
+def test_service_tokens_header() -> None:
+    for good, value in (("0", 0.0), ("12", 12.0), ("1536.25", 1536.25), ("1e9", 1e9), ("2.5E3", 2500.0)):
+        assert admissions.valid_service_tokens(good) == value
+    for number in (0.1 + 0.2, 0.060113050056425206, 1e-7, 999999999.9999999, 1234.5678901234567):
+        assert admissions.valid_service_tokens(str(number)) == number  # what str(float) writes
+    for bad in (None, "", "-1", "1e10", "1000000001", "nan", "inf", "Infinity", "1e999", " 1", "1 ", "1_0",
+                "0x10", "+1", "1.", ".5", "1\n", "١٢"):  # fmt: skip
+        assert admissions.valid_service_tokens(bad) is None, bad
+
+
+def test_fairness_id_header() -> None:
+    for good in ("default", "team-a", "t.1_x", "A" * 63, "0"):
+        assert admissions.valid_fairness_id(good) == good
+    for bad in (None, "", "-a", ".a", "a b", "A" * 64, "é", "a\n", "a/b"):
+        assert admissions.valid_fairness_id(bad) is None, bad
+
+
+@pytest.mark.parametrize(
+    ("headers", "pick"),
+    [
+        ({}, None),
+        ({"x-kvgate-service-tokens": "10", "x-gateway-inference-fairness-id": "t"}, None),  # no replica
+        ({"x-kvgate-picked-by": "bad id"}, None),
+        ({"x-kvgate-picked-by": "r1"}, Pick("r1")),
+        # an EPP that does not tell the service: the old announcement, whatever the fairness id
+        ({"x-kvgate-picked-by": "r1", "x-gateway-inference-fairness-id": "t"}, Pick("r1")),
+        (
+            {"x-kvgate-picked-by": "r1", "x-gateway-inference-fairness-id": "t", "x-kvgate-service-tokens": "12.5"},
+            Pick("r1", "t", 12.5),
+        ),
+        # one of the two invalid: neither is announced
+        ({"x-kvgate-picked-by": "r1", "x-gateway-inference-fairness-id": "t", "x-kvgate-service-tokens": "-3"},
+         Pick("r1")),
+        ({"x-kvgate-picked-by": "r1", "x-gateway-inference-fairness-id": "t t", "x-kvgate-service-tokens": "3"},
+         Pick("r1")),
+        ({"x-kvgate-picked-by": "r1", "x-kvgate-service-tokens": "3"}, Pick("r1")),
+    ],
+)  # fmt: skip
+def test_what_the_headers_ask_the_engine_to_announce(headers: dict[str, str], pick: Pick | None) -> None:
+    assert admissions.pick_from_headers(headers) == pick
 
 
 # -- what a replica does with one ---------------------------------------------------------------

@@ -320,6 +320,20 @@ SPECS: dict[str, dict[str, Any]] = {
         "engine": {"resources": {"requests": {"cpu": "8", "memory": "48Gi"}, "limits": {"memory": "64Gi"}}},
         "kvOffload": {"size": "32Gi", "offloadOn": "compute"},
     },
+    "tenants-flow-control": {
+        "model": {"source": "hf://Qwen/Qwen3-8B"},
+        "tenants": {"secretName": "llm-tenants"},
+        "routing": {
+            "flowControl": {
+                "maxQueued": 2000,
+                "maxQueuedPerFlow": 200,
+                "maxQueuedBytes": "64Mi",
+                "ttl": "1m30s",
+                "dispatchQueueDepth": 3,
+                "dispatchPrefillTokens": 0,
+            }
+        },
+    },
     "lora-adapters": {
         "model": {"source": "pvc://models/llama-3-8b", "servedName": "llama"},
         "lora": {
@@ -467,6 +481,146 @@ def test_epp_matches_the_gie_flags_and_config() -> None:
     assert all(set(r["verbs"]) == {"get", "list", "watch"} for r in rules)  # read-only
 
 
+def _epp_command(spec: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """The EPP's pod spec, and its command line as the real `kvgate epp serve` parser reads it."""
+    from kvgate.cli import build_parser
+
+    pod = _epp_pod(spec)
+    (container,) = pod["containers"]
+    return pod, build_parser().parse_args([*container["command"][1:], *container["args"]])
+
+
+def test_the_tenants_secret_is_mounted_read_only_and_passed_to_the_epp() -> None:
+    pod, args = _epp_command({"model": {"source": "hf://a/b"}, "tenants": {"secretName": "llm-tenants"}})
+    (container,) = pod["containers"]
+    assert args.tenants == "/etc/kvgate/tenants/tenants.yaml"
+    assert {"name": "tenants", "mountPath": "/etc/kvgate/tenants", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    # The whole Secret, not `items`: a missing key is the picker's clear exit, not a stuck mount.
+    assert {"name": "tenants", "secret": {"secretName": "llm-tenants", "defaultMode": 0o440}} in pod[
+        "volumes"
+    ]
+    _, args = _epp_command(
+        {"model": {"source": "hf://a/b"}, "tenants": {"secretName": "t", "key": "keys.yml"}}
+    )
+    assert args.tenants == "/etc/kvgate/tenants/keys.yml"
+    # Unset: no flag, no volume.
+    pod, args = _epp_command({"model": {"source": "hf://a/b"}})
+    assert args.tenants is None
+    assert "tenants" not in {v["name"] for v in pod["volumes"]}
+    assert "tenants" not in {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+
+
+def test_flow_control_fields_become_the_epp_flags() -> None:
+    from kvgate.epp.cli import FLOW_DEFAULTS
+
+    flow = {
+        "maxQueued": 2000,
+        "maxQueuedPerFlow": 200,
+        "maxQueuedBytes": "64Mi",
+        "ttl": "1m30s",
+        "dispatchQueueDepth": 3,
+        "dispatchPrefillTokens": 0,
+    }
+    pod, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
+    assert pod["containers"][0]["args"][-14:-2] == [
+        "--flow-max-queued", "2000",
+        "--flow-max-queued-per-flow", "200",
+        "--flow-max-queued-bytes", str(64 << 20),
+        "--flow-ttl", "90",
+        "--flow-dispatch-queue-depth", "3",
+        "--flow-dispatch-prefill-tokens", "0",
+    ]  # fmt: skip
+    assert args.flow_control is True
+    assert (args.flow_max_queued, args.flow_max_queued_per_flow, args.flow_max_queued_bytes) == (
+        2000,
+        200,
+        64 << 20,
+    )
+    assert (args.flow_ttl, args.flow_dispatch_queue_depth, args.flow_dispatch_prefill_tokens) == (90.0, 3, 0)
+    # A byte count as a number, a TTL under a second.
+    flow = {"maxQueuedBytes": 1000000, "ttl": "500ms"}
+    _, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
+    assert (args.flow_max_queued_bytes, args.flow_ttl) == (1000000, 0.5)
+    # enabled: false is --no-flow-control alone; unset fields (or no flowControl) keep the EPP's defaults.
+    flow = {"enabled": False, "maxQueued": 5}
+    pod, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
+    assert args.flow_control is False
+    assert [a for a in pod["containers"][0]["args"] if "flow" in a] == ["--no-flow-control"]
+    for routing in ({}, {"flowControl": {}}, {"flowControl": {"enabled": True}}):
+        pod, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": routing})
+        assert not [a for a in pod["containers"][0]["args"] if "flow" in a], routing
+        assert args.flow_control is True and args.flow_max_queued == FLOW_DEFAULTS.max_queued
+        assert args.flow_ttl == FLOW_DEFAULTS.ttl_s
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"routing": {"flowControl": {"ttl": "0s"}}}, "ttl must be above 0"),
+        ({"routing": {"flowControl": {"ttl": "0m0ms"}}}, "ttl must be above 0"),
+        ({"routing": {"flowControl": {"ttl": "-5s"}}}, "is not a duration (e.g. 30s"),
+        ({"routing": {"flowControl": {"ttl": "30"}}}, "is not a duration (e.g. 30s"),
+        (
+            {"routing": {"flowControl": {"maxQueued": 0}}},
+            "maxQueued: Input should be greater than or equal to 1",
+        ),
+        ({"routing": {"flowControl": {"maxQueuedPerFlow": -1}}}, "maxQueuedPerFlow: Input should be greater"),
+        ({"routing": {"flowControl": {"maxQueuedBytes": -1}}}, "must be above 0 bytes"),
+        ({"routing": {"flowControl": {"maxQueuedBytes": "0Mi"}}}, "must be above 0 bytes"),
+        (
+            {"routing": {"flowControl": {"maxQueuedBytes": "lots"}}},
+            "not a byte count or a Kubernetes quantity",
+        ),
+        ({"routing": {"flowControl": {"maxQueuedBytes": "1500m"}}}, "is not a whole number of bytes"),
+        (
+            {"routing": {"flowControl": {"dispatchQueueDepth": 0}}},
+            "dispatchQueueDepth: Input should be greater",
+        ),
+        (
+            {"routing": {"flowControl": {"dispatchPrefillTokens": -1}}},
+            "dispatchPrefillTokens: Input should be",
+        ),
+        ({"routing": {"flowControl": {"maxqueued": 5}}}, "maxqueued: Extra inputs are not permitted"),
+        ({"tenants": {}}, "tenants.secretName: Field required"),
+        ({"tenants": {"secretName": "Not_A_Name"}}, "tenants.secretName: String should match pattern"),
+        ({"tenants": {"secretName": "t", "key": "a/b"}}, "tenants.key: String should match pattern"),
+        ({"tenants": {"secretName": "t", "key": "..data"}}, "is not a Secret key"),
+    ],
+)
+def test_bad_tenants_and_flow_control_are_refused_with_a_message(
+    extra: dict[str, Any], message: str, validator: Any
+) -> None:
+    """The operator's InvalidSpec message (pydantic, through parse_spec) names the field and says
+    why; the CRD refuses the same before the operator sees it (its schema, and a CEL rule for a
+    zero TTL), except maxQueuedBytes (an int-or-string, like resource quantities) and the Secret
+    key `..data`, which only the operator checks."""
+    from kvgate.operator.reconcile import SpecError, parse_spec
+
+    spec = {"model": {"source": "hf://org/model"}, **extra}
+    with pytest.raises(SpecError) as err:
+        parse_spec("m", spec)
+    assert message in str(err.value) and str(err.value).startswith("spec."), str(err.value)
+    base = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}}
+    flow = extra.get("routing", {}).get("flowControl", {})
+    operator_only = "maxQueuedBytes" in flow or extra.get("tenants", {}).get("key") == "..data"
+    assert bool(validator.errors({**base, "spec": spec})) is not operator_only, extra
+
+
+def test_good_tenants_and_flow_control_pass_the_crd(validator: Any) -> None:
+    base = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "m"}}
+    for extra in (
+        {"tenants": {"secretName": "llm.tenants", "key": "tenants.yaml"}},
+        {"routing": {"flowControl": {"enabled": False}}},
+        {"routing": {"flowControl": {"ttl": "500ms", "maxQueuedBytes": 1048576}}},
+        {"routing": {"flowControl": {"ttl": "1h0m", "maxQueuedBytes": "1Gi", "dispatchPrefillTokens": 0}}},
+    ):
+        spec = {"model": {"source": "hf://org/model"}, **extra}
+        validator.check({**base, "spec": spec})
+        ModelDeploymentSpec.model_validate(spec)
+
+
 # ---------------------------------------------------------------------------------------------
 # Helm chart and kustomize manifests
 # ---------------------------------------------------------------------------------------------
@@ -560,6 +714,7 @@ def test_monitoring_values_render_valid_prometheus_operator_objects_and_dashboar
         "KvgateKVEventsStale",
         "KvgateEngineErrorRate",
         "KvgateTTFTP90OverSLO",
+        "KvgateTenantStarved",
     }
     dashboards = [c for c in by_kind["ConfigMap"] if c["metadata"]["labels"].get("grafana_dashboard") == "1"]
     assert len(dashboards) == 3
@@ -820,9 +975,78 @@ def test_lora_unload_grace_reaches_the_engine_only_when_set(validator: Any) -> N
             ModelDeploymentSpec.model_validate(spec)
 
 
+def _template(*overrides: str) -> list[dict[str, Any]]:
+    args: list[str | Path] = [HELM, "template", "kvgate", CHART, "--namespace", "kvgate-system"]
+    for item in overrides:
+        args += ["--set", item]
+    return _docs(_run(*args))
+
+
+def test_chart_defaults_put_tenants_and_flow_control_into_its_models(validator: Any) -> None:
+    """defaults.tenants / defaults.flowControl reach every `models` entry that leaves them out;
+    a model's own spec.tenants wins whole, its own flowControl fields win field by field."""
+    docs = _template(
+        "defaults.tenants.secretName=llm-tenants",
+        "defaults.flowControl.ttl=45s",
+        "defaults.flowControl.maxQueued=100",
+        "models[0].name=plain",
+        "models[0].spec.model.source=hf://a/b",
+        "models[1].name=own",
+        "models[1].spec.model.source=hf://a/b",
+        "models[1].spec.tenants.secretName=own-tenants",
+        "models[1].spec.tenants.key=keys.yaml",
+        "models[1].spec.routing.failureMode=FailOpen",
+        "models[1].spec.routing.flowControl.enabled=false",
+        "models[1].spec.routing.flowControl.maxQueued=7",
+    )
+    mds = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ModelDeployment"}
+    for md in mds.values():
+        validator.check(md)
+    plain = ModelDeploymentSpec.model_validate(mds["plain"]["spec"])
+    own = ModelDeploymentSpec.model_validate(mds["own"]["spec"])
+    assert plain.tenants is not None and (plain.tenants.secret_name, plain.tenants.key) == (
+        "llm-tenants",
+        "tenants.yaml",
+    )
+    assert mds["plain"]["spec"]["routing"] == {"flowControl": {"ttl": "45s", "maxQueued": 100}}
+    assert own.tenants is not None and (own.tenants.secret_name, own.tenants.key) == (
+        "own-tenants",
+        "keys.yaml",
+    )
+    assert mds["own"]["spec"]["routing"] == {
+        "failureMode": "FailOpen",
+        "flowControl": {"enabled": False, "maxQueued": 7, "ttl": "45s"},
+    }
+    # What the operator then runs: the same flags as for a hand-written spec.
+    owner = ch.model_deployment_owner("plain", "ns", "uid")
+    dep = next(
+        o
+        for o in ch.epp_objects(
+            ch.epp_target_for_md("plain", owner, plain, OperatorConfig()), OperatorConfig()
+        )
+        if o["kind"] == "Deployment"
+    )
+    assert (
+        "--flow-max-queued 100 --flow-ttl 45 --tenants /etc/kvgate/tenants/tenants.yaml"
+        in ch.command_line(dep)
+    )
+    # No defaults (the chart's own): the models are rendered exactly as given.
+    (md,) = [
+        d
+        for d in _template("models[0].name=m", "models[0].spec.model.source=hf://a/b")
+        if d["kind"] == "ModelDeployment"
+    ]
+    assert md["spec"] == {"model": {"source": "hf://a/b"}}
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["defaults.tenants.secretName=Bad_Name"], "/defaults/tenants/secretName"),
+        (["defaults.flowControl.ttl=0s"], "/defaults/flowControl/ttl"),
+        (["defaults.flowControl.maxQueued=0"], "/defaults/flowControl/maxQueued"),
+        (["defaults.flowControl.maxQueuedBytes=lots"], "/defaults/flowControl/maxQueuedBytes"),
+        (["defaults.flowControl.maxqueued=5"], "maxqueued"),
         (["envoyGateway.failureMode=Maybe"], "value must be one of 'FailOpen', 'FailClose'"),
         (["envoyGateway.enabled=true"], "envoyGateway.pool (the InferencePool to serve) is required"),
         (["operator.prometheusUrl=prometheus:9090"], "/operator/prometheusUrl"),

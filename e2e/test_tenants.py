@@ -1,0 +1,156 @@
+"""Tenants through real Envoy and a real EPP (`kvgate epp serve --tenants`): the openai client
+with a tenant's key is served, without one or with a wrong one it gets OpenAI's 401, and the
+fairness id the engine receives is the tenant the key names, whatever header the client forges.
+
+The engine is a stub that records each request's headers (no engine cost: what is tested is
+what the gateway lets through and what it tells the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from kvgate.local.stack import kvgate_argv
+from kvgate.testing import processes as harness
+from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
+
+pytestmark = pytest.mark.timeout(120)
+
+ALICE_KEY = "sk-alice-e2e-0123456789abcdef"
+BOB_KEY = "sk-bob-e2e-0123456789abcdef00"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+
+
+@dataclass
+class Gateway:
+    url: str
+    heads: list[bytes]  # every POST the engine stub received, request line and headers
+
+    def fairness_ids_seen(self, since: int) -> list[str]:
+        """The fairness-id header values of the POSTs the engine got after the first `since`."""
+        out = []
+        for head in self.heads[since:]:
+            for line in head.decode("latin-1").split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == FAIRNESS_HEADER:
+                    out.append(value.strip())
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine_stub() -> Iterator[tuple[str, list[bytes]]]:
+    """An engine stand-in on a loop and thread of its own, recording request heads."""
+    heads: list[bytes] = []
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    address: list[str] = []
+
+    def run() -> None:
+        server = loop.run_until_complete(
+            asyncio.start_server(stub_handler(vllm_metrics("default"), heads=heads), "127.0.0.1", 0)
+        )
+        address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        ready.set()
+        loop.run_forever()
+        server.close()
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    yield address[0], heads
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, engine_stub) -> Iterator[Gateway]:
+    log_dir = tmp_path_factory.mktemp("tenants")
+    tenants = log_dir / "tenants.yaml"
+    tenants.write_text(
+        f"- {{name: alice, key: {ALICE_KEY}, weight: 2}}\n- {{name: bob, key: {BOB_KEY}, priority: 1}}\n"
+    )
+    address, heads = engine_stub
+    grpc, health, metrics = harness.free_ports(3)
+    argv = kvgate_argv(
+        "epp",
+        "serve",
+        "--endpoints",
+        address,
+        "--grpc-port",
+        str(grpc),
+        "--grpc-health-port",
+        str(health),
+        "--metrics-port",
+        str(metrics),
+        "--secure-serving=false",
+        "--profile",
+        "random",  # no tokenizer to load
+        "--tenants",
+        str(tenants),
+    )
+    epp_proc = harness.Process(f"epp-{grpc}", argv, log_dir / f"epp-{grpc}.log").start()
+    procs = [epp_proc]
+    try:
+        epp = harness.Epp(epp_proc, grpc, health, metrics, secure=False)
+        envoy = harness.start_envoy(log_dir, grpc, health, failure_mode="FailClose")
+        procs.append(envoy.proc)
+        harness.wait_gateway(epp, envoy)
+        yield Gateway(envoy.url, heads)
+    finally:
+        harness.stop_all(*procs)
+
+
+def client(gw: Gateway, key: str, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=30, **kw)  # type: ignore[arg-type]
+
+
+def test_a_tenants_key_is_served_and_the_engine_sees_the_tenant(gateway: Gateway) -> None:
+    before = len(gateway.heads)
+    reply = client(gateway, ALICE_KEY).completions.create(model="default", prompt="hello", max_tokens=1)
+    assert reply.choices[0].text == "ok"
+    assert gateway.fairness_ids_seen(before) == ["alice"]
+
+
+def test_no_key_and_a_wrong_key_are_openais_401(gateway: Gateway) -> None:
+    before = len(gateway.heads)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client(gateway, "sk-wrong-0000000000000000").completions.create(
+            model="default", prompt="hi", max_tokens=1
+        )
+    assert caught.value.status_code == 401
+    assert caught.value.code == "invalid_api_key" and caught.value.type == "invalid_request_error"
+    assert "Incorrect API key provided" in caught.value.message
+
+    # No Authorization header at all (the openai client always sends one).
+    resp = httpx.post(
+        f"{gateway.url}/v1/completions",
+        json={"model": "default", "prompt": "hi", "max_tokens": 1},
+        timeout=30,
+    )
+    assert resp.status_code == 401, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    assert resp.headers["www-authenticate"] == "Bearer"
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "invalid_api_key" and err["message"].startswith("You didn't provide an API key")
+    # a bodyless request needs the key too
+    assert httpx.get(f"{gateway.url}/v1/models", timeout=30).status_code == 401
+    assert len(gateway.heads) == before  # nothing reached the engine
+
+
+def test_a_forged_fairness_header_does_not_change_the_tenant(gateway: Gateway) -> None:
+    before = len(gateway.heads)
+    bob = client(gateway, BOB_KEY, default_headers={FAIRNESS_HEADER: "alice"})
+    bob.completions.create(model="default", prompt="pretend to be alice", max_tokens=1)
+    bob.completions.create(
+        model="default", prompt="still bob", max_tokens=1, extra_headers={FAIRNESS_HEADER: "default"}
+    )
+    assert gateway.fairness_ids_seen(before) == ["bob", "bob"]

@@ -1,0 +1,489 @@
+"""Flow control: requests held in the EPP and dispatched in the order priority and fairness say,
+when the pool has room for them.
+
+A flow is (fairness id, priority). Priority bands are served strictly, highest first. Inside a
+band the backlogged flow whose tenant has received the least service goes next: service is
+counted in tokens (virtual token counters, VTC: prompt tokens plus weighted output tokens, over
+the tenant's weight), so a tenant of short prompts is not starved by one of huge prompts, and a
+tenant that was idle is lifted to the least counter of the backlogged flows when it comes back,
+so idleness banks no credit. Inside a flow: first come, first served.
+
+A held request is dispatched when an endpoint that may serve it has room ("no-regret": placed
+when it can run, not when it arrived), and the pick is made then, with the state of that
+moment, among the endpoints that have room. Queues are bounded (per flow, in all, in bytes)
+and every held request has a deadline: it ends with a dispatch or a clear 429/503, never
+silently. The core here is synchronous and runs on any clock (the virtual pool drives it too);
+``FlowGate`` runs it on an asyncio loop for the ext_proc server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgate.epp.datastore import EndpointState
+from kvgate.epp.director import Decision, Director
+from kvgate.epp.request import InferenceRequest
+
+log = logging.getLogger("kvgate.epp.flow_control")
+
+DEFAULT_FAIRNESS_ID = "default"
+# Counters kept for this many tenants at most; beyond, those with nothing queued are dropped
+# (a tenant that comes back is lifted to the backlogged floor anyway, so little is lost).
+MAX_TRACKED_TENANTS = 10_000
+
+
+@dataclass(frozen=True)
+class FlowControlConfig:
+    enabled: bool = True
+    max_queued: int = 50_000  # held requests, all flows together
+    max_queued_per_flow: int = 10_000
+    max_queued_bytes: int = 512 << 20  # request bodies held, all flows together
+    ttl_s: float = 30.0  # a request held longer is answered 429 (sheddable) or 503
+    # VTC's weights: an output token costs what two prompt tokens do.
+    prompt_token_weight: float = 1.0
+    output_token_weight: float = 2.0
+    # Output assumed at dispatch when the request sets no max_tokens; corrected at the end.
+    default_output_tokens: int = 256
+    # An endpoint has room while fewer requests wait there than this (its queue plus this
+    # replica's picks it cannot show yet) ...
+    dispatch_queue_depth: int = 5
+    # ... while its KV cache is less used than this ...
+    dispatch_kv_utilization: float = 0.8
+    # ... and, where the engine reports it (kvgate:prefill_tokens_pending), while less prompt
+    # work than this is ahead of a new request there. 0: not checked.
+    dispatch_prefill_tokens: int = 1024
+    metrics_staleness_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_queued < 0 or self.max_queued_per_flow < 0 or self.max_queued_bytes < 0:
+            raise ValueError("flow-control queue limits must be >= 0")
+        if not self.ttl_s > 0 or math.isinf(self.ttl_s):
+            raise ValueError("flow-control TTL must be a positive number of seconds")
+        if self.dispatch_queue_depth <= 0:
+            raise ValueError("flow-control dispatch queue depth must be > 0")
+
+
+@dataclass(frozen=True, order=True)
+class FlowKey:
+    priority: int
+    fairness_id: str
+
+
+class Weights(Protocol):
+    def weight(self, name: str) -> float: ...
+
+
+class _EqualWeights:
+    def weight(self, name: str) -> float:
+        return 1.0
+
+
+@dataclass(eq=False)
+class Held:
+    """One request in a flow's queue."""
+
+    key: FlowKey
+    request: InferenceRequest
+    prompt_tokens: int
+    output_estimate: int
+    body_bytes: int
+    enqueued: float
+    deadline: float
+    seq: int
+    state: str = "queued"  # queued | dispatched | rejected | cancelled
+    left_at: float = 0.0  # when it left the queue
+    decision: Decision | None = None
+    charged: float = 0.0
+    on_done: Callable[[Held], None] | None = field(default=None, repr=False)
+
+    @property
+    def sheddable(self) -> bool:
+        return self.key.priority < 0
+
+    @property
+    def queued_seconds(self) -> float:
+        return max(0.0, self.left_at - self.enqueued)
+
+
+@dataclass
+class _Band:
+    flows: dict[str, deque[Held]] = field(default_factory=dict)
+
+
+class FlowObserver(Protocol):
+    """What the metrics are told (kvgate.epp.metrics implements it)."""
+
+    def dispatched(self, key: FlowKey, queued_seconds: float) -> None: ...
+
+    def rejected(self, key: FlowKey, reason: str) -> None: ...
+
+
+class FlowController:
+    def __init__(
+        self,
+        director: Director,
+        config: FlowControlConfig | None = None,
+        weights: Weights | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.director = director
+        self.config = config or FlowControlConfig()
+        self.weights = weights or _EqualWeights()
+        self.clock = clock or director.clock
+        self._bands: dict[int, _Band] = {}
+        self._priorities: list[int] = []  # highest first
+        self._deadlines: list[tuple[float, int, Held]] = []
+        self._seq = itertools.count()
+        self.counters: dict[str, float] = {}  # tenant -> service received / weight (VTC)
+        self.queued = 0
+        self.queued_bytes = 0
+        self.observer: FlowObserver | None = None
+        # Called with (tenant, weighted tokens) for every charge this replica makes, so other
+        # replicas can be told (see note_remote_service).
+        self.on_charge: Callable[[str, float], None] | None = None
+
+    # -- what a request costs -------------------------------------------------------------
+    def _output_estimate(self, request: InferenceRequest) -> int:
+        body = request.body or {}
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = body.get(name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return min(value, self.config.default_output_tokens)
+        return self.config.default_output_tokens
+
+    def _cost(self, prompt_tokens: int, output_tokens: int) -> float:
+        c = self.config
+        return c.prompt_token_weight * prompt_tokens + c.output_token_weight * output_tokens
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Count `tokens` (already weighted by kind) of service to `tenant`."""
+        self._count(tenant, tokens)
+        if self.on_charge is not None and tokens:
+            self.on_charge(tenant, tokens)
+
+    def note_remote_service(self, tenant: str, tokens: float) -> None:
+        """Service another EPP replica gave `tenant`: counted as if given here, so that replicas
+        that each hold part of the traffic keep one pool-wide notion of fair shares."""
+        self._count(tenant, tokens)
+
+    def _count(self, tenant: str, tokens: float) -> None:
+        counters = self.counters
+        if tenant not in counters and len(counters) >= MAX_TRACKED_TENANTS:
+            backlogged = {t for band in self._bands.values() for t, q in band.flows.items() if q}
+            for idle in [t for t in counters if t not in backlogged]:
+                del counters[idle]
+        counters[tenant] = counters.get(tenant, 0.0) + tokens / self.weights.weight(tenant)
+
+    def completed(self, held: Held, output_tokens: int | None) -> None:
+        """The request ended: replace the output estimate charged at dispatch with what it
+        produced (None: not known, the estimate stands)."""
+        if output_tokens is None or held.state != "dispatched":
+            return
+        delta = output_tokens - held.output_estimate
+        if delta:
+            self.charge(held.key.fairness_id, self.config.output_token_weight * delta)
+
+    # -- room -----------------------------------------------------------------------------
+    def has_room(self, state: EndpointState, now: float, tokens: int = 0) -> bool:
+        """Whether a request of `tokens` (prompt + expected output) may go to this endpoint now
+        (its metrics fresh): nothing much waits there, its KV cache can hold the request, and
+        little prompt work is ahead of it."""
+        c = self.config
+        if state.draining or state.queue() >= c.dispatch_queue_depth:
+            return False
+        m = state.metrics
+        if m.kv_blocks_total:
+            # In blocks, so a short request still fits where a long one would not: the room
+            # left under the threshold must hold this request (16-token blocks if unknown).
+            size = self.director.datastore.index.block_size(state.address) or 16
+            free = (c.dispatch_kv_utilization - m.kv_usage) * m.kv_blocks_total
+            if free < -(-tokens // size):
+                return False
+        elif m.kv_usage >= c.dispatch_kv_utilization:
+            return False
+        pending = m.prefill_tokens_pending
+        if c.dispatch_prefill_tokens and pending is not None:
+            return pending + state.pending_prefill_tokens() < c.dispatch_prefill_tokens
+        return True
+
+    def _roomy(self, held: Held, now: float) -> list[EndpointState] | None:
+        """The candidates with room; None when no candidate's metrics are fresh: flow control
+        cannot judge room then, and holds nothing (the pick proceeds as without it)."""
+        candidates = self.director.candidates(held.request)
+        fresh = [e for e in candidates if e.age(now) <= self.config.metrics_staleness_s]
+        if not fresh:
+            return None
+        tokens = held.prompt_tokens + held.output_estimate
+        return [e for e in fresh if self.has_room(e, now, tokens)]
+
+    # -- submission -----------------------------------------------------------------------
+    def submit(
+        self, request: InferenceRequest, body_bytes: int = 0, on_done: Callable[[Held], None] | None = None
+    ) -> Held:
+        """Queue a request (and dispatch what can go now, this one maybe). The returned
+        `Held` ends dispatched (its `decision` routed), rejected (`decision` the 429/503) or
+        cancelled; `on_done` is called once when it leaves the queue."""
+        now = self.clock()
+        c = self.config
+        key = FlowKey(request.priority, request.fairness_id or DEFAULT_FAIRNESS_ID)
+        prompt = len(request.token_ids) if request.body is not None else 0
+        held = Held(
+            key,
+            request,
+            prompt,
+            self._output_estimate(request) if request.body is not None else 0,
+            body_bytes,
+            now,
+            now + c.ttl_s,
+            next(self._seq),
+            on_done=on_done,
+        )
+        band = self._bands.get(key.priority)
+        flow = band.flows.get(key.fairness_id) if band is not None else None
+        if flow is not None and len(flow) >= c.max_queued_per_flow:
+            self._reject(
+                held,
+                "flow_queue_full",
+                429,
+                f"flow {key.fairness_id!r} already has {len(flow)} requests queued",
+            )
+            return held
+        if self.queued >= c.max_queued or self.queued_bytes + body_bytes > c.max_queued_bytes:
+            self._reject(
+                held, "queue_full", 429 if held.sheddable else 503, "the endpoint picker's queues are full"
+            )
+            return held
+        if held.sheddable:
+            # GIE's contract for sheddable work: refused at once while the pool has no room
+            # for it, rather than held (the client learns now, and retries later or elsewhere).
+            roomy = self._roomy(held, now)
+            if roomy is not None and not roomy:
+                self._reject(
+                    held,
+                    "saturated",
+                    429,
+                    f"pool saturated; objective {request.objective!r} (priority {key.priority}) is sheddable",
+                )
+                return held
+        if band is None:
+            band = self._bands[key.priority] = _Band()
+            self._priorities = sorted(self._bands, reverse=True)
+        if flow is None:
+            flow = band.flows[key.fairness_id] = deque()
+        if not flow:
+            self._lift(band, key.fairness_id)
+        flow.append(held)
+        self.queued += 1
+        self.queued_bytes += body_bytes
+        heapq.heappush(self._deadlines, (held.deadline, held.seq, held))
+        if self.queued == 1:
+            # Nothing else was waiting: it may go at once. Otherwise the last round found no
+            # room, and the next one (a scrape, a finished request, the tick) decides; a round
+            # per arrival would cost every arrival a look at every flow while the pool is full.
+            self.dispatch()
+        return held
+
+    def _lift(self, band: _Band, tenant: str) -> None:
+        """A flow that becomes backlogged starts from the least counter of those already
+        backlogged in its band: service it did not ask for while idle is not owed to it."""
+        others = [self.counters.get(t, 0.0) for t, q in band.flows.items() if q and t != tenant]
+        if others:
+            floor = min(others)
+            if self.counters.get(tenant, 0.0) < floor:
+                self.counters[tenant] = floor
+
+    def cancel(self, held: Held) -> None:
+        """The client (or Envoy) gave up while the request was held."""
+        if held.state == "queued":
+            self._remove(held)
+            held.state = "cancelled"
+            self._done(held)
+
+    # -- dispatch -------------------------------------------------------------------------
+    def dispatch(self) -> list[Held]:
+        """Send every held request that can go now, in priority then fairness order; returns
+        them. Also ends the requests whose deadline has passed."""
+        now = self.clock()
+        self._expire(now)
+        sent: list[Held] = []
+        if not self.queued:
+            return sent
+        for priority in self._priorities:
+            band = self._bands[priority]
+            blocked: set[str] = set()  # flows whose head has no endpoint with room this round
+            # Flows behind a blocked one may go ahead (the pool stays busy) only while their
+            # counters stay within one request of it: a tenant whose requests are too large for
+            # the room that opens is not overtaken for ever (that room accumulates for it).
+            ceiling = math.inf
+            while True:
+                tenant = self._next_flow(band, blocked)
+                if tenant is None or self.counters.get(tenant, 0.0) > ceiling:
+                    break
+                flow = band.flows[tenant]
+                held = flow[0]
+                roomy = self._roomy(held, now)
+                if roomy is not None and not roomy:
+                    blocked.add(tenant)
+                    cost = self._cost(held.prompt_tokens, held.output_estimate) / self.weights.weight(tenant)
+                    ceiling = min(ceiling, self.counters.get(tenant, 0.0) + cost)
+                    continue
+                self._remove(held)
+                try:
+                    decision = self.director.pick(held.request, among=roomy)
+                except Exception:
+                    log.exception("request %s: scheduler failed", held.request.request_id)
+                    decision = Decision(500, reason="the endpoint picker failed to schedule this request")
+                held.decision = decision
+                if decision.routed:
+                    held.state = "dispatched"
+                    self._note_prefill(decision.targets[0], held.prompt_tokens)
+                    held.charged = self._cost(held.prompt_tokens, held.output_estimate)
+                    self.charge(tenant, held.charged)
+                    if self.observer is not None:
+                        self.observer.dispatched(held.key, now - held.enqueued)
+                else:
+                    held.state = "rejected"
+                    if self.observer is not None:
+                        self.observer.rejected(held.key, f"pick_{decision.status}")
+                sent.append(held)
+                self._done(held)
+            if blocked and any(band.flows[t] for t in blocked):
+                # Strict priority: lower bands wait while this one holds work that has no room.
+                # (Work for another model whose endpoints have room is not held up: its flow
+                # is tried in its own band first, and a band only blocks the ones below.)
+                break
+        return sent
+
+    def _note_prefill(self, address: str, prompt_tokens: int) -> None:
+        """The pick just recorded there counts its whole prompt as prefill work ahead of the
+        next request until a scrape shows it, unless a scorer knew better (cache hits)."""
+        state = self.director.datastore.get(address)
+        if state is not None and state.pending_tokens and state.pending_tokens[-1] == 0:
+            state.pending_tokens[-1] = prompt_tokens
+
+    def _next_flow(self, band: _Band, blocked: set[str]) -> str | None:
+        best: str | None = None
+        best_key: tuple[float, int] | None = None
+        for tenant, flow in band.flows.items():
+            if not flow or tenant in blocked:
+                continue
+            k = (self.counters.get(tenant, 0.0), flow[0].seq)
+            if best_key is None or k < best_key:
+                best, best_key = tenant, k
+        return best
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        while heap and (heap[0][2].state != "queued" or heap[0][0] <= now):
+            _, _, held = heapq.heappop(heap)
+            if held.state != "queued":
+                continue
+            self._remove(held)
+            self._reject(
+                held,
+                "ttl_expired",
+                429 if held.sheddable else 503,
+                f"held {now - held.enqueued:.1f}s in the endpoint picker's queue without room in the pool "
+                f"(TTL {self.config.ttl_s:g}s)",
+            )
+
+    def _remove(self, held: Held) -> None:
+        band = self._bands[held.key.priority]
+        flow = band.flows[held.key.fairness_id]
+        if flow and flow[0] is held:
+            flow.popleft()
+        else:
+            flow.remove(held)
+        if not flow:
+            del band.flows[held.key.fairness_id]
+        self.queued -= 1
+        self.queued_bytes -= held.body_bytes
+        held.left_at = self.clock()
+
+    def _reject(self, held: Held, reason: str, status: int, message: str) -> None:
+        held.state = "rejected"
+        held.decision = Decision(
+            status,
+            reason=message,
+            error_type="rate_limit_exceeded" if status == 429 else "service_unavailable",
+        )
+        held.decision.retry_after = max(1, math.ceil(self.config.ttl_s / 10))
+        if self.observer is not None:
+            self.observer.rejected(held.key, reason)
+        self._done(held)
+
+    def _done(self, held: Held) -> None:
+        if held.on_done is not None:
+            callback, held.on_done = held.on_done, None
+            callback(held)
+
+    def queue_sizes(self) -> dict[FlowKey, int]:
+        return {FlowKey(p, t): len(q) for p, band in self._bands.items() for t, q in band.flows.items() if q}
+
+
+class FlowGate:
+    """The controller on an asyncio loop: `admit` waits for a request's dispatch (or its 429/503)
+    while dispatch rounds run whenever something may have made room."""
+
+    def __init__(self, controller: FlowController, tick_s: float = 0.01) -> None:
+        self.controller = controller
+        self.tick_s = tick_s
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def admit(self, request: InferenceRequest, body_bytes: int = 0) -> Held:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Held] = loop.create_future()
+
+        def resolve(held: Held) -> None:
+            if not done.done():
+                done.set_result(held)
+
+        held = self.controller.submit(request, body_bytes, on_done=resolve)
+        if held.state == "queued":
+            self._ensure_running()
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            self.controller.cancel(held)
+            if held.state == "dispatched" and held.decision is not None:
+                # picked at the instant the stream went away: give the slot back
+                self.controller.director.finished(held.decision.targets[0])
+            raise
+        return held
+
+    def poke(self) -> None:
+        """Something may have made room (a request finished, a scrape came in)."""
+        self._wake.set()
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvgate-flow-dispatch")
+
+    async def _run(self) -> None:
+        controller = self.controller
+        while controller.queued:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.tick_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                controller.dispatch()
+            except Exception:  # a bug here must not strand every held request
+                log.exception("flow-control dispatch failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,317 @@
+"""Flow control (kvgate.epp.flow_control): strict priority bands, token-fair order across flows,
+FCFS inside a flow, dispatch only where there is room, bounded queues and deadlines — on a real
+Director and datastore, with a hand-driven clock and engine metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tracemalloc
+
+import pytest
+
+from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
+from kvgate.epp.director import Director
+from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowGate, Held
+from kvgate.epp.request import InferenceRequest
+from kvgate.epp.saturation import SaturationDetector
+from kvgate.epp.scheduling.config import build_profiles, load_config
+
+ENGINE = "10.0.0.1:8000"
+# Room for one request per idle scrape, whatever its size (the ordering tests count dispatches).
+ONE_AT_A_TIME = FlowControlConfig(dispatch_queue_depth=1, dispatch_prefill_tokens=0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Pool:
+    """One engine whose scraped state the test sets: busy (no room) or idle."""
+
+    def __init__(self, config: FlowControlConfig | None = None, engines: int = 1) -> None:
+        self.clock = Clock()
+        self.store = Datastore()
+        self.addresses = [f"10.0.0.{i + 1}:8000" for i in range(engines)]
+        self.store.set_endpoints([Endpoint(a) for a in self.addresses])
+        profile = build_profiles(load_config(None, "default"))[0]
+        self.director = Director(self.store, profile, SaturationDetector(), clock=self.clock)
+        self.flow = FlowController(self.director, config or FlowControlConfig(), clock=self.clock)
+        self.set_state(waiting=0)
+
+    def set_state(
+        self, waiting: int = 0, kv: float = 0.0, prefill: int = 0, address: str | None = None
+    ) -> None:
+        for a in [address] if address else self.addresses:
+            self.store.update_metrics(
+                a,
+                EndpointMetrics(
+                    waiting=waiting,
+                    kv_usage=kv,
+                    prefill_tokens_pending=prefill,
+                    kv_blocks_total=1000,
+                    updated_at=self.clock.now,
+                    sent_at=self.clock.now,
+                ),
+            )
+
+    def busy(self) -> None:
+        self.set_state(waiting=50)
+
+    def idle(self) -> None:
+        """A fresh scrape of an idle engine (this replica's own picks confirmed by it)."""
+        self.clock.now += 0.1
+        self.set_state(waiting=0)
+
+
+def request(
+    tenant: str = "a", prompt: int = 10, priority: int = 0, max_tokens: int = 10, rid: str = ""
+) -> InferenceRequest:
+    return InferenceRequest(
+        request_id=rid or f"{tenant}-{prompt}",
+        model="m",
+        target_model="m",
+        body={"model": "m", "prompt": "x", "max_tokens": max_tokens},
+        priority=priority,
+        fairness_id=tenant,
+        _token_ids=[1] * prompt,
+    )
+
+
+def drain_one(pool: Pool) -> list[Held]:
+    """Room for exactly one request: an idle scrape, then a dispatch round."""
+    pool.idle()
+    sent = pool.flow.dispatch()
+    pool.busy()
+    return sent
+
+
+def test_room_means_immediate_dispatch_and_no_room_means_held() -> None:
+    pool = Pool()
+    first = pool.flow.submit(request("a"))
+    assert first.state == "dispatched" and first.decision is not None and first.decision.routed
+    assert first.decision.targets == [ENGINE]
+    pool.busy()
+    second = pool.flow.submit(request("a", rid="second"))
+    assert second.state == "queued" and pool.flow.queued == 1
+    assert pool.flow.dispatch() == []  # still busy: nothing goes
+    sent = drain_one(pool)
+    assert sent == [second] and second.state == "dispatched" and pool.flow.queued == 0
+
+
+def test_strict_priority_bands() -> None:
+    pool = Pool(ONE_AT_A_TIME)
+    pool.busy()
+    low = pool.flow.submit(request("a", priority=0, rid="low"))
+    mid = pool.flow.submit(request("b", priority=1, rid="mid"))
+    high = pool.flow.submit(request("c", priority=5, rid="high"))
+    order = [h for _ in range(3) for h in drain_one(pool)]
+    assert order == [high, mid, low]
+
+
+def test_fifo_inside_a_flow() -> None:
+    pool = Pool(ONE_AT_A_TIME)
+    pool.busy()
+    held = [pool.flow.submit(request("a", rid=f"r{i}")) for i in range(4)]
+    order = [h for _ in range(4) for h in drain_one(pool)]
+    assert order == held
+
+
+def test_tokens_not_requests_decide_fairness() -> None:
+    """A tenant of huge prompts and one of small prompts, both backlogged: the small one gets
+    many dispatches per huge one, so both receive about the same tokens."""
+    pool = Pool(ONE_AT_A_TIME)
+    pool.busy()
+    for i in range(200):
+        pool.flow.submit(request("big", prompt=8000, rid=f"big{i}"))
+        pool.flow.submit(request("small", prompt=500, rid=f"small{i}"))
+    sent = [h for _ in range(100) for h in drain_one(pool)]
+    big = sum(h.prompt_tokens for h in sent if h.key.fairness_id == "big")
+    small = sum(h.prompt_tokens for h in sent if h.key.fairness_id == "small")
+    assert sum(1 for h in sent if h.key.fairness_id == "small") > 4 * sum(
+        1 for h in sent if h.key.fairness_id == "big"
+    )
+    assert 0.6 < big / small < 1.7
+
+
+def test_weights_divide_service() -> None:
+    class Weights:
+        def weight(self, name: str) -> float:
+            return 3.0 if name == "gold" else 1.0
+
+    pool = Pool(ONE_AT_A_TIME)
+    pool.flow.weights = Weights()
+    pool.busy()
+    for i in range(40):
+        pool.flow.submit(request("gold", rid=f"g{i}"))
+        pool.flow.submit(request("plain", rid=f"p{i}"))
+    sent = [h for _ in range(40) for h in drain_one(pool)]
+    gold = sum(1 for h in sent if h.key.fairness_id == "gold")
+    assert 28 <= gold <= 32  # 3:1
+
+
+def test_an_idle_tenant_banks_no_credit() -> None:
+    """A tenant that stayed away while another was served does not then get the pool to itself
+    for as long as the other was served: it starts from the backlogged floor."""
+    pool = Pool(ONE_AT_A_TIME)
+    for i in range(50):  # 'old' is served alone for a while
+        pool.flow.submit(request("old", rid=f"o{i}"))
+    pool.busy()
+    for i in range(10):
+        pool.flow.submit(request("old", rid=f"late-o{i}"))
+        pool.flow.submit(request("new", rid=f"n{i}"))
+    sent = [h for _ in range(10) for h in drain_one(pool)]
+    assert 3 <= sum(1 for h in sent if h.key.fairness_id == "new") <= 7
+
+
+def test_short_request_fits_where_a_long_one_does_not() -> None:
+    """Room is counted in KV blocks: a nearly full cache still takes a short request."""
+    pool = Pool()
+    pool.set_state(kv=0.75)  # 50 of 1000 blocks left under the 0.8 threshold
+    long = pool.flow.submit(request("a", prompt=2000, max_tokens=10, rid="long"))
+    short = pool.flow.submit(request("b", prompt=100, max_tokens=10, rid="short"))
+    assert pool.flow.dispatch() == [short]
+    assert long.state == "queued" and short.state == "dispatched"
+
+
+def test_prefill_work_ahead_holds_requests() -> None:
+    pool = Pool(FlowControlConfig(dispatch_prefill_tokens=1000))
+    pool.set_state(prefill=5000)
+    held = pool.flow.submit(request("a"))
+    assert held.state == "queued"
+    pool.set_state(prefill=100)
+    assert pool.flow.dispatch() == [held]
+
+
+def test_the_pick_is_made_among_endpoints_with_room() -> None:
+    pool = Pool(engines=2)
+    busy, free = pool.addresses
+    pool.set_state(waiting=50, address=busy)
+    for i in range(3):
+        held = pool.flow.submit(request("a", rid=f"r{i}"))
+        assert held.decision is not None and held.decision.targets[0] == free
+        pool.idle()
+        pool.set_state(waiting=50, address=busy)
+
+
+def test_stale_metrics_hold_nothing() -> None:
+    """With no fresh view of any endpoint, flow control cannot judge room: requests go as
+    they would without it, rather than waiting out their TTL."""
+    pool = Pool()
+    pool.busy()
+    pool.clock.now += 60
+    held = pool.flow.submit(request("a"))
+    assert held.state == "dispatched"
+
+
+def test_deadline_ends_held_requests_with_a_503() -> None:
+    pool = Pool(FlowControlConfig(ttl_s=5))
+    pool.busy()
+    held = pool.flow.submit(request("a", rid="normal"))
+    pool.clock.now += 4
+    pool.set_state(waiting=50)
+    pool.flow.dispatch()
+    assert held.state == "queued"
+    pool.clock.now += 2
+    pool.set_state(waiting=50)
+    pool.flow.dispatch()
+    assert held.decision is not None and held.decision.status == 503
+    assert held.decision.retry_after >= 1 and "TTL" in held.decision.reason
+    assert pool.flow.queued == 0
+
+
+def test_sheddable_work_is_refused_at_once_without_room() -> None:
+    pool = Pool()
+    pool.busy()
+    shed = pool.flow.submit(request("b", priority=-1, rid="shed"))
+    assert shed.decision is not None and shed.decision.status == 429 and "sheddable" in shed.decision.reason
+    assert pool.flow.queued == 0
+    pool.idle()
+    assert pool.flow.submit(request("b", priority=-1, rid="later")).state == "dispatched"
+
+
+def test_bounded_queues() -> None:
+    pool = Pool(FlowControlConfig(max_queued_per_flow=2, max_queued=3, max_queued_bytes=1000))
+    pool.busy()
+    a = [pool.flow.submit(request("a", rid=f"a{i}")) for i in range(3)]
+    assert [h.state for h in a] == ["queued", "queued", "rejected"]
+    assert a[2].decision is not None and a[2].decision.status == 429 and "flow 'a'" in a[2].decision.reason
+    b = [pool.flow.submit(request("b", rid=f"b{i}")) for i in range(2)]
+    assert b[0].state == "queued" and b[1].state == "rejected"
+    assert b[1].decision is not None and b[1].decision.status == 503
+    big = pool.flow.submit(request("c", rid="big"), body_bytes=2000)
+    assert big.state == "rejected"
+    assert pool.flow.queued == 3
+
+
+def test_cancel_removes_and_forgets() -> None:
+    pool = Pool()
+    pool.busy()
+    held = pool.flow.submit(request("a"))
+    pool.flow.cancel(held)
+    assert held.state == "cancelled" and pool.flow.queued == 0
+    assert drain_one(pool) == []
+
+
+def test_output_estimate_is_corrected_at_the_end() -> None:
+    pool = Pool(FlowControlConfig(output_token_weight=2.0, prompt_token_weight=1.0))
+    held = pool.flow.submit(request("a", prompt=100, max_tokens=50))
+    assert pool.flow.counters["a"] == pytest.approx(100 + 2 * 50)
+    pool.flow.completed(held, 10)
+    assert pool.flow.counters["a"] == pytest.approx(100 + 2 * 10)
+
+
+def test_remote_service_counts() -> None:
+    pool = Pool(ONE_AT_A_TIME)
+    pool.busy()
+    pool.flow.note_remote_service("a", 10_000)
+    first_b = pool.flow.submit(request("b", rid="b"))
+    first_a = pool.flow.submit(request("a", rid="a"))
+    assert drain_one(pool) == [first_b]
+    assert first_a.state == "queued"
+
+
+def test_gate_waits_and_cancels() -> None:
+    async def scenario() -> None:
+        pool = Pool()
+        pool.busy()
+        gate = FlowGate(pool.flow, tick_s=0.005)
+        waiting = asyncio.ensure_future(gate.admit(request("a", rid="w")))
+        await asyncio.sleep(0.02)
+        assert not waiting.done()
+        pool.idle()
+        gate.poke()
+        held = await asyncio.wait_for(waiting, 2)
+        assert held.state == "dispatched"
+        pool.busy()
+        gone = asyncio.ensure_future(gate.admit(request("a", rid="gone")))
+        await asyncio.sleep(0.02)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert pool.flow.queued == 0
+        await gate.close()
+
+    asyncio.run(scenario())
+
+
+def test_fifty_thousand_held_requests_stay_bounded_in_memory() -> None:
+    """What 50,000 held requests cost the EPP beyond their bodies (prompt tokens included):
+    the queue's own bookkeeping, measured, not timed."""
+    pool = Pool(FlowControlConfig(max_queued=50_000, max_queued_per_flow=50_000))
+    pool.busy()
+    reqs = [request(f"t{i % 50}", prompt=8, rid=f"r{i}") for i in range(50_000)]
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    held = [pool.flow.submit(r) for r in reqs]
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert pool.flow.queued == 50_000 and all(h.state == "queued" for h in held)
+    assert used < 50_000 * 1024  # under 1 KiB per held request
+    over = pool.flow.submit(request("x", rid="over"))
+    assert over.state == "rejected"
