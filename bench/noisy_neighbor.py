@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-tokens", type=int, default=256)
     ap.add_argument("--dispatch-prefill-tokens", type=int, default=1024)
     ap.add_argument("--dispatch-queue-depth", type=int, default=1)
+    ap.add_argument("--max-unconfirmed-picks", type=int, default=1)
+    ap.add_argument("--short-reserve", type=int, default=2, help="engines kept free of long prompts")
     ap.add_argument("--ttl", type=float, default=30.0)
     ap.add_argument("--only", default="1,2,3,4", help="which runs (comma-separated)")
     args = ap.parse_args(argv)
@@ -156,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         ttl_s=args.ttl,
         dispatch_prefill_tokens=args.dispatch_prefill_tokens,
         dispatch_queue_depth=args.dispatch_queue_depth,
+        max_unconfirmed_picks=args.max_unconfirmed_picks,
+        short_reserve=args.short_reserve,
+        short_prompt_tokens=args.short_tokens,
     )
     cap_long = capacity(args, args.long_tokens)
     cap_short = capacity(args, args.short_tokens)

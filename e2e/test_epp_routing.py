@@ -197,12 +197,10 @@ def saturation(stack) -> Saturation:
 
     def shed_while_saturated() -> httpx.Response:
         # while the pool has no room (flow control holds critical work in the EPP: the engines
-        # have 5 waiting each, its dispatch limit), sheddable work is refused; the queues drain
-        # as we go, so check and send together
-        text = epp.metrics_text()
-        held = _gauge_sum(text, "inference_extension_flow_control_queue_size")
-        queue = _gauge(text, "inference_pool_average_queue_size")
-        assert held >= 1 and queue >= 4.0, f"{held} held, mean queue {queue}: not saturated yet"
+        # make requests wait), sheddable work is refused; the queues drain as we go, so check
+        # and send together
+        held = _gauge_sum(epp.metrics_text(), "inference_extension_flow_control_queue_size")
+        assert held >= 1, f"{held} held: not saturated yet"
         shed = sheddable("sheddable work")
         assert shed.status_code == 429, shed.text
         return shed

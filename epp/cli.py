@@ -198,8 +198,11 @@ class _FlowDefaults:
     max_queued_per_flow: int = 10_000
     max_queued_bytes: int = 512 << 20
     ttl_s: float = 30.0
-    dispatch_queue_depth: int = 5
+    dispatch_queue_depth: int = 1
+    max_unconfirmed_picks: int = 4
     dispatch_prefill_tokens: int = 1024
+    short_reserve: int = 0
+    short_prompt_tokens: int = 1024
 
 
 FLOW_DEFAULTS = _FlowDefaults()
@@ -257,16 +260,38 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=d.dispatch_queue_depth,
         metavar="N",
-        help="an engine has room only while fewer than N requests wait there, counting this EPP's picks its "
-        "metrics do not show yet",
+        help="an engine has room only while fewer than N requests wait in its own queue",
+    )
+    t.add_argument(
+        "--flow-max-unconfirmed-picks",
+        type=_positive_int,
+        default=d.max_unconfirmed_picks,
+        metavar="N",
+        help="... and this EPP has sent it fewer than N requests its metrics do not show yet (1: one per "
+        "scrape, the tightest isolation; more: bursts on an idle pool wait less)",
     )
     t.add_argument(
         "--flow-dispatch-prefill-tokens",
         type=non_negative_int,
         default=d.dispatch_prefill_tokens,
         metavar="N",
-        help="... and, where the engine reports its pending prefill tokens, while fewer than N are "
-        "ahead of a new request (0: not checked)",
+        help="... and, where the engine reports its pending prefill tokens, while the prompt tokens "
+        "ahead of a new request, with its own, are at most N, or none are ahead (0: not checked)",
+    )
+    t.add_argument(
+        "--flow-short-reserve",
+        type=non_negative_int,
+        default=d.short_reserve,
+        metavar="N",
+        help="while short prompts keep arriving, keep N engines free of long prompts for them (a short "
+        "request behind a long prefill waits for its steps); 0: off",
+    )
+    t.add_argument(
+        "--flow-short-prompt-tokens",
+        type=_positive_int,
+        default=d.short_prompt_tokens,
+        metavar="N",
+        help="prompts of at most N tokens are short for --flow-short-reserve",
     )
 
 
@@ -281,7 +306,10 @@ def flow_control_config(args: argparse.Namespace) -> FlowControlConfig:
         max_queued_bytes=args.flow_max_queued_bytes,
         ttl_s=args.flow_ttl,
         dispatch_queue_depth=args.flow_dispatch_queue_depth,
+        max_unconfirmed_picks=args.flow_max_unconfirmed_picks,
         dispatch_prefill_tokens=args.flow_dispatch_prefill_tokens,
+        short_reserve=args.flow_short_reserve,
+        short_prompt_tokens=args.flow_short_prompt_tokens,
     )
 
 

@@ -53,23 +53,31 @@ class FlowControlConfig:
     output_token_weight: float = 2.0
     # Output assumed at dispatch when the request sets no max_tokens; corrected at the end.
     default_output_tokens: int = 256
-    # An endpoint has room while fewer requests wait there than this (its queue plus this
-    # replica's picks it cannot show yet) ...
-    dispatch_queue_depth: int = 5
+    # An endpoint has room while fewer requests than this wait there, in its own queue (an
+    # engine admits what its batch can take: one that makes a request wait is full) ...
+    dispatch_queue_depth: int = 1
+    # ... and this replica has sent it fewer picks than this that no scrape shows yet ...
+    max_unconfirmed_picks: int = 4
     # ... while its KV cache is less used than this ...
     dispatch_kv_utilization: float = 0.8
     # ... and, where the engine reports it (kvgate:prefill_tokens_pending), while less prompt
     # work than this is ahead of a new request there. 0: not checked.
     dispatch_prefill_tokens: int = 1024
     metrics_staleness_s: float = 2.0
+    # Keep this many endpoints free of long prompts while short ones (at most
+    # `short_prompt_tokens`) arrived within `short_window_s`: where every engine is busy with
+    # long prefills, a short request waits seconds for the step in flight. 0: off.
+    short_reserve: int = 0
+    short_prompt_tokens: int = 1024
+    short_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_queued < 0 or self.max_queued_per_flow < 0 or self.max_queued_bytes < 0:
             raise ValueError("flow-control queue limits must be >= 0")
         if not self.ttl_s > 0 or math.isinf(self.ttl_s):
             raise ValueError("flow-control TTL must be a positive number of seconds")
-        if self.dispatch_queue_depth <= 0:
-            raise ValueError("flow-control dispatch queue depth must be > 0")
+        if self.dispatch_queue_depth <= 0 or self.max_unconfirmed_picks <= 0:
+            raise ValueError("flow-control dispatch queue depth and unconfirmed picks must be > 0")
 
 
 @dataclass(frozen=True, order=True)
@@ -147,6 +155,7 @@ class FlowController:
         self.queued = 0
         self.queued_bytes = 0
         self.observer: FlowObserver | None = None
+        self._short_seen = -math.inf  # when a short request last looked for room
         # Called with (tenant, weighted tokens) for every charge this replica makes, so other
         # replicas can be told (see note_remote_service).
         self.on_charge: Callable[[str, float], None] | None = None
@@ -193,14 +202,14 @@ class FlowController:
             self.charge(held.key.fairness_id, self.config.output_token_weight * delta)
 
     # -- room -----------------------------------------------------------------------------
-    def has_room(self, state: EndpointState, now: float, tokens: int = 0) -> bool:
-        """Whether a request of `tokens` (prompt + expected output) may go to this endpoint now
-        (its metrics fresh): nothing much waits there, its KV cache can hold the request, and
-        little prompt work is ahead of it."""
+    def has_room(self, state: EndpointState, now: float, tokens: int = 0, prompt_tokens: int = 0) -> bool:
+        """Whether a request of `tokens` (prompt + expected output, `prompt_tokens` of them
+        prompt) may go to this endpoint now (its metrics fresh): nothing waits there, its KV
+        cache can hold the request, and little prompt work is ahead of it."""
         c = self.config
-        if state.draining or state.queue() >= c.dispatch_queue_depth:
-            return False
         m = state.metrics
+        if state.draining or m.waiting >= c.dispatch_queue_depth or state.pending >= c.max_unconfirmed_picks:
+            return False
         if m.kv_blocks_total:
             # In blocks, so a short request still fits where a long one would not: the room
             # left under the threshold must hold this request (16-token blocks if unknown).
@@ -210,9 +219,11 @@ class FlowController:
                 return False
         elif m.kv_usage >= c.dispatch_kv_utilization:
             return False
-        pending = m.prefill_tokens_pending
-        if c.dispatch_prefill_tokens and pending is not None:
-            return pending + state.pending_prefill_tokens() < c.dispatch_prefill_tokens
+        if c.dispatch_prefill_tokens and m.prefill_tokens_pending is not None:
+            # The prompt work ahead of it there, with its own, within the limit; or none ahead
+            # (a prompt longer than the limit goes where nothing else waits to prefill).
+            ahead = self._prefill_ahead(state)
+            return ahead == 0 or ahead + prompt_tokens <= c.dispatch_prefill_tokens
         return True
 
     def _roomy(self, held: Held, now: float) -> list[EndpointState] | None:
@@ -223,7 +234,28 @@ class FlowController:
         if not fresh:
             return None
         tokens = held.prompt_tokens + held.output_estimate
-        return [e for e in fresh if self.has_room(e, now, tokens)]
+        roomy = [e for e in fresh if self.has_room(e, now, tokens, held.prompt_tokens)]
+        reserve = self.config.short_reserve
+        if not reserve or not roomy or len(fresh) <= reserve:
+            return roomy  # (a pool no larger than the reserve keeps nothing back)
+        if held.prompt_tokens <= self.config.short_prompt_tokens:
+            self._short_seen = now
+            return roomy
+        if now - self._short_seen > self.config.short_window_s:
+            return roomy  # no short traffic lately: nothing to keep room for
+        # A long prompt keeps its engine's steps long for seconds; a short request landing
+        # there waits for them. While short requests keep arriving, the last `reserve`
+        # endpoints with no prompt work at all are kept for them.
+        idle = [e for e in fresh if self._prefill_ahead(e) < self.config.short_prompt_tokens]
+        if len(idle) > reserve:
+            return roomy
+        kept = {e.address for e in idle}
+        return [e for e in roomy if e.address not in kept]
+
+    @staticmethod
+    def _prefill_ahead(state: EndpointState) -> int:
+        pending = state.metrics.prefill_tokens_pending
+        return (pending or 0) + state.pending_prefill_tokens()
 
     # -- submission -----------------------------------------------------------------------
     def submit(

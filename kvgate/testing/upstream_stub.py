@@ -11,11 +11,11 @@ from collections.abc import Awaitable, Callable
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-def vllm_metrics(model: str) -> bytes:
-    """An idle engine's gauges, as the EPP's scraper reads them."""
+def vllm_metrics(model: str, waiting: int = 0, running: int = 0) -> bytes:
+    """An engine's load gauges, as the EPP's scraper reads them (idle by default)."""
     return (
-        f'vllm:num_requests_waiting{{model_name="{model}"}} 0\n'
-        f'vllm:num_requests_running{{model_name="{model}"}} 0\n'
+        f'vllm:num_requests_waiting{{model_name="{model}"}} {waiting}\n'
+        f'vllm:num_requests_running{{model_name="{model}"}} {running}\n'
         f'vllm:kv_cache_usage_perc{{model_name="{model}"}} 0.0\n'
     ).encode()
 
@@ -31,8 +31,11 @@ COMPLETION = json.dumps(
 ).encode()
 
 
-def stub_handler(metrics: bytes, completion: bytes = COMPLETION, heads: list[bytes] | None = None) -> Handler:
+def stub_handler(
+    metrics: bytes | Callable[[], bytes], completion: bytes = COMPLETION, heads: list[bytes] | None = None
+) -> Handler:
     """The asyncio.start_server callback serving one connection's requests until it closes;
+    ``metrics``: the GET /metrics body, or what returns it now (a test that changes the load);
     ``heads``: each POST's request line and headers are appended there (what the engine saw)."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -48,7 +51,7 @@ def stub_handler(metrics: bytes, completion: bytes = COMPLETION, heads: list[byt
                 if heads is not None and head.startswith(b"POST"):
                     heads.append(head)
                 if head.startswith(b"GET /metrics"):
-                    body, ctype = metrics, b"text/plain"
+                    body, ctype = metrics() if callable(metrics) else metrics, b"text/plain"
                 elif head.startswith(b"GET"):
                     body, ctype = b"{}", b"application/json"
                 else:

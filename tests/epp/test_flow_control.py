@@ -19,7 +19,7 @@ from kvgate.epp.scheduling.config import build_profiles, load_config
 
 ENGINE = "10.0.0.1:8000"
 # Room for one request per idle scrape, whatever its size (the ordering tests count dispatches).
-ONE_AT_A_TIME = FlowControlConfig(dispatch_queue_depth=1, dispatch_prefill_tokens=0)
+ONE_AT_A_TIME = FlowControlConfig(max_unconfirmed_picks=1, dispatch_prefill_tokens=0)
 
 
 class Clock:
@@ -315,3 +315,47 @@ def test_fifty_thousand_held_requests_stay_bounded_in_memory() -> None:
     assert used < 50_000 * 1024  # under 1 KiB per held request
     over = pool.flow.submit(request("x", rid="over"))
     assert over.state == "rejected"
+
+
+def test_a_long_prompt_goes_only_where_no_prompt_work_is_ahead() -> None:
+    pool = Pool(FlowControlConfig(dispatch_prefill_tokens=1000))
+    pool.set_state(prefill=200)
+    assert pool.flow.submit(request("a", prompt=700, rid="fits")).state == "dispatched"
+    pool.idle()
+    pool.set_state(prefill=200)
+    long = pool.flow.submit(request("a", prompt=5000, rid="long"))
+    assert long.state == "queued"  # 200 ahead + 5000 > 1000
+    pool.idle()
+    pool.set_state(prefill=0)
+    assert pool.flow.dispatch() == [long]  # nothing ahead: a long prompt may go
+
+
+def test_short_reserve_keeps_an_engine_for_short_prompts_while_they_arrive() -> None:
+    config = FlowControlConfig(dispatch_prefill_tokens=1000, short_reserve=1, short_prompt_tokens=100)
+    pool = Pool(config, engines=3)
+    free = pool.addresses[2]
+    for address in pool.addresses[:2]:
+        pool.set_state(prefill=5000, address=address)
+    short = pool.flow.submit(request("b", prompt=50, rid="short"))
+    assert short.decision is not None and short.decision.targets == [free]
+    pool.idle()
+    for address in pool.addresses[:2]:
+        pool.set_state(prefill=5000, address=address)
+    long = pool.flow.submit(request("a", prompt=2000, rid="long"))
+    assert long.state == "queued"  # the one engine without prompt work is kept for short ones
+    again = pool.flow.submit(request("c", prompt=50, rid="short-again"))
+    pool.flow.dispatch()
+    assert again.decision is not None and again.decision.targets == [free]
+    pool.clock.now += config.short_window_s + 1  # no short request lately: nothing is kept
+    pool.set_state(prefill=0, address=free)
+    for address in pool.addresses[:2]:
+        pool.set_state(prefill=5000, address=address)
+    assert pool.flow.dispatch() == [long]
+    assert long.decision is not None and long.decision.targets == [free]
+
+
+def test_no_reserve_on_a_pool_no_larger_than_it() -> None:
+    pool = Pool(FlowControlConfig(short_reserve=1, short_prompt_tokens=100))
+    assert pool.flow.submit(request("b", prompt=50, rid="short")).state == "dispatched"
+    pool.idle()
+    assert pool.flow.submit(request("a", prompt=2000, rid="long")).state == "dispatched"
