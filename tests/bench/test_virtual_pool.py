@@ -253,3 +253,28 @@ def test_output_throughput_is_the_steady_middle_of_the_run() -> None:
 def test_the_tiered_preset_gives_the_engines_a_host_tier() -> None:
     values = PRESETS["llm-d-tiered"].values
     assert values["sim_cpu_kv_blocks"] == 4 * int(values["sim_kv_blocks"])  # type: ignore[call-overload]
+
+
+def test_flow_control_shields_a_light_tenant_and_loses_nothing() -> None:
+    """The virtual pool with the real flow controller in each EPP replica: a tenant flooding long
+    prompts past the pool's capacity and a light tenant of short ones. Held in the EPP, the
+    flood no longer sits in the engines' queues in front of the light tenant; every request
+    ends served or answered (no engine ever sees the rejected ones)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import noisy_neighbor as nn
+
+    from kvgate.epp.flow_control import FlowControlConfig
+
+    args = argparse.Namespace(engines=2, kv_blocks=1800)
+    stream = nn._requests([nn.Tenant("A", 4000, 3.0), nn.Tenant("B", 256, 1.0)], 6.0, seed=0)
+    flow = FlowControlConfig(ttl_s=3.0, max_unconfirmed_picks=1)
+    held = nn._run(nn._pool(args, flow), stream)
+    free = nn._run(nn._pool(args, None), stream)
+    assert nn._ttft_p90(held, "B") < 0.5 * nn._ttft_p90(free, "B")  # 2.2 s against 6.4 s
+    assert all(r.finished is not None or r.status in (429, 503) for r in held.records)
+    assert {r.status for r in held.records if r.tenant == "B"} == {200}
+    assert any(r.status == 503 for r in held.records if r.tenant == "A")  # the flood's excess, after its TTL
+    assert all(r.finished is not None for r in free.records)
