@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-tokens", type=int, default=256)
     ap.add_argument("--dispatch-prefill-tokens", type=int, default=1024)
     ap.add_argument("--dispatch-queue-depth", type=int, default=1)
+    ap.add_argument("--dispatch", choices=["pool", "endpoint"], default="endpoint")
     ap.add_argument("--max-unconfirmed-picks", type=int, default=1)
     ap.add_argument("--short-reserve", type=int, default=2, help="engines kept free of long prompts")
     ap.add_argument("--ttl", type=float, default=30.0)
@@ -155,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = {int(x) for x in args.only.split(",")}
     flow = FlowControlConfig(
+        dispatch=args.dispatch,
         ttl_s=args.ttl,
         dispatch_prefill_tokens=args.dispatch_prefill_tokens,
         dispatch_queue_depth=args.dispatch_queue_depth,

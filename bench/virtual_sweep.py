@@ -38,6 +38,7 @@ from kvgate.bench.presets import PRESETS
 from kvgate.bench.stats import ideal_prefix_hit_rate
 from kvgate.bench.virtual_pool import PoolSpec, poisson_requests, simulate, simulate_sweep
 from kvgate.engine.config import SimulationConfig
+from kvgate.epp.flow_control import FlowControlConfig
 
 METRICS = (
     "ttft_p50",
@@ -118,6 +119,13 @@ def main() -> None:
         "would pick at that instant (without acting on it) and print how often all agree; asking "
         "advances a round-robin or random picker, so those strategies route differently with it",
     )
+    ap.add_argument(
+        "--flow-control",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="the EPP's flow control (on by default in `kvgate epp serve`) at its default settings: "
+        "requests held while no engine has room, picked then among those that have",
+    )
     args = ap.parse_args()
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -147,6 +155,7 @@ def main() -> None:
         measure_agreement=args.agreement and args.epp_replicas > 1,
         adapters=tuple(workload_spec(first).lora.names()) if first.workload == "lora" else (),
         max_loras=first.max_loras,
+        flow_control=FlowControlConfig() if args.flow_control else None,
     )
     count, warmup = first.num_requests, first.warmup_requests or 0
     print(

@@ -194,6 +194,7 @@ class _FlowDefaults:
     (tests/epp/test_tenants.py checks they agree)."""
 
     enabled: bool = True
+    dispatch: str = "pool"
     max_queued: int = 50_000
     max_queued_per_flow: int = 10_000
     max_queued_bytes: int = 512 << 20
@@ -226,6 +227,14 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         default=d.enabled,
         help="hold requests in the EPP while no engine has room and dispatch them by priority, then "
         "fairness between tenants",
+    )
+    t.add_argument(
+        "--flow-dispatch",
+        choices=["pool", "endpoint"],
+        default=d.dispatch,
+        help="when a held request goes: pool (GIE's): while the pool is not saturated, picked among all "
+        "engines as without flow control; endpoint: while an engine has room for it (the --flow-dispatch-* "
+        "limits below), picked among those: tighter isolation between tenants, looser prefix affinity",
     )
     t.add_argument(
         "--flow-max-queued",
@@ -301,6 +310,7 @@ def flow_control_config(args: argparse.Namespace) -> FlowControlConfig:
 
     return FlowControlConfig(
         enabled=args.flow_control,
+        dispatch=args.flow_dispatch,
         max_queued=args.flow_max_queued,
         max_queued_per_flow=args.flow_max_queued_per_flow,
         max_queued_bytes=args.flow_max_queued_bytes,

@@ -44,6 +44,11 @@ MAX_TRACKED_TENANTS = 10_000
 @dataclass(frozen=True)
 class FlowControlConfig:
     enabled: bool = True
+    # When a held request may go: "pool" (GIE's): while the pool is not saturated (its
+    # saturation detector), picked among every candidate as without flow control, so prefix
+    # affinity is untouched; "endpoint": while some endpoint has room for this request (below),
+    # picked among those: tighter isolation between tenants, at the cost of placement.
+    dispatch: str = "pool"
     max_queued: int = 50_000  # held requests, all flows together
     max_queued_per_flow: int = 10_000
     max_queued_bytes: int = 512 << 20  # request bodies held, all flows together
@@ -76,6 +81,8 @@ class FlowControlConfig:
             raise ValueError("flow-control queue limits must be >= 0")
         if not self.ttl_s > 0 or math.isinf(self.ttl_s):
             raise ValueError("flow-control TTL must be a positive number of seconds")
+        if self.dispatch not in ("pool", "endpoint"):
+            raise ValueError(f"flow-control dispatch must be 'pool' or 'endpoint', not {self.dispatch!r}")
         if self.dispatch_queue_depth <= 0 or self.max_unconfirmed_picks <= 0:
             raise ValueError("flow-control dispatch queue depth and unconfirmed picks must be > 0")
 
@@ -233,6 +240,10 @@ class FlowController:
         fresh = [e for e in candidates if e.age(now) <= self.config.metrics_staleness_s]
         if not fresh:
             return None
+        if self.config.dispatch == "pool":
+            return (
+                [] if self.director.saturation.saturated(self.director.datastore.all(), now) else candidates
+            )
         tokens = held.prompt_tokens + held.output_estimate
         roomy = [e for e in fresh if self.has_room(e, now, tokens, held.prompt_tokens)]
         reserve = self.config.short_reserve

@@ -270,7 +270,7 @@ def test_flow_control_shields_a_light_tenant_and_loses_nothing() -> None:
 
     args = argparse.Namespace(engines=2, kv_blocks=1800)
     stream = nn._requests([nn.Tenant("A", 4000, 3.0), nn.Tenant("B", 256, 1.0)], 6.0, seed=0)
-    flow = FlowControlConfig(ttl_s=3.0, max_unconfirmed_picks=1)
+    flow = FlowControlConfig(dispatch="endpoint", ttl_s=3.0, max_unconfirmed_picks=1)
     held = nn._run(nn._pool(args, flow), stream)
     free = nn._run(nn._pool(args, None), stream)
     assert nn._ttft_p90(held, "B") < 0.5 * nn._ttft_p90(free, "B")  # 2.2 s against 6.4 s

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import tracemalloc
+from dataclasses import replace
 
 import pytest
 
@@ -33,14 +34,17 @@ class Clock:
 class Pool:
     """One engine whose scraped state the test sets: busy (no room) or idle."""
 
-    def __init__(self, config: FlowControlConfig | None = None, engines: int = 1) -> None:
+    def __init__(
+        self, config: FlowControlConfig | None = None, engines: int = 1, dispatch: str = "endpoint"
+    ) -> None:
+        config = replace(config or FlowControlConfig(), dispatch=dispatch)
         self.clock = Clock()
         self.store = Datastore()
         self.addresses = [f"10.0.0.{i + 1}:8000" for i in range(engines)]
         self.store.set_endpoints([Endpoint(a) for a in self.addresses])
         profile = build_profiles(load_config(None, "default"))[0]
         self.director = Director(self.store, profile, SaturationDetector(), clock=self.clock)
-        self.flow = FlowController(self.director, config or FlowControlConfig(), clock=self.clock)
+        self.flow = FlowController(self.director, config, clock=self.clock)
         self.set_state(waiting=0)
 
     def set_state(
@@ -359,3 +363,20 @@ def test_no_reserve_on_a_pool_no_larger_than_it() -> None:
     assert pool.flow.submit(request("b", prompt=50, rid="short")).state == "dispatched"
     pool.idle()
     assert pool.flow.submit(request("a", prompt=2000, rid="long")).state == "dispatched"
+
+
+def test_pool_dispatch_holds_only_while_the_pool_is_saturated_and_picks_among_all() -> None:
+    """GIE's default: the saturation detector over the pool gates dispatch, and the pick is the
+    profile's among every candidate (one busy engine does not hold work the pool has room for)."""
+    pool = Pool(engines=2, dispatch="pool")
+    busy, _ = pool.addresses
+    pool.set_state(waiting=8, address=busy)  # mean queue 4: below the detector's 5
+    assert pool.flow.submit(request("a", rid="goes")).state == "dispatched"
+    pool.idle()
+    pool.set_state(waiting=50)  # every engine: saturated
+    held = pool.flow.submit(request("a", rid="held"))
+    assert held.state == "queued"
+    shed = pool.flow.submit(request("b", priority=-1, rid="shed"))
+    assert shed.decision is not None and shed.decision.status == 429
+    pool.idle()
+    assert pool.flow.dispatch() == [held]
