@@ -255,13 +255,46 @@ class FlowControlSpec(K8sModel):
             ],
         },
     )
+    dispatch: Literal["pool", "endpoint"] | None = Field(
+        default=None,
+        description=(
+            "When a held request goes (`--flow-dispatch`): pool (the picker's default, GIE's) while the "
+            "pool is not saturated, picked among every engine; endpoint while some engine has room for "
+            "it (the dispatch* fields), picked among those: tighter isolation between tenants, looser "
+            "prefix affinity."
+        ),
+    )
     dispatch_queue_depth: int | None = Field(
         default=None,
         ge=1,
         description=(
-            "An engine has room for a held request while fewer requests than this wait there, this "
-            "picker's picks its metrics do not show yet included (`--flow-dispatch-queue-depth`)."
+            "endpoint dispatch: an engine has room while fewer requests than this wait in its own "
+            "queue (`--flow-dispatch-queue-depth`)."
         ),
+        json_schema_extra={"format": "int64"},
+    )
+    max_unconfirmed_picks: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "endpoint dispatch: ... and this picker has sent it fewer requests than this that its "
+            "metrics do not show yet (`--flow-max-unconfirmed-picks`)."
+        ),
+        json_schema_extra={"format": "int64"},
+    )
+    short_reserve: int | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "endpoint dispatch: engines kept free of long prompts while short ones keep arriving "
+            "(`--flow-short-reserve`; 0: off)."
+        ),
+        json_schema_extra={"format": "int64"},
+    )
+    short_prompt_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prompts of at most this many tokens are short for shortReserve (`--flow-short-prompt-tokens`).",
         json_schema_extra={"format": "int64"},
     )
     dispatch_prefill_tokens: int | None = Field(

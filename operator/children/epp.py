@@ -160,10 +160,18 @@ def flow_control_args(flow: FlowControlSpec | None) -> list[str]:
     ttl = flow.ttl_seconds()
     if ttl is not None:
         args += ["--flow-ttl", _seconds(ttl)]
+    if flow.dispatch is not None:
+        args += ["--flow-dispatch", flow.dispatch]
     if flow.dispatch_queue_depth is not None:
         args += ["--flow-dispatch-queue-depth", str(flow.dispatch_queue_depth)]
+    if flow.max_unconfirmed_picks is not None:
+        args += ["--flow-max-unconfirmed-picks", str(flow.max_unconfirmed_picks)]
     if flow.dispatch_prefill_tokens is not None:
         args += ["--flow-dispatch-prefill-tokens", str(flow.dispatch_prefill_tokens)]
+    if flow.short_reserve is not None:
+        args += ["--flow-short-reserve", str(flow.short_reserve)]
+    if flow.short_prompt_tokens is not None:
+        args += ["--flow-short-prompt-tokens", str(flow.short_prompt_tokens)]
     return args
 
 

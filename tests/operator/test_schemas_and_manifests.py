@@ -539,6 +539,16 @@ def test_flow_control_fields_become_the_epp_flags() -> None:
         64 << 20,
     )
     assert (args.flow_ttl, args.flow_dispatch_queue_depth, args.flow_dispatch_prefill_tokens) == (90.0, 3, 0)
+    assert args.flow_dispatch == FLOW_DEFAULTS.dispatch
+    # Endpoint dispatch and its isolation settings.
+    flow = {"dispatch": "endpoint", "maxUnconfirmedPicks": 1, "shortReserve": 2, "shortPromptTokens": 300}
+    _, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
+    assert (args.flow_dispatch, args.flow_max_unconfirmed_picks, args.flow_short_reserve) == (
+        "endpoint",
+        1,
+        2,
+    )
+    assert args.flow_short_prompt_tokens == 300
     # A byte count as a number, a TTL under a second.
     flow = {"maxQueuedBytes": 1000000, "ttl": "500ms"}
     _, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
