@@ -255,7 +255,8 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=d.max_queued_bytes,
         metavar="N",
-        help="request body bytes held at once, all flows together; beyond it 503 (429 if sheddable)",
+        help="memory held requests may take, all flows together (their bodies, raw and parsed, and prompt "
+        "tokens); beyond it 503 (429 if sheddable)",
     )
     t.add_argument(
         "--flow-ttl",

@@ -342,8 +342,8 @@ class EndpointPickerHandler:
     def route(self, x: _Exchange) -> list[ep.ProcessingResponse]:
         """Pick an endpoint for the prepared request and answer Envoy. Under flow control the
         pick waits for a dispatch: this marks the exchange and `route_async` does it."""
-        if self.flow is not None:
-            x.awaiting_route = True
+        if self.flow is not None and x.request is not None and x.request.body is not None:
+            x.awaiting_route = True  # (a request without a body, GET /v1/models, is never held)
             return []
         span = self._begin_route(x)
         try:

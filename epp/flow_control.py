@@ -24,6 +24,7 @@ import heapq
 import itertools
 import logging
 import math
+from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,14 @@ class FlowControlConfig:
             raise ValueError("flow-control dispatch queue depth and unconfirmed picks must be > 0")
 
 
+def footprint(body_bytes: int, prompt_tokens: int) -> int:
+    """Memory a held request keeps, as --flow-max-queued-bytes counts it: its body as received
+    and as parsed (measured at about 1.5x the raw bytes for chat and completion bodies), its
+    prompt tokens compacted to 4 bytes each, and 1.5 KiB of bookkeeping (exchange, request, queue
+    entry). tests/epp/test_flow_control.py checks it against traced memory."""
+    return int(2.5 * body_bytes) + 4 * prompt_tokens + 1536
+
+
 @dataclass(frozen=True, order=True)
 class FlowKey:
     priority: int
@@ -110,7 +119,7 @@ class Held:
     request: InferenceRequest
     prompt_tokens: int
     output_estimate: int
-    body_bytes: int
+    body_bytes: int  # what it holds in memory while queued (see `footprint`)
     enqueued: float
     deadline: float
     seq: int
@@ -118,6 +127,7 @@ class Held:
     left_at: float = 0.0  # when it left the queue
     decision: Decision | None = None
     charged: float = 0.0
+    tokens: array[int] | None = field(default=None, repr=False)  # its prompt, compact while held
     on_done: Callable[[Held], None] | None = field(default=None, repr=False)
 
     @property
@@ -284,7 +294,7 @@ class FlowController:
             request,
             prompt,
             self._output_estimate(request) if request.body is not None else 0,
-            body_bytes,
+            footprint(body_bytes, prompt),
             now,
             now + c.ttl_s,
             next(self._seq),
@@ -300,7 +310,7 @@ class FlowController:
                 f"flow {key.fairness_id!r} already has {len(flow)} requests queued",
             )
             return held
-        if self.queued >= c.max_queued or self.queued_bytes + body_bytes > c.max_queued_bytes:
+        if self.queued >= c.max_queued or self.queued_bytes + held.body_bytes > c.max_queued_bytes:
             self._reject(
                 held, "queue_full", 429 if held.sheddable else 503, "the endpoint picker's queues are full"
             )
@@ -326,7 +336,10 @@ class FlowController:
             self._lift(band, key.fairness_id)
         flow.append(held)
         self.queued += 1
-        self.queued_bytes += body_bytes
+        self.queued_bytes += held.body_bytes
+        if request._token_ids:  # 4 bytes a token while it waits, not a list of int objects
+            held.tokens = array("i", request._token_ids)
+            request._token_ids = None
         heapq.heappush(self._deadlines, (held.deadline, held.seq, held))
         if self.queued == 1:
             # Nothing else was waiting: it may go at once. Otherwise the last round found no
@@ -450,6 +463,9 @@ class FlowController:
             del band.flows[held.key.fairness_id]
         self.queued -= 1
         self.queued_bytes -= held.body_bytes
+        if held.tokens is not None:
+            held.request._token_ids = held.tokens.tolist()
+            held.tokens = None
         held.left_at = self.clock()
 
     def _reject(self, held: Held, reason: str, status: int, message: str) -> None:

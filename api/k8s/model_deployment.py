@@ -234,7 +234,7 @@ class FlowControlSpec(K8sModel):
     max_queued_bytes: int | str | None = Field(
         default=None,
         description=(
-            "Request bodies held at most, all flows together: a byte count or a quantity, e.g. 512Mi "
+            "Memory held requests may take, all flows together (bodies and prompt tokens): a byte count or a quantity, e.g. 512Mi "
             "(`--flow-max-queued-bytes`, in bytes)."
         ),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import tracemalloc
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ import pytest
 
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
-from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowGate, Held
+from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowGate, Held, footprint
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
 from kvgate.epp.scheduling.config import build_profiles, load_config
@@ -239,7 +240,7 @@ def test_sheddable_work_is_refused_at_once_without_room() -> None:
 
 
 def test_bounded_queues() -> None:
-    pool = Pool(FlowControlConfig(max_queued_per_flow=2, max_queued=3, max_queued_bytes=1000))
+    pool = Pool(FlowControlConfig(max_queued_per_flow=2, max_queued=3))
     pool.busy()
     a = [pool.flow.submit(request("a", rid=f"a{i}")) for i in range(3)]
     assert [h.state for h in a] == ["queued", "queued", "rejected"]
@@ -247,9 +248,17 @@ def test_bounded_queues() -> None:
     b = [pool.flow.submit(request("b", rid=f"b{i}")) for i in range(2)]
     assert b[0].state == "queued" and b[1].state == "rejected"
     assert b[1].decision is not None and b[1].decision.status == 503
-    big = pool.flow.submit(request("c", rid="big"), body_bytes=2000)
-    assert big.state == "rejected"
     assert pool.flow.queued == 3
+
+
+def test_the_memory_bound_counts_bodies_and_tokens() -> None:
+    pool = Pool(FlowControlConfig(max_queued_bytes=footprint(100, 10) + footprint(100, 10) - 1))
+    pool.busy()
+    first = pool.flow.submit(request("a", rid="first"), body_bytes=100)
+    second = pool.flow.submit(request("b", rid="second"), body_bytes=100)
+    assert first.state == "queued" and second.state == "rejected"
+    assert second.decision is not None and second.decision.status == 503
+    assert pool.flow.queued_bytes == footprint(100, 10)
 
 
 def test_cancel_removes_and_forgets() -> None:
@@ -303,22 +312,36 @@ def test_gate_waits_and_cancels() -> None:
     asyncio.run(scenario())
 
 
-def test_fifty_thousand_held_requests_stay_bounded_in_memory() -> None:
-    """What 50,000 held requests cost the EPP beyond their bodies (prompt tokens included):
-    the queue's own bookkeeping, measured, not timed."""
-    pool = Pool(FlowControlConfig(max_queued=50_000, max_queued_per_flow=50_000))
+def test_held_requests_stay_within_the_memory_they_are_counted_as() -> None:
+    """10,000 held requests, each with its body (raw, as the exchange keeps it, and parsed) and
+    its prompt tokens: what they take (traced) stays under what --flow-max-queued-bytes counts
+    for them, so that bound bounds the EPP's memory. Measured, not timed."""
+    count = 10_000
+    pool = Pool(FlowControlConfig(max_queued=count, max_queued_per_flow=count))
     pool.busy()
-    reqs = [request(f"t{i % 50}", prompt=8, rid=f"r{i}") for i in range(50_000)]
     gc.collect()
     tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    held = [pool.flow.submit(r) for r in reqs]
-    used = tracemalloc.get_traced_memory()[0] - before
+    kept = []
+    for i in range(count):
+        body = {"model": "m", "prompt": " ".join(f"w{i}x{k}" for k in range(40)), "max_tokens": 16}
+        raw = bytearray(json.dumps(body).encode())
+        req = InferenceRequest(
+            request_id=f"r{i}",
+            model="m",
+            target_model="m",
+            body=body,
+            fairness_id=f"t{i % 50}",
+            _token_ids=list(range(1000 + i, 1064 + i)),
+        )
+        kept.append((raw, pool.flow.submit(req, len(raw))))
+    traced = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    assert pool.flow.queued == 50_000 and all(h.state == "queued" for h in held)
-    assert used < 50_000 * 1024  # under 1 KiB per held request
+    assert pool.flow.queued == count and all(h.state == "queued" for _, h in kept)
+    assert traced < pool.flow.queued_bytes <= FlowControlConfig().max_queued_bytes
     over = pool.flow.submit(request("x", rid="over"))
     assert over.state == "rejected"
+    sent = drain_one(pool)  # what leaves the queue gets its tokens back as a list
+    assert sent and sent[0].request.token_ids == list(range(1000, 1064))
 
 
 def test_a_long_prompt_goes_only_where_no_prompt_work_is_ahead() -> None:
