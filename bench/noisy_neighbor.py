@@ -29,6 +29,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from kvgate.bench.noisy_neighbor import virtual_capacity
 from kvgate.bench.virtual_pool import PoolSpec, RunResult, VirtualPool, word_token
 from kvgate.bench.workloads import BenchRequest
 from kvgate.engine.config import SimulationConfig
@@ -94,13 +95,8 @@ def _run(pool: PoolSpec, stream: list[tuple[float, BenchRequest, list[int]]]) ->
 
 def capacity(args: argparse.Namespace, prompt_tokens: int) -> float:
     """Requests/s the pool completes when flooded with this shape alone (no flow control)."""
-    count = args.engines * max(24, 80_000 // prompt_tokens)  # enough for a steady middle
-    flood = Tenant("cap", prompt_tokens, rate=count / 0.1)  # all sent in the first 0.1 s
-    stream = _requests([flood], 0.1, 0)
-    result = _run(_pool(args, None), stream)
-    done = sorted(r.finished for r in result.done() if r.finished is not None)
-    lo, hi = len(done) // 5, len(done) - 1 - len(done) // 5
-    return (hi - lo) / (done[hi] - done[lo])
+    pool = _pool(args, None)
+    return virtual_capacity(pool.engines, pool.kv_blocks, pool.sim, prompt_tokens, OUTPUT_TOKENS)
 
 
 def _ttft_p90(result: RunResult, tenant: str) -> float:

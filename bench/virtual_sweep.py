@@ -71,7 +71,10 @@ def main() -> None:
         # one fixed salt makes every run of a seed pick alike.
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="llm-d-shared-prefix")
+    # noisy-neighbor is a multi-tenant experiment of its own (bench/noisy_neighbor.py here)
+    ap.add_argument(
+        "--preset", choices=sorted(p for p in PRESETS if p != "noisy-neighbor"), default="llm-d-shared-prefix"
+    )
     ap.add_argument("--strategies", default="precise-prefix,precise-prefix-weights,default,round-robin")
     ap.add_argument(
         "--candidate", default=None, help="the strategy the ratios are about (default: the first)"

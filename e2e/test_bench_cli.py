@@ -151,3 +151,48 @@ def test_pd_runs_the_split_and_the_aggregated_stack_on_the_same_load(tmp_path: P
     assert split["kv_transfers"] == longs and split["kv_transfer_fallbacks"] == 0
     assert split["kv_transfer_bytes"] > 0 and split["settings"]["pd"] == "1:1"
     assert "pd-1:1 vs aggregated-2 at 4 req/s: ITL p90" in out.stdout and "KV hand-offs" in out.stdout
+
+
+def test_noisy_neighbor_preset_reports_every_tenant_of_every_run(tmp_path: Path) -> None:
+    """--preset noisy-neighbor, shrunk to one engine and a second of arrivals per run: two stacks
+    (flow control and none), seven runs, every tenant with its own key (none refused 401)."""
+    out = bench(
+        "--preset", "noisy-neighbor",
+        "--engines", "1",
+        "--duration", "1",
+        "--min-long-tokens", "1500", "--max-long-tokens", "1500",
+        "--min-prompt-tokens", "32", "--max-prompt-tokens", "32",
+        "--output-tokens", "4",
+        "--max-num-seqs", "4",
+        "--sim-kv-blocks", "512",
+        "--no-progress",
+        "--json", str(tmp_path / "r.json"),
+        "--plot", str(tmp_path / "charts"),
+        "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "capacity (derived from the simulated engines' timing" in out.stdout
+    assert "each tenant against itself alone" in out.stdout
+    assert "critical TTFT p90 during the sheddable flood vs alone" in out.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    runs = {(r["run"], r["tenant"]): r for r in doc["rows"]}
+    assert set(runs) == {
+        ("alone", "B"), ("alone", "C"), ("alone", "critical"),
+        ("flow control", "A"), ("flow control", "B"), ("flow control", "C"),
+        ("priority, flow control", "flood"), ("priority, flow control", "critical"),
+        ("no flow control", "A"), ("no flow control", "B"), ("no flow control", "C"),
+        ("priority, no flow control", "flood"), ("priority, no flow control", "critical"),
+    }  # fmt: skip
+    for (_, tenant), r in runs.items():
+        assert r["requests_sent"] > 0 and r["requests_other"] == 0, r  # every key accepted
+        if tenant not in ("A", "flood"):
+            assert r["requests_ok"] == r["requests_sent"] and r["ttft_p90_s"] > 0
+    assert doc["capacity"]["long_req_s"] > 0 and len(doc["ratios"]) == 6
+    assert "--flow-dispatch" in doc["settings"]["flow_control_epp_args"]
+    tenants = tmp_path / "logs" / "tenants.yaml"
+    assert tenants.stat().st_mode & 0o077 == 0  # the keys are readable by their owner only
+    assert (tmp_path / "logs" / "flow-control" / "epp.log").exists()
+    assert (tmp_path / "logs" / "no-flow-control" / "epp.log").exists()
+    for name in ("tenants_ttft_cdf.png", "tenants.png"):
+        assert (tmp_path / "charts" / name).read_bytes()[:4] == b"\x89PNG"
+    assert len(list(tmp_path.glob("requests-*.jsonl"))) == 13

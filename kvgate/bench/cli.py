@@ -75,6 +75,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=1,
         help="EPP replicas per stack, all serving at once behind Envoy (active-active)",
     )
+    s.add_argument(
+        "--epp-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for the EPP of every stack started (repeatable; kvgate up's --epp-arg), "
+        "e.g. --epp-arg=--flow-short-reserve=0",
+    )
     s.add_argument("--engine-model", default="default", help="model the local engines load")
     s.add_argument("--max-num-seqs", type=int, default=None, help="per-engine running-batch limit")
     s.add_argument(
@@ -306,6 +314,17 @@ def run(args: argparse.Namespace) -> int:
             f"[bench] preset {args.preset}: {' '.join(applied) or '(every flag given explicitly)'}",
             file=sys.stderr,
         )
+    progress = False if args.no_progress else None
+    from kvgate.bench.presets import NOISY_NEIGHBOR
+
+    if args.preset == NOISY_NEIGHBOR:
+        if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
+            return _fail("SLO bounds must be > 0")
+        from kvgate.bench import noisy_neighbor
+
+        return noisy_neighbor.main(
+            args, Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000), progress
+        )
     try:
         workload = workload_spec(args)
         workload.validate()
@@ -333,7 +352,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc))
     slo = Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000)
-    progress = False if args.no_progress else None
 
     from kvgate.bench import session
 

@@ -121,3 +121,71 @@ def comparison_bars(path: Path, summaries: Sequence[Summary], title: str = "") -
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def tenant_ttft_cdfs(path: Path, runs: Mapping[str, Mapping[str, Sequence[RequestResult]]]) -> Path:
+    """One TTFT CDF panel per tenant, one line per run it took part in (`runs`: tenant -> run ->
+    its results); the x axis is shared, so a tenant's panel shows what the others cost it."""
+    plt = _pyplot()
+    tenants = list(runs)
+    fig, axes = plt.subplots(
+        1, len(tenants), figsize=(3.6 * len(tenants) + 1, 3.8), sharex=True, squeeze=False
+    )
+    for ax, tenant in zip(axes[0], tenants, strict=True):
+        for label, results in runs[tenant].items():
+            values = [r.ttft * 1000 for r in results if r.ok and r.ttft is not None]
+            if values:
+                xs, ys = _cdf(values)
+                ax.plot(xs, ys, label=label)
+        ax.set_title(f"tenant {tenant}: TTFT CDF", fontsize=9)
+        ax.set_xlabel("ms")
+        ax.set_xscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("fraction of its requests")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def tenant_bars(
+    path: Path, figures: Mapping[str, Mapping[str, tuple[float | None, float]]], shared: Sequence[str]
+) -> Path:
+    """Per run (`figures`: run -> tenant -> (TTFT p90 s, output tok/s)): each tenant's TTFT p90
+    side by side; and for the runs in `shared` (tenants on the pool at once: their tokens add
+    up to the pool's) the output throughput stacked by tenant."""
+    plt = _pyplot()
+    runs = list(figures)
+    tenants = list(dict.fromkeys(t for per in figures.values() for t in per))
+    xs = list(range(len(runs)))
+    fig, (ax_ttft, ax_tp) = plt.subplots(1, 2, figsize=(14, 4.4))
+    width = 0.8 / max(1, len(tenants))
+    for k, tenant in enumerate(tenants):
+        offset = (k - (len(tenants) - 1) / 2) * width
+        values = [(figures[run].get(tenant, (None, 0.0))[0] or 0.0) * 1000 for run in runs]
+        ax_ttft.bar([x + offset for x in xs], values, width, label=tenant)
+    ax_ttft.set_title("TTFT p90 per tenant (lower is better)")
+    ax_ttft.set_ylabel("ms (log scale)")
+    ax_ttft.set_yscale("log")
+    ax_ttft.legend(fontsize=8)
+    together = [run for run in runs if run in shared]
+    bottom = [0.0] * len(together)
+    for tenant in tenants:
+        values = [figures[run].get(tenant, (None, 0.0))[1] for run in together]
+        if any(values):
+            ax_tp.bar(range(len(together)), values, 0.6, bottom=bottom, label=tenant)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax_tp.set_title("the pool's output tokens/s in the arrival window, by tenant")
+    ax_tp.set_ylabel("tokens/s")
+    ax_tp.legend(fontsize=8)
+    for ax, labels in ((ax_ttft, runs), (ax_tp, together)):
+        ax.set_xticks(list(range(len(labels))))
+        ax.set_xticklabels(labels, rotation=15, ha="right", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

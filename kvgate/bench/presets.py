@@ -30,6 +30,8 @@ _LLM_D_SHARED_PREFIX: dict[str, object] = {
     "warmup_requests": 64,
 }
 
+NOISY_NEIGHBOR = "noisy-neighbor"
+
 PRESETS: dict[str, Preset] = {
     # llm-d's precise-prefix routing benchmark shape: many long system prompts shared by users
     # who each add a long unique question, on engines whose KV cache cannot hold every prefix
@@ -117,6 +119,28 @@ PRESETS: dict[str, Preset] = {
             "warmup_requests": 32,
         },
     ),
+    # Tenants sharing one pool (bench/noisy_neighbor.py's experiment, through the real stack): one
+    # floods long prompts, two send short ones; with flow control, without, and each alone. Its
+    # own runner (kvgate.bench.noisy_neighbor) starts the stacks and writes the tenants file.
+    NOISY_NEIGHBOR: Preset(
+        "tenant A sends unique 4,000-token prompts at 3x the pool's capacity for them, B and C "
+        "256-token prompts at 0.15x each, each tenant with its own API key; 128-token answers; 4 "
+        "simulated engines of 1,800 KV blocks, GIE's default profile; with flow control, without, "
+        "and B and C alone; then a sheddable flood against critical traffic; 20 s of arrivals per "
+        "run (--duration)",
+        {
+            "simulate": True,
+            "engines": 4,
+            "sim_kv_blocks": 1800,
+            "profile": "default",
+            "min_long_tokens": 4000,
+            "max_long_tokens": 4000,
+            "min_prompt_tokens": 256,
+            "max_prompt_tokens": 256,
+            "output_tokens": 128,
+            "duration": 20.0,
+        },
+    ),
 }
 
 
@@ -133,7 +157,8 @@ def apply_preset(
         given = key in explicit if explicit is not None else getattr(args, key) != defaults.get(key)
         if not given:
             setattr(args, key, value)
-            applied.append(f"--{key.replace('_', '-')} {value}")
+            flag = f"--{key.replace('_', '-')}"
+            applied.append(flag if value is True else f"{flag} {value}")
     return applied
 
 

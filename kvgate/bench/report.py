@@ -115,9 +115,26 @@ def ratio_table(summaries: Sequence[Summary], candidate: str = "precise-prefix")
 
 def markdown_table(summaries: Sequence[Summary]) -> str:
     headers, body = rows(summaries)
+    return markdown_rows(headers, body)
+
+
+def markdown_rows(headers: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(out)
+
+
+def plain_table(headers: Sequence[str], body: Sequence[Sequence[str]], left: int = 1) -> str:
+    """An aligned text table of ready-made cells: the first `left` columns flush left, the rest
+    right (numbers)."""
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in body)])
 
 
 def write_json(path: Path, summaries: Sequence[Summary], settings: dict[str, object]) -> None:

@@ -163,6 +163,7 @@ def on_local_stacks(
         log_dir=log_root,
         expose_upstream_header=True,  # per-engine figures come from x-kvgate-upstream
         ready_timeout_s=args.ready_timeout,
+        epp_args=tuple(getattr(args, "epp_arg", None) or ()),
     )
     if args.workload == "lora":
         # every engine serves every adapter (a simulated engine reads no adapter files) on

@@ -134,6 +134,7 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
         "multi-turn-chat",
         "pd-long-prompt",
         "lora",
+        "noisy-neighbor",
     }
 
 
