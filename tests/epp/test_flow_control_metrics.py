@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.director import Director
-from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowKey
+from kvgate.epp.flow_control import FlowControlConfig, FlowController, FlowKey, footprint
 from kvgate.epp.metrics import MAX_FAIRNESS_LABELS, EppMetrics
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
@@ -87,13 +87,15 @@ def test_queue_size_and_bytes_are_read_at_scrape_time() -> None:
     assert pool.controller.observer is pool.metrics
     pool.submit("team-a", body_bytes=300, rid="1")
     pool.submit("team-a", body_bytes=200, rid="2")
-    pool.submit("team-b", priority=-1, body_bytes=50, rid="3")
+    pool.submit("team-b", priority=1, body_bytes=50, rid="3")
     s = pool.samples()
     flow_a = {"fairness_id": "team-a", "priority": "0", "inference_pool": "pool-a"}
-    flow_b = {"fairness_id": "team-b", "priority": "-1", "inference_pool": "pool-a"}
+    flow_b = {"fairness_id": "team-b", "priority": "1", "inference_pool": "pool-a"}
     assert value(s, QUEUE_SIZE, **flow_a) == 2
     assert value(s, QUEUE_SIZE, **flow_b) == 1
-    assert value(s, QUEUE_BYTES, inference_pool="pool-a") == 550
+    # what the memory bound counts: bodies raw and parsed, prompt tokens, bookkeeping
+    prompt = len(Tokens().encode("hello"))
+    assert value(s, QUEUE_BYTES, inference_pool="pool-a") == sum(footprint(b, prompt) for b in (300, 200, 50))
     # room: all dispatched; the flows stay exported at 0 (graphs drop to 0, not end)
     pool.room(True)
     pool.controller.dispatch()

@@ -86,9 +86,10 @@ def test_a_tenant_served_through_another_replica_waits_here() -> None:
             )
             assert controller.counters["heavy"] >= 50_000.0
         # room for a few (the announced pick counts as queued there too, until a scrape shows it)
-        store.update_metrics(
-            ENGINES[0], EndpointMetrics(updated_at=NOW, sent_at=NOW, waiting=2, prefill_tokens_pending=0)
-        )
+        for address in ENGINES:
+            store.update_metrics(
+                address, EndpointMetrics(updated_at=NOW, sent_at=NOW, waiting=2, prefill_tokens_pending=0)
+            )
         sent = controller.dispatch()
         assert sent
         return sent[0].key.fairness_id
