@@ -87,6 +87,21 @@ class Cluster:
     def get(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def delete(self, kind: str, name: str, namespace: str, within: float) -> None:
+        """Delete an object and wait until the API server no longer has it, by polling: kubectl's
+        own wait watches for the deletion event, and with this kubectl and API server (watch-list
+        client) that watch missed it, reporting a timeout for an object long gone."""
+        self.kubectl("delete", kind, name, "-n", namespace, "--wait=false")
+        deadline = time.monotonic() + within
+        while self.kubectl(
+            "get", kind, name, "-n", namespace, "--ignore-not-found", "-o", "name"
+        ).stdout.strip():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{kind} {namespace}/{name} still exists {within:g} s after its deletion"
+                )
+            time.sleep(0.5)
+
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:

@@ -225,7 +225,7 @@ def test_the_operators_service_account_may_write_every_child(installed: Cluster,
     assert created >= len(kids) - 1, (created, len(kids))
     time.sleep(3)
     assert children() == created, "the garbage collector took children of a live owner"
-    installed.kubectl("delete", "modeldeployment", spec_name, "-n", "models")
+    installed.delete("modeldeployment", spec_name, "models", 90)
     eventually(lambda: children() == 0, 90, "every child garbage-collected")
     for verb, resource in [("watch", "modeldeployments.kvgate.dev"), ("patch", "modeldeployments.kvgate.dev/status"),
                            ("list", "pods"), ("create", "events"), ("patch", "deployments.apps")]:  # fmt: skip
@@ -290,7 +290,7 @@ def test_the_operator_under_the_charts_service_account_reconciles_and_deletes(
         engine = installed.get("deployment", md_name, "-n", ns)
         assert engine["spec"]["replicas"] == 2
         # deleting the ModelDeployment leaves nothing: the GC takes the children, no finalizer sticks
-        installed.kubectl("delete", "modeldeployment", md_name, "-n", ns, "--timeout=60s")
+        installed.delete("modeldeployment", md_name, ns, 60)
         eventually(lambda: not children(), 90, "every child garbage-collected")
     finally:
         proc.terminate()

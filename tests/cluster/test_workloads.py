@@ -360,7 +360,7 @@ def test_deleting_the_model_deployment_stops_every_process(served: Served) -> No
     cluster = served.cluster
     roots = [Path(p) for p in _pids_with_pod_folders()]
     assert roots, "no pod process found"
-    cluster.kubectl("delete", "modeldeployment", MD, "-n", NS, "--timeout=120s")
+    cluster.delete("modeldeployment", MD, NS, 120)
     eventually(lambda: not cluster.get("pods", "-n", NS)["items"], 120, "every pod gone")
     left = cluster.get("deployments,services,inferencepools,configmaps,serviceaccounts", "-n", NS,
                        "-l", f"kvgate.dev/model-deployment={MD}")["items"]  # fmt: skip
