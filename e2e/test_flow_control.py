@@ -9,7 +9,6 @@ is tested is what the gateway does with a full pool, not an engine's speed.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 from kvgate.gateway.envoy_config import GatewayLimits
 from kvgate.local.stack import kvgate_argv
 from kvgate.testing import processes as harness
-from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
+from kvgate.testing.upstream_stub import stub_handler, stub_in_thread, vllm_metrics
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -45,58 +44,40 @@ class Pool:
 def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     log_dir = tmp_path_factory.mktemp("flow")
     state = Pool("")
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    address: list[str] = []
-
-    def run() -> None:
-        server = loop.run_until_complete(
-            asyncio.start_server(stub_handler(lambda: state.metrics[0]), "127.0.0.1", 0)
+    with stub_in_thread(stub_handler(lambda: state.metrics[0])) as address:
+        grpc, health, metrics = harness.free_ports(3)
+        argv = kvgate_argv(
+            "epp",
+            "serve",
+            "--endpoints",
+            address,
+            "--grpc-port",
+            str(grpc),
+            "--grpc-health-port",
+            str(health),
+            "--metrics-port",
+            str(metrics),
+            "--secure-serving=false",
+            "--profile",
+            "random",  # no tokenizer to load
+            "--objective",
+            "batch=-1",
+            "--flow-ttl",
+            str(TTL_S),
         )
-        address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        ready.set()
-        loop.run_forever()
-        server.close()
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    grpc, health, metrics = harness.free_ports(3)
-    argv = kvgate_argv(
-        "epp",
-        "serve",
-        "--endpoints",
-        address[0],
-        "--grpc-port",
-        str(grpc),
-        "--grpc-health-port",
-        str(health),
-        "--metrics-port",
-        str(metrics),
-        "--secure-serving=false",
-        "--profile",
-        "random",  # no tokenizer to load
-        "--objective",
-        "batch=-1",
-        "--flow-ttl",
-        str(TTL_S),
-    )
-    procs = [harness.Process(f"epp-{grpc}", argv, log_dir / f"epp-{grpc}.log").start()]
-    try:
-        epp = harness.Epp(procs[0], grpc, health, metrics, secure=False)
-        envoy = harness.start_envoy(
-            log_dir, grpc, health, limits=GatewayLimits(epp_message_timeout_s=MESSAGE_TIMEOUT_S)
-        )
-        procs.append(envoy.proc)
-        harness.wait_gateway(epp, envoy)
-        state.url = envoy.url
-        yield state
-    finally:
-        state.idle()
-        harness.stop_all(*procs)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
+        procs = [harness.Process(f"epp-{grpc}", argv, log_dir / f"epp-{grpc}.log").start()]
+        try:
+            epp = harness.Epp(procs[0], grpc, health, metrics, secure=False)
+            envoy = harness.start_envoy(
+                log_dir, grpc, health, limits=GatewayLimits(epp_message_timeout_s=MESSAGE_TIMEOUT_S)
+            )
+            procs.append(envoy.proc)
+            harness.wait_gateway(epp, envoy)
+            state.url = envoy.url
+            yield state
+        finally:
+            state.idle()
+            harness.stop_all(*procs)
 
 
 def _post(pool: Pool, headers: dict[str, str] | None = None) -> httpx.Response:

@@ -8,8 +8,6 @@ what the gateway lets through and what it tells the engine).
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -19,7 +17,7 @@ import pytest
 
 from kvgate.local.stack import kvgate_argv
 from kvgate.testing import processes as harness
-from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
+from kvgate.testing.upstream_stub import stub_handler, stub_in_thread, vllm_metrics
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,26 +46,8 @@ class Gateway:
 def engine_stub() -> Iterator[tuple[str, list[bytes]]]:
     """An engine stand-in on a loop and thread of its own, recording request heads."""
     heads: list[bytes] = []
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    address: list[str] = []
-
-    def run() -> None:
-        server = loop.run_until_complete(
-            asyncio.start_server(stub_handler(vllm_metrics("default"), heads=heads), "127.0.0.1", 0)
-        )
-        address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        ready.set()
-        loop.run_forever()
-        server.close()
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield address[0], heads
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with stub_in_thread(stub_handler(vllm_metrics("default"), heads=heads)) as address:
+        yield address, heads
 
 
 @pytest.fixture(scope="module")

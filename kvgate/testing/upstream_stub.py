@@ -5,8 +5,10 @@ sits in front of engines (Envoy, the EPP) without an engine's own cost in the wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -65,3 +67,30 @@ def stub_handler(
             writer.close()
 
     return serve
+
+
+@contextlib.contextmanager
+def stub_in_thread(handler: Handler) -> Iterator[str]:
+    """Serve `handler` on 127.0.0.1 from a thread and event loop of its own (a test's loop may
+    be the one under test, or starved); yields its "host:port"."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    address: list[str] = []
+
+    def run() -> None:
+        server = loop.run_until_complete(asyncio.start_server(handler, "127.0.0.1", 0))
+        address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        ready.set()
+        loop.run_forever()
+        server.close()
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    if not ready.wait(10):
+        raise RuntimeError("the engine stub did not start within 10 s")
+    try:
+        yield address[0]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from kvgate.epp.scheduling import config as scheduling_config
 from kvgate.epp.scheduling.framework import SchedulingContext
 from kvgate.epp.server import EppServer, ServerSettings
 from kvgate.testing.processes import Envoy, start_envoy, stop_all
-from kvgate.testing.upstream_stub import stub_handler, vllm_metrics
+from kvgate.testing.upstream_stub import stub_handler, stub_in_thread, vllm_metrics
 
 BLOCK_S = 0.02  # every pick holds the EPP's event loop this long: 50 picks/s at most
 REQUESTS = 250  # at once: 5 s of picks queued, past Envoy's 1 s health-check timeout twice over
@@ -49,26 +48,8 @@ class BlockingScorer:
 @pytest.fixture
 def engine() -> Iterator[str]:
     """An engine stub on a loop of its own (the test's loop is the EPP's, and it is starved)."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    address: list[str] = []
-
-    def run() -> None:
-        server = loop.run_until_complete(
-            asyncio.start_server(stub_handler(vllm_metrics("m")), "127.0.0.1", 0)
-        )
-        address.append(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
-        ready.set()
-        loop.run_forever()
-        server.close()
-        loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield address[0]
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with stub_in_thread(stub_handler(vllm_metrics("m"))) as address:
+        yield address
 
 
 def _burst(port: int, count: int) -> Counter[str]:
