@@ -23,29 +23,10 @@ if [[ ${CI:-} == true ]]; then
 fi
 echo "== pytest"
 set +e
-# --durations: every run (CI's too) names its slowest tests, to keep the suite under 15 min.
-# 5 = no tests collected: an empty suite is not a failure.
-if [[ $# -gt 0 ]]; then
-    pytest tests e2e --durations=25 "$@"
-    rc=$?
-    [[ $rc -eq 5 ]] && rc=0
-    exit $rc
-fi
-# The cluster tests spend most of their ~4 min waiting on the control plane's loops (HPA syncs,
-# rollouts, restarts), so they run beside the rest of the suite, in a process of their own; their
-# report follows the main one, and either failing fails the run.
-cluster_log=$(mktemp)
-pytest tests/cluster --durations=10 -p no:cacheprovider >"$cluster_log" 2>&1 &
-cluster_pid=$!
-pytest tests e2e --ignore=tests/cluster --durations=25
+# --durations: every run (CI's too) names its slowest tests, to keep the suite well under 20 min
+pytest tests e2e --durations=25 "$@"
 rc=$?
-wait "$cluster_pid"
-cluster_rc=$?
-echo "== pytest tests/cluster (ran beside the rest)"
-cat "$cluster_log"
-rm -f "$cluster_log"
 set -e
-[[ $rc -eq 5 ]] && rc=0
-[[ $cluster_rc -eq 5 ]] && cluster_rc=0
-if [[ $rc -ne 0 ]]; then exit $rc; fi
-exit $cluster_rc
+# 5 = no tests collected: an empty suite is not a failure.
+if [[ $rc -eq 5 ]]; then rc=0; fi
+exit $rc
