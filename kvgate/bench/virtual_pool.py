@@ -316,28 +316,28 @@ class VirtualPool:
             _token_ids=tokens,
             _prompt_text=text,
         )
+        # The engine is filled in when it reaches one (_admit); a request answered without one
+        # (shed, or refused by flow control) keeps its status and never reaches an engine.
+        record = self.records[request.request_id] = RequestRecord(
+            req.index,
+            req.group,
+            "",
+            self.now,
+            len(tokens),
+            req.max_tokens,
+            adapter=req.model,
+            tenant=req.tenant or "",
+        )
         if self.flows:
-            record = RequestRecord(
-                req.index,
-                req.group,
-                "",
-                self.now,
-                len(tokens),
-                req.max_tokens,
-                adapter=req.model,
-                tenant=req.tenant or "",
-            )
-            self.records[request.request_id] = record
 
             def done(held: Held) -> None:
                 decision = held.decision
                 assert decision is not None
                 self.pick_seconds.append(decision.scheduler_seconds)
-                if not decision.routed:
-                    record.status = decision.status
-                    self._finished(request.request_id, self.now)
-                    return
-                self._admit(req, tokens, request, decision.targets[0])
+                if decision.routed:
+                    self._admit(req, tokens, request, decision.targets[0])
+                else:
+                    self._answered(record, request.request_id, decision.status)
 
             self.flows[replica].submit(request, on_done=done)
             return
@@ -354,32 +354,17 @@ class VirtualPool:
             if not decision.routed:
                 if request.priority >= 0:
                     raise RuntimeError(f"request {req.index} not routed: {decision.reason}")
-                self.records[request.request_id] = RequestRecord(  # shed: answered 429
-                    req.index,
-                    req.group,
-                    "",
-                    self.now,
-                    len(tokens),
-                    req.max_tokens,
-                    tenant=req.tenant or "",
-                    status=decision.status,
-                )
-                self._finished(request.request_id, self.now)
+                self._answered(record, request.request_id, decision.status)  # shed: a 429
                 return
             address = decision.targets[0]
         if others:
             self.agreed[req.index] = all(o == address for o in others)
-        self.records[request.request_id] = RequestRecord(
-            req.index,
-            req.group,
-            address,
-            self.now,
-            len(tokens),
-            req.max_tokens,
-            adapter=req.model,
-            tenant=req.tenant or "",
-        )
         self._admit(req, tokens, request, address)
+
+    def _answered(self, record: RequestRecord, request_id: str, status: int) -> None:
+        """Answered by the EPP itself (429/503), never sent to an engine."""
+        record.status = status
+        self._finished(request_id, self.now)
 
     def _admit(self, req: BenchRequest, tokens: list[int], request: InferenceRequest, address: str) -> None:
         """The request reaches its engine (and the other replicas hear of the pick)."""
