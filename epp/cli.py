@@ -301,7 +301,8 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=d.short_prompt_tokens,
         metavar="N",
-        help="prompts of at most N tokens are short for --flow-short-reserve",
+        help="prompts of at most N tokens are short: with --flow-dispatch endpoint they go where no "
+        "prompt work is ahead when they can, and --flow-short-reserve keeps engines for them",
     )
 
 

@@ -70,9 +70,10 @@ class FlowControlConfig:
     # work than this is ahead of a new request there. 0: not checked.
     dispatch_prefill_tokens: int = 1024
     metrics_staleness_s: float = 2.0
-    # Keep this many endpoints free of long prompts while short ones (at most
-    # `short_prompt_tokens`) arrived within `short_window_s`: where every engine is busy with
-    # long prefills, a short request waits seconds for the step in flight. 0: off.
+    # Short requests (prompts of at most `short_prompt_tokens`) go where no prompt work is
+    # ahead when some endpoint with room has none. Keep `short_reserve` endpoints free of long
+    # prompts while short ones arrived within `short_window_s`: where every engine is busy
+    # with long prefills, a short request waits seconds for the step in flight. 0: off.
     short_reserve: int = 0
     short_prompt_tokens: int = 1024
     short_window_s: float = 5.0
@@ -256,12 +257,15 @@ class FlowController:
             )
         tokens = held.prompt_tokens + held.output_estimate
         roomy = [e for e in fresh if self.has_room(e, now, tokens, held.prompt_tokens)]
+        if held.prompt_tokens <= self.config.short_prompt_tokens:
+            # A short request waits for whatever prompt work is ahead of it, and a cache hit
+            # could save it little (at most its own short prompt): where some endpoint has no
+            # prompt work ahead, it goes there.
+            self._short_seen = now
+            return [e for e in roomy if self._prefill_ahead(e) == 0] or roomy
         reserve = self.config.short_reserve
         if not reserve or not roomy or len(fresh) <= reserve:
             return roomy  # (a pool no larger than the reserve keeps nothing back)
-        if held.prompt_tokens <= self.config.short_prompt_tokens:
-            self._short_seen = now
-            return roomy
         if now - self._short_seen > self.config.short_window_s:
             return roomy  # no short traffic lately: nothing to keep room for
         # A long prompt keeps its engine's steps long for seconds; a short request landing

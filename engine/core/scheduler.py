@@ -43,6 +43,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # since the last batch, for the runner to forget
         self.num_preemptions_total = 0
         self._next_seq_no = 0
+        # Prompt tokens of the batch last scheduled, until its step's results come back: those
+        # are computed already in our accounting (num_computed_tokens moves at scheduling), but
+        # a request arriving now still waits for that step.
+        self._in_flight_prefill_tokens = 0
 
     # -- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -89,10 +93,17 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def in_flight_prefill_tokens(self) -> int:
+        """Prompt tokens in the step now running (between schedule and update)."""
+        return self._in_flight_prefill_tokens
+
     def pending_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute, queued and running: the prefill work ahead of a new
-        request, in the engine's own accounting (cache hits known at admission excluded)."""
-        total = 0
+        """Prompt tokens still to compute, queued and running, and those of the step in flight:
+        the prefill work ahead of a new request, in the engine's own accounting (cache hits
+        known at admission excluded). Without the step in flight, an engine computing the last
+        chunk of a long prompt would look idle for that whole step."""
+        total = self._in_flight_prefill_tokens
         for request in self.running:
             total += max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
         for request in self.waiting:
@@ -214,6 +225,9 @@ class Scheduler:
         if seqs:
             finished, self._finished_ids = self._finished_ids, []
         transfers = self.kv.end_step()  # empty unless a seq was scheduled
+        self._in_flight_prefill_tokens = sum(
+            _prompt_tokens_in(seq, self.requests[seq.request_id]) for seq in seqs
+        )
         return ScheduledBatch(
             seqs=seqs,
             finished_request_ids=finished,
@@ -236,6 +250,7 @@ class Scheduler:
         Returns the requests that received a token this step (finished ones included; check
         `is_finished`). Stop strings are the engine's job (they need text).
         """
+        self._in_flight_prefill_tokens = 0
         by_id = {s.request_id: s for s in sampled}
         touched: list[Request] = []
         now = time.time()
@@ -309,3 +324,8 @@ def _ask_prompt_logprobs(seq: ScheduledSeq, request: Request) -> None:
         return
     seq.prompt_logprob_row = lo - start
     seq.prompt_logprob_targets = request.prompt_token_ids[lo + 1 : hi + 1]
+
+
+def _prompt_tokens_in(seq: ScheduledSeq, request: Request) -> int:
+    """How many of the prompt's tokens this step computes for the request (0 for a decode)."""
+    return max(0, min(seq.start_pos + len(seq.token_ids), len(request.prompt_token_ids)) - seq.start_pos)

@@ -190,6 +190,10 @@ class _Engine:
     def __init__(self, address: str, pool: PoolSpec, tokenizer: Any) -> None:
         self.address = address
         self.last_step = 0.0
+        # The step running on the virtual clock: its end, and the prompt tokens it computes. A
+        # real engine's metrics, read mid-step, count those as prefill still ahead.
+        self.step_end = 0.0
+        self.step_prefill_tokens = 0
         config = EngineConfig(
             model=MODEL,
             simulate=True,
@@ -213,6 +217,11 @@ class _Engine:
 
     def _sleep(self, seconds: float) -> None:
         self.last_step = seconds
+        self.step_prefill_tokens = self.engine.scheduler.in_flight_prefill_tokens
+
+    def prefill_tokens_pending(self, now: float) -> int:
+        pending = self.engine.get_stats().prefill_tokens_pending
+        return pending + (self.step_prefill_tokens if now < self.step_end else 0)
 
 
 class VirtualPool:
@@ -277,7 +286,7 @@ class VirtualPool:
                         max_lora=self.pool.max_loras if self.pool.adapters else 0,
                         running_loras=frozenset(stats.running_loras),
                         waiting_loras=frozenset(stats.waiting_loras),
-                        prefill_tokens_pending=stats.prefill_tokens_pending,
+                        prefill_tokens_pending=eng.prefill_tokens_pending(self.now),
                         kv_blocks_total=stats.num_kv_blocks,
                         prompt_tokens_total=stats.prompt_tokens_total,
                         prefix_hits_total=stats.prefix_cache_hits_total,
@@ -427,6 +436,7 @@ class VirtualPool:
             if rec is not None and rec.scheduled is None:
                 rec.scheduled = self.now
         end = self.now + eng.last_step
+        eng.step_end = end
         for out in outputs:
             rec = self.records[out.request_id]
             if rec.first_token is None and out.token_ids:

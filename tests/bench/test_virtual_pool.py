@@ -279,3 +279,34 @@ def test_flow_control_shields_a_light_tenant_and_loses_nothing() -> None:
     assert {r.status for r in held.records if r.tenant == "B"} == {200}
     assert any(r.status == 503 for r in held.records if r.tenant == "A")  # the flood's excess, after its TTL
     assert all(r.finished is not None for r in free.records)
+
+
+def test_a_scrape_mid_step_counts_the_prompt_tokens_that_step_computes() -> None:
+    """A real engine's metrics, read while a step runs, still count that step's prompt tokens
+    as ahead of a new request. The virtual engine runs a step at once and finishes it on the
+    virtual clock later; its scrapes must read the same, or an engine computing the last chunk
+    of a long prompt looks idle for the whole step (flow control then sent short requests
+    there, to wait out the step)."""
+    from kvgate.bench.virtual_pool import VirtualPool, word_token
+    from kvgate.bench.workloads import BenchRequest
+
+    seen: list[tuple[float, int | None]] = []
+
+    class Probe(VirtualPool):
+        def _scrape_all(self) -> None:
+            super()._scrape_all()
+            seen.extend(
+                (self.now, state.metrics.prefill_tokens_pending) for state in self.replicas[0][0].all()
+            )
+
+    words = tuple(f"long{i}" for i in range(4000))
+    req = BenchRequest(index=0, messages=(), max_tokens=4, group="g", nominal_words=words)
+    pool = Probe(PoolSpec(engines=1, kv_blocks=1800, sim=SMALL.sim), "round-robin")
+    result = pool.run([(0.0, req, [word_token(w) for w in words])])
+    (record,) = result.records
+    assert record.first_token is not None and record.first_token > 1.5  # two 2,048-token steps
+    assert record.scheduled is not None
+    during = [pending for when, pending in seen if record.scheduled < when < record.first_token]
+    assert len(during) > 20 and all(pending for pending in during), during
+    after = {pending for when, pending in seen if when > record.first_token}
+    assert after == {0}

@@ -208,3 +208,21 @@ def test_pending_prefill_tokens_counts_queued_and_running_prefill_less_cache_hit
     sched.add_request(again)
     assert sched.pending_prefill_tokens() == 40 - again.expected_cached_tokens
     assert again.expected_cached_tokens == 36
+
+
+def test_pending_prefill_tokens_counts_the_step_in_flight() -> None:
+    """Read between schedule and update (a step running), the prompt tokens that step computes
+    are still ahead of a new request: without them an engine on the last chunk of a long
+    prompt would look idle for that whole step."""
+    sched, runner = _setup(max_tokens=32)
+    _add(sched, "a", 40)
+    _add(sched, "d", 4)
+    _step(sched, runner)  # a: 32 computed; d waits (no budget)
+    batch = sched.schedule()  # a's last 8 and d's 4 in flight
+    assert sched.in_flight_prefill_tokens == 12
+    assert sched.pending_prefill_tokens() == 12
+    sched.update(batch, runner.execute(batch))
+    assert sched.in_flight_prefill_tokens == 0
+    assert sched.pending_prefill_tokens() == 0
+    batch = sched.schedule()  # decodes only: no prompt tokens in flight
+    assert sched.in_flight_prefill_tokens == 0

@@ -357,6 +357,21 @@ def test_a_long_prompt_goes_only_where_no_prompt_work_is_ahead() -> None:
     assert pool.flow.dispatch() == [long]  # nothing ahead: a long prompt may go
 
 
+def test_a_short_prompt_goes_where_no_prompt_work_is_ahead_when_one_has_none() -> None:
+    """Both engines have room for it; the one with a prefill ahead would make it wait."""
+    pool = Pool(FlowControlConfig(dispatch_prefill_tokens=1000, short_prompt_tokens=100), engines=2)
+    ahead, clear = pool.addresses
+    for i in range(3):
+        pool.set_state(prefill=300, address=ahead)
+        pool.set_state(prefill=0, address=clear)
+        held = pool.flow.submit(request("b", prompt=50, rid=f"short{i}"))
+        assert held.decision is not None and held.decision.targets == [clear]
+        pool.idle()
+    # with prompt work ahead everywhere, it still goes where it fits
+    pool.set_state(prefill=300)
+    assert pool.flow.submit(request("b", prompt=50, rid="short-anyway")).state == "dispatched"
+
+
 def test_short_reserve_keeps_an_engine_for_short_prompts_while_they_arrive() -> None:
     config = FlowControlConfig(dispatch_prefill_tokens=1000, short_reserve=1, short_prompt_tokens=100)
     pool = Pool(config, engines=3)
