@@ -23,8 +23,11 @@ if [[ ${CI:-} == true ]]; then
 fi
 echo "== pytest"
 set +e
-# --durations: every run (CI's too) names its slowest tests, to keep the suite well under 20 min
-pytest tests e2e --durations=25 "$@"
+# Two workers: most of the run waits on processes (engines, Envoy, the control plane), so two
+# finish it in far less time than one, even on two cores; conftest.py keeps each file on one
+# worker and the tests that bind fixed addresses on the same one. --durations: every run (CI's
+# too) names its slowest tests. KVGATE_TEST_WORKERS=0 runs everything in this one process.
+pytest tests e2e -n "${KVGATE_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
 rc=$?
 set -e
 # 5 = no tests collected: an empty suite is not a failure.

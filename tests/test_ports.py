@@ -25,3 +25,17 @@ def test_planned_ports_are_free_and_distinct() -> None:
     planned = ports.free_ports(8)
     assert len(set(planned)) == 8
     assert all(ports.port_is_free(p) for p in planned)
+
+
+def test_a_port_range_from_the_environment_keeps_plans_inside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes planning at once (two test workers) each get their own range."""
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, "23000-24500")
+    planned = [p for _ in range(20) for p in ports.free_ports(4)]
+    assert all(23000 <= p < 24500 for p in planned)
+
+
+@pytest.mark.parametrize("spec", ["nonsense", "30000-20000", "80-90", "20000-70000"])
+def test_a_bad_port_range_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
+    monkeypatch.setenv(ports.PORT_RANGE_ENV, spec)
+    with pytest.raises(ports.PortBusyError, match="KVGATE_PORT_RANGE"):
+        ports.free_ports(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -74,15 +75,35 @@ class _HandedOut:
 _handed_out = _HandedOut()
 
 
+# Processes planning ports at the same time (two test workers, two `kvgate up`s) each remember
+# only their own plans; giving each its own range keeps their plans apart.
+PORT_RANGE_ENV = "KVGATE_PORT_RANGE"
+
+
+def planned_range() -> tuple[int, int]:
+    """Where planned ports come from, [low, high): $KVGATE_PORT_RANGE ("LOW-HIGH") if set, else
+    from 20000 up to the kernel's ephemeral range."""
+    spec = os.environ.get(PORT_RANGE_ENV, "").strip()
+    if spec:
+        try:
+            low, high = (int(x) for x in spec.split("-"))
+        except ValueError:
+            raise PortBusyError(f"{PORT_RANGE_ENV}={spec!r}: expected LOW-HIGH, e.g. 20000-26000") from None
+        if not 1024 <= low < high <= 65536:
+            raise PortBusyError(f"{PORT_RANGE_ENV}={spec!r}: expected 1024 <= LOW < HIGH <= 65536")
+        return low, high
+    return _PLANNED_LOW, _ephemeral_low()
+
+
 def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """Ports free right now (all distinct, none handed out lately by this process), below the
-    ephemeral range where it leaves room."""
-    high = _ephemeral_low()
+    """Ports free right now (all distinct, none handed out lately by this process), from
+    `planned_range()` where it leaves room."""
+    low, high = planned_range()
     chosen: list[int] = []
-    if high - _PLANNED_LOW >= 1000:
+    if high - low >= 1000:
         rng = random.Random()
         for _ in range(50 * count):
-            port = rng.randrange(_PLANNED_LOW, high)
+            port = rng.randrange(low, high)
             if port in chosen or port in _handed_out:
                 continue
             if port_is_free(port, host) and _connect_free(port, host):

@@ -4,12 +4,13 @@ Two random-init PEFT adapters (rank 4 on the attention projections, rank 8 with 
 MLP and v_proj), saved with PEFT's own save_pretrained. Our engine runs them and base-model
 requests together in one batch (fp32, CPU, greedy); every request must equal transformers
 with the adapter applied by PEFT, token for token. Adapter outputs must differ from the base
-model's, or the comparison would prove nothing.
+model's, or the comparison would prove nothing. (What LoRA costs a decode step is a benchmark:
+bench/lora_step_cpu.py.)
 """
 
 from __future__ import annotations
 
-import time
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from kvgate.api.tokenizer import resolve_model
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.model_runner import TorchModelRunner
@@ -53,11 +53,11 @@ def _one_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def base() -> Any:
-    path = resolve_model("default")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+def base(hf_default_model: Any) -> Iterator[Any]:
+    """The session's transformers model (shared with other oracle tests). PEFT wraps it in place
+    below; each use unwraps it again, and this checks that nothing is left behind."""
+    yield hf_default_model
+    assert not any("lora_" in name for name, _ in hf_default_model.named_parameters())
 
 
 @pytest.fixture(scope="module")
@@ -65,40 +65,52 @@ def adapters(base: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
     """PEFT adapters with nonzero random A and B, written by PEFT's save_pretrained."""
     out: dict[str, Path] = {}
     torch.manual_seed(0)
-    model = base
     for name, spec in ADAPTERS.items():
-        model = peft.get_peft_model(model, peft.LoraConfig(**spec))
-        for pname, param in model.named_parameters():
-            if "lora_A" in pname or "lora_B" in pname:
-                torch.nn.init.normal_(param, std=0.05)
-        folder = tmp_path_factory.mktemp(name)
-        model.save_pretrained(str(folder))
-        out[name] = folder
-        model = model.unload()  # the plain base model again
-    assert model is base
+        model = peft.get_peft_model(base, peft.LoraConfig(**spec))
+        try:
+            for pname, param in model.named_parameters():
+                if "lora_A" in pname or "lora_B" in pname:
+                    torch.nn.init.normal_(param, std=0.05)
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(str(folder))
+            out[name] = folder
+        finally:
+            assert model.unload() is base  # the plain base model again
     return out
 
 
 def _reference_greedy(model: Any, prompt: list[int]) -> list[int]:
-    ids = list(prompt)
+    """Greedy decoding, EOS or not, with transformers' own KV cache (as our engine decodes with
+    its own): the prompt once, then one token per forward."""
+    cache = transformers.DynamicCache()
+    out: list[int] = []
     with torch.inference_mode():
-        for _ in range(MAX_NEW):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt) :]
+        logits = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits
+        while True:
+            out.append(int(logits[0, -1].argmax()))
+            if len(out) == MAX_NEW:
+                return out
+            logits = model(input_ids=torch.tensor([out[-1:]]), cache=cache, use_cache=True).logits
 
 
 @pytest.fixture(scope="module")
 def reference(base: Any, adapters: dict[str, Path], tok: Any) -> dict[tuple[str | None, int], list[int]]:
     out: dict[tuple[str | None, int], list[int]] = {}
     prompts = [tok.encode(p) for p in PROMPTS]
-    for i, p in enumerate(prompts):
-        out[(None, i)] = _reference_greedy(base, p)
-    for name, path in adapters.items():
-        model = peft.PeftModel.from_pretrained(base, str(path)).eval()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))  # the oracle only: not timed
+    try:
         for i, p in enumerate(prompts):
-            out[(name, i)] = _reference_greedy(model, p)
-        model.unload()
+            out[(None, i)] = _reference_greedy(base, p)
+        for name, path in adapters.items():
+            model = peft.PeftModel.from_pretrained(base, str(path)).eval()
+            try:
+                for i, p in enumerate(prompts):
+                    out[(name, i)] = _reference_greedy(model, p)
+            finally:
+                model.unload()
+    finally:
+        torch.set_num_threads(previous)
     return out
 
 
@@ -189,44 +201,3 @@ def test_one_slot_serves_two_adapters_in_turn(
     for name in ADAPTERS:
         for i in range(len(prompts)):
             assert ours[f"{name}-{i}"] == reference[(name, i)]
-
-
-def test_decode_step_time_base_vs_mixed(
-    runner: TorchModelRunner, tok: Any, adapters: dict[str, Path]
-) -> None:
-    """Figures for the report (printed; -s to see): decode step time of a base-only batch and of
-    a batch mixing two adapters with base requests, same size, same run."""
-    from kvgate.api.lora import lora_int_id
-
-    prompts = [tok.encode(p) for p in PROMPTS] * 2
-    timings: dict[str, float] = {}
-    for label, ids in (
-        ("base", [None] * 6),
-        (
-            "mixed",
-            [
-                None,
-                None,
-                lora_int_id("attn4"),
-                lora_int_id("attn4"),
-                lora_int_id("mlp8"),
-                lora_int_id("mlp8"),
-            ],
-        ),
-    ):
-        engine = _engine(runner, tok, adapters, max_loras=2)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        for j, (p, lid) in enumerate(zip(prompts, ids, strict=True)):
-            engine.add_request(f"{label}{j}", p, params, lora_id=lid)
-        engine.step()  # the prefills
-        engine.step()
-        start, steps = time.perf_counter(), 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        timings[label] = (time.perf_counter() - start) / steps
-    print(
-        f"\ndecode step, 6 seqs, 1 thread: base-only {timings['base'] * 1e3:.1f} ms, "
-        f"2 adapters + base {timings['mixed'] * 1e3:.1f} ms"
-    )
-    assert timings["base"] > 0 and timings["mixed"] > 0
