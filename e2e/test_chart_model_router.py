@@ -141,6 +141,22 @@ def test_router_command_line_parses_and_pool_with_pools_is_refused() -> None:
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.pool == [("a", ("a-engines.ns.svc:8000",))] and args.grpc_port == 9004
     assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "k", "key": "key"}
+    assert "--tenants" not in container["args"] and len(container["volumeMounts"]) == 1
+
+    docs = helm_docs("envoyGateway.pools[0].name=a", "envoyGateway.modelRouter.tenantsSecret.name=keys")
+    container = router_container(docs)
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.tenants == "/etc/kvgate/tenants/tenants.yaml"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "tenants")
+    assert mount == {"name": "tenants", "mountPath": "/etc/kvgate/tenants", "readOnly": True}
+    pod = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("model-router")
+    )
+    volume = next(v for v in pod["spec"]["template"]["spec"]["volumes"] if v["name"] == "tenants")
+    assert volume["secret"] == {
+        "secretName": "keys",
+        "items": [{"key": "tenants.yaml", "path": "tenants.yaml"}],
+    }
     both = subprocess.run(
         [str(HELM), "template", "t", str(ROOT / "charts" / "kvgate"), "--set", "envoyGateway.enabled=true",
          "--set", "envoyGateway.pool=p", "--set", "envoyGateway.pools[0].name=a"],

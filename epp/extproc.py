@@ -76,6 +76,23 @@ def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
     )
 
 
+def unauthorized(authorization: str, request_id: str = "") -> ep.ProcessingResponse:
+    """401 in OpenAI's shape for a request whose Authorization header names no tenant's key."""
+    given = bool(authorization.strip().partition(" ")[2].strip())
+    log.info("request %s answered 401: %s API key", request_id or "-", "wrong" if given else "no")
+    resp = immediate(
+        401,
+        "Incorrect API key provided."
+        if given
+        else "You didn't provide an API key. Send it in an Authorization header (Authorization: Bearer YOUR_KEY).",
+        "invalid_request_error",
+        request_id,
+        code="invalid_api_key",
+    )
+    resp.immediate_response.headers.set_headers.append(_header("www-authenticate", "Bearer"))
+    return resp
+
+
 def immediate(
     status: int,
     message: str,
@@ -236,20 +253,7 @@ class EndpointPickerHandler:
             x.tenant = self.tenants.authenticate(auth)
             if x.tenant is None:
                 self._count_error(x, "", "", 401)
-                given = bool(auth.strip().partition(" ")[2].strip())
-                log.info("request %s answered 401: %s API key", x.request_id, "wrong" if given else "no")
-                resp = immediate(
-                    401,
-                    "Incorrect API key provided."
-                    if given
-                    else "You didn't provide an API key. Send it in an Authorization header "
-                    "(Authorization: Bearer YOUR_KEY).",
-                    "invalid_request_error",
-                    x.request_id,
-                    code="invalid_api_key",
-                )
-                resp.immediate_response.headers.set_headers.append(_header("www-authenticate", "Bearer"))
-                return [resp]
+                return [unauthorized(auth, x.request_id)]
         if SUBSET_HINT_NAMESPACE in metadata.filter_metadata:
             hint = metadata.filter_metadata[SUBSET_HINT_NAMESPACE].fields.get(SUBSET_HINT_KEY)
             if hint is None:

@@ -42,9 +42,11 @@ from kvgate.epp.extproc import (
     body_too_large,
     immediate,
     streamed_request_body,
+    unauthorized,
 )
 from kvgate.epp.http_get import KeepAliveGetter, ScrapeError, get_request
 from kvgate.epp.request import BadRequest, parse_body
+from kvgate.epp.tenants import TenantRegistry, load_tenants
 
 log = logging.getLogger("kvgate.gateway.model_router")
 
@@ -234,17 +236,31 @@ class _Exchange:
 class ModelRouterHandler:
     """The protocol logic, callable without gRPC."""
 
-    def __init__(self, table: ModelTable, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        table: ModelTable,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        tenants: TenantRegistry | None = None,
+    ) -> None:
         self.table = table
         self.max_body_bytes = max_body_bytes
+        # With tenants (the pools' EPPs check the same keys), a request without a tenant's key
+        # is refused here, before its body is read; the model list answered here needs one too.
+        self.tenants = tenants
 
     def on_request_headers(self, x: _Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
+        authorization = ""
         for h in msg.headers.headers:
             value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
             if h.key == ":method":
                 x.method = value
             elif h.key == ":path":
                 x.path = value.split("?", 1)[0]
+            elif h.key == "authorization":
+                authorization = value
+        if self.tenants is not None and self.tenants.authenticate(authorization) is None:
+            x.done = True
+            return [unauthorized(authorization)]
         if x.method == "GET" and (x.path == MODELS_PATH or x.path.startswith(MODELS_PATH + "/")):
             return [self._models_reply(x.path)]
         if msg.end_of_stream:
@@ -374,6 +390,7 @@ class RouterSettings:
     refresh_interval: float = 2.0
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # the engines' API key, if their /v1/models requires it
+    tenants_file: str | None = None  # the pools' tenants: every request needs one's API key
 
 
 class ModelRouterServer:
@@ -383,7 +400,8 @@ class ModelRouterServer:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.table = ModelTable(settings.pools, api_key=settings.api_key)
-        self.handler = ModelRouterHandler(self.table, settings.max_request_body_bytes)
+        tenants = load_tenants(settings.tenants_file) if settings.tenants_file else None
+        self.handler = ModelRouterHandler(self.table, settings.max_request_body_bytes, tenants)
         self.grpc_port = settings.grpc_port
         self.health_port = settings.grpc_health_port
         self._servers: list[grpc.aio.Server] = []

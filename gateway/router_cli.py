@@ -55,6 +55,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=8 * 1024 * 1024,
         help="larger bodies are refused with 413",
     )
+    p.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="the pools' tenants file (their EPPs' --tenants): every request needs one tenant's API key "
+        "(Authorization: Bearer KEY), GET /v1/models included; others get 401",
+    )
     add_log_level(p, default_format="json")
 
 
@@ -69,6 +75,14 @@ def run(args: argparse.Namespace) -> int:
     if len(set(names)) != len(names):
         print(f"kvgate router serve: pool names must be unique, got {', '.join(names)}", file=sys.stderr)
         return 2
+    if args.tenants:
+        from kvgate.epp.tenants import TenantsFileError, load_tenants
+
+        try:
+            load_tenants(args.tenants)
+        except TenantsFileError as exc:
+            print(f"kvgate router serve: --tenants: {exc}", file=sys.stderr)
+            return 2
     settings = RouterSettings(
         pools=[PoolSource(name, engines) for name, engines in args.pool],
         bind_host=args.host,
@@ -77,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         refresh_interval=args.refresh_interval,
         max_request_body_bytes=args.max_request_body_bytes,
         api_key=os.environ.get("KVGATE_API_KEY") or None,
+        tenants_file=args.tenants,
     )
     try:
         asyncio.run(serve_forever(settings))

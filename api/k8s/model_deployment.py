@@ -294,7 +294,8 @@ class FlowControlSpec(K8sModel):
     short_prompt_tokens: int | None = Field(
         default=None,
         ge=1,
-        description="Prompts of at most this many tokens are short for shortReserve (`--flow-short-prompt-tokens`).",
+        description="Prompts of at most this many tokens are short: with dispatch endpoint they go where no "
+        "prompt work is ahead when they can, and shortReserve keeps engines for them (`--flow-short-prompt-tokens`).",
         json_schema_extra={"format": "int64"},
     )
     dispatch_prefill_tokens: int | None = Field(

@@ -290,6 +290,8 @@ def router_spec(cfg: StackConfig) -> ProcessSpec:
     for pool in cfg.layout():
         argv += ["--pool", f"{pool.name}=" + ",".join(f"{LOOPBACK}:{p.engines[i]}" for i in pool.engines)]
     argv += ["--refresh-interval", "1"]
+    if cfg.tenants_file:
+        argv += ["--tenants", cfg.tenants_file]
     if cfg.log_format:
         argv += ["--log-format", cfg.log_format]
     if cfg.quiet:

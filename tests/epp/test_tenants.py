@@ -337,6 +337,18 @@ def test_bad_flow_flags_are_argparse_errors(flag, capsys) -> None:
     assert f"argument {flag[0]}" in capsys.readouterr().err
 
 
+def test_up_with_several_pools_gives_the_model_router_the_tenants_too() -> None:
+    """The router answers GET /v1/models itself: with tenants it must ask for a key as well."""
+    from kvgate.local.ports import plan_ports
+    from kvgate.local.stack import PoolConfig, StackConfig, router_spec
+
+    pools = (PoolConfig("a", engines=1), PoolConfig("b", engines=1))
+    plan = plan_ports(0, 0, 2, 2, model_router=True)
+    assert "--tenants" not in router_spec(StackConfig(ports=plan, engines=2, pools=pools)).argv
+    argv = router_spec(StackConfig(ports=plan, engines=2, pools=pools, tenants_file="/t.yaml")).argv
+    assert argv[argv.index("--tenants") + 1] == "/t.yaml"
+
+
 def test_up_passes_tenants_and_no_flow_control_to_its_epps(tmp_path: Path) -> None:
     from kvgate.local.ports import EppPorts, PortPlan
     from kvgate.local.stack import StackConfig, epp_spec

@@ -205,3 +205,46 @@ def test_cli_refuses_bad_pools() -> None:
         assert out.returncode == 2 and "NAME=HOST:PORT" in out.stderr and "Traceback" not in out.stderr
     out = harness.run_kvgate("router", "serve", "--pool", "a=127.0.0.1:1", "--pool", "a=127.0.0.1:2")
     assert out.returncode == 2 and "unique" in out.stderr
+
+
+def _with_auth(request: ep.ProcessingRequest, value: str) -> ep.ProcessingRequest:
+    request.request_headers.headers.headers.append(
+        base_pb2.HeaderValue(key="authorization", raw_value=value.encode())
+    )
+    return request
+
+
+async def test_with_tenants_every_request_and_the_model_list_need_a_key(engines) -> None:
+    """The pools' EPPs check the tenants' keys on what they pick; the router answers the model
+    list itself, so with tenants it checks the same keys, on every request, before the body."""
+    from kvgate.epp.tenants import parse_tenants
+
+    a, b = engines
+    table = ModelTable([PoolSource("alpha", (a.address,)), PoolSource("beta", (b.address,))])
+    await table.refresh()
+    key = "k" * 40
+    handler = ModelRouterHandler(table, tenants=parse_tenants([{"name": "team", "key": key}]))
+    for auth in (None, "Bearer " + "x" * 40, key, "Basic " + key):
+        for request in (_headers("GET", "/v1/models", end=True), _headers("POST", "/v1/completions")):
+            if auth is not None:
+                request = _with_auth(request, auth)
+            (out,) = await _send(handler, request)
+            reply = out.immediate_response
+            assert reply.status.code == 401, auth
+            error = json.loads(reply.body)["error"]
+            assert error["code"] == "invalid_api_key" and key not in reply.body.decode()
+            assert {h.header.key for h in reply.headers.set_headers} >= {"www-authenticate"}
+    out = await _send(handler, _with_auth(_headers("GET", "/v1/models", end=True), f"Bearer {key}"))
+    assert {m["id"] for m in json.loads(out[0].immediate_response.body)["data"]} >= {"alpha", "beta"}
+    out = await _send(
+        handler, _with_auth(_headers("POST", "/v1/completions"), f"Bearer {key}"), _body(b'{"model": "beta"}')
+    )
+    assert _set_headers(out[0])[POOL_HEADER] == "beta"
+    await table.close()
+
+
+def test_cli_refuses_a_bad_tenants_file(tmp_path) -> None:
+    bad = tmp_path / "tenants.yaml"
+    bad.write_text("- {name: a, key: short}\n")
+    out = harness.run_kvgate("router", "serve", "--pool", "a=127.0.0.1:1", "--tenants", str(bad))
+    assert out.returncode == 2 and "--tenants" in out.stderr and "Traceback" not in out.stderr
