@@ -410,13 +410,20 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
     tokenizer = None
-    if needs_tokenizer(config, args.pd_threshold):
+    exact = needs_tokenizer(config, args.pd_threshold)
+    if exact or flow_control.enabled:  # flow control charges and places by prompt tokens
         from kvgate.epp.tokenization import load as load_tokenizer
 
         try:
             tokenizer = load_tokenizer(args.tokenizer, args.tokenizer_revision)
         except (OSError, ValueError) as exc:
-            return _fail(f"cannot load tokenizer {args.tokenizer!r}: {exc}")
+            if exact:
+                return _fail(f"cannot load tokenizer {args.tokenizer!r}: {exc}")
+            print(
+                f"kvgate epp serve: warning: cannot load tokenizer {args.tokenizer!r} ({exc}); flow control "
+                "estimates prompt tokens from the prompt's length (4 characters a token)",
+                file=sys.stderr,
+            )
 
     settings = ServerSettings(
         config=config,

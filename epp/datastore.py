@@ -63,8 +63,12 @@ class EndpointMetrics:
 
 
 # A pick shows in the engine's own counts only once Envoy has forwarded the request and the
-# engine has admitted it; a scrape sent sooner than this after the pick may not show it yet.
+# engine has admitted it; a scrape sent sooner than this after the pick (or, from an engine that
+# announces admissions, after its admission) may not show it yet.
 PICK_SETTLE_SECONDS = 0.025
+# From an engine that announces admissions, a pick whose admission has not been heard of after
+# this long counts as shown anyway (its request went elsewhere, or the announcement was lost).
+PICK_ADMISSION_WAIT_SECONDS = 1.0
 # Picks never confirmed by a scrape (the endpoint stopped answering) are forgotten after this.
 PICK_MAX_AGE_SECONDS = 5.0
 
@@ -83,6 +87,10 @@ class EndpointState:
     pending_picks: deque[float] = field(default_factory=deque)
     # The prefill tokens each of those picks brings (aligned with pending_picks; 0 = unknown).
     pending_tokens: deque[int] = field(default_factory=deque)
+    # When the engine's announcements of our own picks' admissions arrived, oldest first, not yet
+    # matched with a scrape sent after them; and whether this engine announces admissions at all.
+    own_admissions: deque[float] = field(default_factory=deque)
+    announces_admissions: bool = False
     health_unavailable: bool = False  # the last /health probe answered 503
     kv_events_live: bool = False  # the subscriber is connected and in sequence
     kv_synced: bool = False  # the KV-event subscription finished (or gave up) its initial replay
@@ -116,12 +124,30 @@ class EndpointState:
             tokens.popleft()
 
     def confirm_picks(self, scrape_sent: float) -> None:
-        """A scrape sent at ``scrape_sent`` counts every pick made a settle time before it."""
-        picks, tokens = self.pending_picks, self.pending_tokens
+        """Forget the picks a scrape sent at ``scrape_sent`` shows. From an engine that announces
+        admissions: one per admission heard a settle time before the scrape (a pick whose
+        request has not reached the engine yet, behind Envoy or the engine's own parsing of a
+        long prompt, stays counted), or made PICK_ADMISSION_WAIT_SECONDS before it. Otherwise:
+        every pick made a settle time before the scrape."""
+        picks, tokens, admitted = self.pending_picks, self.pending_tokens, self.own_admissions
         cutoff = scrape_sent - PICK_SETTLE_SECONDS
+        if self.announces_admissions:
+            while picks and admitted and admitted[0] <= cutoff:
+                picks.popleft()
+                tokens.popleft()
+                admitted.popleft()
+            cutoff = scrape_sent - PICK_ADMISSION_WAIT_SECONDS
         while picks and picks[0] <= cutoff:
             picks.popleft()
             tokens.popleft()
+        while len(admitted) > len(picks):
+            admitted.pop()
+
+    def note_own_admission(self, now: float) -> None:
+        """The engine admitted one of this replica's picks (announced before its metrics show it)."""
+        self.announces_admissions = True
+        if len(self.own_admissions) < len(self.pending_picks):
+            self.own_admissions.append(now)
 
     def pending_prefill_tokens(self) -> int:
         """Prefill tokens of this replica's picks that no scrape shows yet."""
@@ -182,11 +208,17 @@ class Datastore:
     def subscribe_admissions(self, listener: AdmissionListener) -> None:
         self._admission_listeners.append(listener)
 
-    def note_admission(self, address: str, admission: Admission) -> None:
-        """An engine admitted a request some EPP replica picked; another replica's pick is news
-        (our own were recorded when we made them)."""
-        if admission.picked_by == self.replica_id or address not in self._states:
+    def note_admission(self, address: str, admission: Admission, now: float | None = None) -> None:
+        """An engine admitted a request some EPP replica picked. Our own pick (recorded when we
+        made it) is now in the engine's counts, so a later scrape confirms it; another replica's
+        is news. ``now``: when it arrived, on the clock picks and scrapes use."""
+        state = self._states.get(address)
+        if state is None:
             return
+        if admission.picked_by == self.replica_id:
+            state.note_own_admission(time.monotonic() if now is None else now)
+            return
+        state.announces_admissions = True
         for listener in self._admission_listeners:
             listener(address, admission)
 

@@ -89,6 +89,15 @@ class FlowControlConfig:
             raise ValueError("flow-control dispatch queue depth and unconfirmed picks must be > 0")
 
 
+def prompt_tokens(request: InferenceRequest) -> int:
+    """The prompt tokens flow control charges and places a request by: the tokenizer's count,
+    or without one (or where only the engine can tell) about 4 characters a token."""
+    if request.body is None:
+        return 0
+    tokens = request.token_ids
+    return len(tokens) if tokens else len(request.prompt_text) // 4
+
+
 def footprint(body_bytes: int, prompt_tokens: int) -> int:
     """Memory a held request keeps, as --flow-max-queued-bytes counts it: its body as received
     and as parsed (measured at about 1.5x the raw bytes for chat and completion bodies), its
@@ -173,7 +182,7 @@ class FlowController:
         self.queued = 0
         self.queued_bytes = 0
         self.observer: FlowObserver | None = None
-        self._short_seen = -math.inf  # when a short request last looked for room
+        self._short_seen = -math.inf  # when a short request last arrived
         # Called with (tenant, weighted tokens) for every charge this replica makes, so other
         # replicas can be told (see note_remote_service).
         self.on_charge: Callable[[str, float], None] | None = None
@@ -261,7 +270,6 @@ class FlowController:
             # A short request waits for whatever prompt work is ahead of it, and a cache hit
             # could save it little (at most its own short prompt): where some endpoint has no
             # prompt work ahead, it goes there.
-            self._short_seen = now
             return [e for e in roomy if self._prefill_ahead(e) == 0] or roomy
         reserve = self.config.short_reserve
         if not reserve or not roomy or len(fresh) <= reserve:
@@ -292,7 +300,7 @@ class FlowController:
         now = self.clock()
         c = self.config
         key = FlowKey(request.priority, request.fairness_id or DEFAULT_FAIRNESS_ID)
-        prompt = len(request.token_ids) if request.body is not None else 0
+        prompt = prompt_tokens(request)
         held = Held(
             key,
             request,
@@ -337,7 +345,12 @@ class FlowController:
         if flow is None:
             flow = band.flows[key.fairness_id] = deque()
         if not flow:
-            self._lift(band, key.fairness_id)
+            cost = self._cost(held.prompt_tokens, held.output_estimate) / self.weights.weight(key.fairness_id)
+            self._level(band, key.fairness_id, cost)
+        if held.body_bytes and 0 < held.prompt_tokens <= c.short_prompt_tokens:
+            # At arrival, not when a dispatch round looks at it: a short request held behind
+            # others (by fairness) still needs the reserve kept for it.
+            self._short_seen = now
         flow.append(held)
         self.queued += 1
         self.queued_bytes += held.body_bytes
@@ -352,14 +365,16 @@ class FlowController:
             self.dispatch()
         return held
 
-    def _lift(self, band: _Band, tenant: str) -> None:
-        """A flow that becomes backlogged starts from the least counter of those already
-        backlogged in its band: service it did not ask for while idle is not owed to it."""
+    def _level(self, band: _Band, tenant: str, head_cost: float) -> None:
+        """A flow that becomes backlogged starts level with the least-served flow already
+        backlogged in its band, within its own next request: service it did not ask for while
+        idle is not owed to it (VTC's lift), and service it got while no one else asked is not
+        held against it (without that, a light tenant that used an idle pool waited for every
+        newcomer to catch up, blocked behind their ceiling)."""
         others = [self.counters.get(t, 0.0) for t, q in band.flows.items() if q and t != tenant]
         if others:
             floor = min(others)
-            if self.counters.get(tenant, 0.0) < floor:
-                self.counters[tenant] = floor
+            self.counters[tenant] = min(max(self.counters.get(tenant, 0.0), floor), floor + head_cost)
 
     def cancel(self, held: Held) -> None:
         """The client (or Envoy) gave up while the request was held."""

@@ -383,9 +383,9 @@ class VirtualPool:
         if self.pool.announce_admissions:
             picker = self.replicas[req.index % len(self.replicas)][0]
             admission = Admission(picker.replica_id, tokens)
+            # to every replica, as engines publish it: the picker's own pick is then confirmed
             for store, _ in self.replicas:
-                if store is not picker:
-                    self._at(self.now + self.pool.admission_delay, "admitted", (store, address, admission))
+                self._at(self.now + self.pool.admission_delay, "admitted", (store, address, admission))
         eng = self.engines[address]
         eng.engine.add_request(
             request.request_id,
@@ -484,7 +484,7 @@ class VirtualPool:
                     store.index.apply(address, events)
             elif kind == "admitted":
                 store, address, admission = payload
-                store.note_admission(address, admission)
+                store.note_admission(address, admission, self.now)
             elif kind == "service":
                 flow, tenant, tokens = payload
                 flow.note_remote_service(tenant, tokens)

@@ -247,3 +247,43 @@ async def test_subscriber_delivers_announcements_from_the_engine_publisher() -> 
     finally:
         await subs.close()
         pub.close()
+
+
+def _scrape(store: Datastore, address: str, sent_at: float) -> None:
+    store.update_metrics(address, EndpointMetrics(updated_at=sent_at, sent_at=sent_at))
+
+
+def test_an_own_pick_stays_counted_until_a_scrape_after_its_admission() -> None:
+    """An engine that announces admissions shows a pick once it has admitted it. A scrape sent
+    before that (the request still behind Envoy, or the engine still parsing a long prompt)
+    must not clear the pick, or the engine looks idle while the prompt is on its way."""
+    store = Datastore(replica_id="me")
+    address = ENGINES[0]
+    store.add(Endpoint(address))
+    state = store.get(address)
+    assert state is not None
+    store.note_admission(address, Admission("other", [1, 2]), now=NOW)  # it announces
+    state.note_pick(NOW)
+    state.note_pick(NOW + 0.001)
+    _scrape(store, address, NOW + 0.2)  # no admission heard yet: both still counted
+    assert state.pending == 2
+    store.note_admission(address, Admission("me", [1, 2]), now=NOW + 0.3)
+    _scrape(store, address, NOW + 0.31)  # sent within the settle time: may not show it yet
+    assert state.pending == 2
+    _scrape(store, address, NOW + 0.4)
+    assert state.pending == 1
+    _scrape(store, address, NOW + 1.2)  # never announced: counted as shown after a second
+    assert state.pending == 0 and not state.own_admissions
+
+
+def test_without_announcements_a_pick_counts_as_shown_a_settle_time_later() -> None:
+    store = Datastore(replica_id="me")
+    address = ENGINES[0]
+    store.add(Endpoint(address))
+    state = store.get(address)
+    assert state is not None
+    state.note_pick(NOW)
+    _scrape(store, address, NOW + 0.01)
+    assert state.pending == 1
+    _scrape(store, address, NOW + 0.05)
+    assert state.pending == 0

@@ -418,3 +418,38 @@ def test_pool_dispatch_holds_only_while_the_pool_is_saturated_and_picks_among_al
     assert shed.decision is not None and shed.decision.status == 429
     pool.idle()
     assert pool.flow.dispatch() == [held]
+
+
+def test_without_a_tokenizer_prompt_tokens_are_estimated_from_the_prompt() -> None:
+    """The EPP loads a tokenizer for flow control; where it cannot, a long prompt must still
+    count as long (it was counted as 0 tokens: fairness by requests, long prompts placed as
+    short ones)."""
+    from kvgate.epp.flow_control import prompt_tokens
+
+    chat = InferenceRequest(
+        request_id="r",
+        model="m",
+        target_model="m",
+        body={"model": "m", "messages": [{"role": "user", "content": "word " * 800}]},
+    )
+    assert 900 <= prompt_tokens(chat) <= 1100
+    assert prompt_tokens(request("a", prompt=37)) == 37  # the tokenizer's count when there is one
+    pool = Pool()
+    held = pool.flow.submit(chat)
+    assert held.prompt_tokens == prompt_tokens(chat)
+
+
+def test_service_taken_while_no_one_else_asked_is_not_held_against_a_tenant() -> None:
+    """A light tenant that used an idle pool comes back level with the backlogged tenants
+    (within its own next request), not behind a newcomer until it has caught up: without
+    that, it waited behind every blocked flow's ceiling."""
+    pool = Pool()
+    pool.busy()
+    pool.flow.counters["b"] = 1_000_000.0  # served a lot while it had the pool to itself
+    held_a = pool.flow.submit(request("a", prompt=2000, rid="a0"))
+    held_b = pool.flow.submit(request("b", prompt=10, rid="b0"))
+    a, b = pool.flow.counters.get("a", 0.0), pool.flow.counters["b"]
+    assert a <= b <= a + pool.flow._cost(10, 10)
+    pool.idle()
+    assert pool.flow.dispatch()[0] is held_a  # the least served goes first
+    assert held_b.state == "queued"
