@@ -172,7 +172,7 @@ class Saturation:
 
     shed: httpx.Response  # sheddable work while the EPP's scrape showed the pool saturated
     critical: httpx.Response  # critical work at the same time
-    background: list[int]  # the statuses of the 45 critical requests
+    background: list[int]  # the statuses of the critical requests (45, and any sent to saturate)
     again: httpx.Response  # sheddable work once the pool drained
 
 
@@ -200,6 +200,12 @@ def saturation(stack) -> Saturation:
         # make requests wait), sheddable work is refused; the queues drain as we go, so check
         # and send together
         held = _gauge_sum(epp.metrics_text(), "inference_extension_flow_control_queue_size")
+        if held < 1 and len(threads) < 75:
+            # All 45 may have been routed before a scrape showed the engines' queues (a loaded
+            # machine spreads them out less): one more arrival, now, is held if the pool is full.
+            extra = threading.Thread(target=background, args=(len(threads),))
+            threads.append(extra)
+            extra.start()
         assert held >= 1, f"{held} held: not saturated yet"
         shed = sheddable("sheddable work")
         assert shed.status_code == 429, shed.text
@@ -229,7 +235,7 @@ def test_sheddable_gets_429_when_saturated_while_critical_is_served(saturation: 
     assert saturation.shed.status_code == 429, saturation.shed.text
     assert saturation.shed.json()["error"]["type"] == "rate_limit_exceeded"
     assert saturation.critical.status_code == 200, saturation.critical.text
-    assert saturation.background == [200] * 45
+    assert len(saturation.background) >= 45 and set(saturation.background) == {200}
     assert saturation.again.status_code == 200, saturation.again.text
 
 
