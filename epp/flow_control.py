@@ -200,6 +200,12 @@ class FlowController:
         c = self.config
         return c.prompt_token_weight * prompt_tokens + c.output_token_weight * output_tokens
 
+    def _counter_cost(self, held: Held) -> float:
+        """What dispatching `held` adds to its tenant's counter: its cost over the weight."""
+        return self._cost(held.prompt_tokens, held.output_estimate) / self.weights.weight(
+            held.key.fairness_id
+        )
+
     def charge(self, tenant: str, tokens: float) -> None:
         """Count `tokens` (already weighted by kind) of service to `tenant`."""
         self._count(tenant, tokens)
@@ -345,9 +351,8 @@ class FlowController:
         if flow is None:
             flow = band.flows[key.fairness_id] = deque()
         if not flow:
-            cost = self._cost(held.prompt_tokens, held.output_estimate) / self.weights.weight(key.fairness_id)
-            self._level(band, key.fairness_id, cost)
-        if held.body_bytes and 0 < held.prompt_tokens <= c.short_prompt_tokens:
+            self._level(band, key.fairness_id, self._counter_cost(held))
+        if 0 < held.prompt_tokens <= c.short_prompt_tokens:
             # At arrival, not when a dispatch round looks at it: a short request held behind
             # others (by fairness) still needs the reserve kept for it.
             self._short_seen = now
@@ -408,8 +413,7 @@ class FlowController:
                 roomy = self._roomy(held, now)
                 if roomy is not None and not roomy:
                     blocked.add(tenant)
-                    cost = self._cost(held.prompt_tokens, held.output_estimate) / self.weights.weight(tenant)
-                    ceiling = min(ceiling, self.counters.get(tenant, 0.0) + cost)
+                    ceiling = min(ceiling, self.counters.get(tenant, 0.0) + self._counter_cost(held))
                     continue
                 self._remove(held)
                 try:

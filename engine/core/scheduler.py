@@ -128,6 +128,7 @@ class Scheduler:
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
+        self._in_flight_prefill_tokens += max(0, min(end, len(request.prompt_token_ids)) - start)
         seq = ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -146,6 +147,7 @@ class Scheduler:
         block_size = self.kv.block_size
         budget = cfg.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
+        self._in_flight_prefill_tokens = 0  # counted as each seq is built (_seq)
         preempted = False
         self.kv.begin_step()
 
@@ -225,9 +227,6 @@ class Scheduler:
         if seqs:
             finished, self._finished_ids = self._finished_ids, []
         transfers = self.kv.end_step()  # empty unless a seq was scheduled
-        self._in_flight_prefill_tokens = sum(
-            _prompt_tokens_in(seq, self.requests[seq.request_id]) for seq in seqs
-        )
         return ScheduledBatch(
             seqs=seqs,
             finished_request_ids=finished,
@@ -324,8 +323,3 @@ def _ask_prompt_logprobs(seq: ScheduledSeq, request: Request) -> None:
         return
     seq.prompt_logprob_row = lo - start
     seq.prompt_logprob_targets = request.prompt_token_ids[lo + 1 : hi + 1]
-
-
-def _prompt_tokens_in(seq: ScheduledSeq, request: Request) -> int:
-    """How many of the prompt's tokens this step computes for the request (0 for a decode)."""
-    return max(0, min(seq.start_pos + len(seq.token_ids), len(request.prompt_token_ids)) - seq.start_pos)

@@ -219,9 +219,9 @@ class _Engine:
         self.last_step = seconds
         self.step_prefill_tokens = self.engine.scheduler.in_flight_prefill_tokens
 
-    def prefill_tokens_pending(self, now: float) -> int:
-        pending = self.engine.get_stats().prefill_tokens_pending
-        return pending + (self.step_prefill_tokens if now < self.step_end else 0)
+    def in_flight_prefill_tokens(self, now: float) -> int:
+        """Prompt tokens of the step still running on the virtual clock at `now`."""
+        return self.step_prefill_tokens if now < self.step_end else 0
 
 
 class VirtualPool:
@@ -286,7 +286,8 @@ class VirtualPool:
                         max_lora=self.pool.max_loras if self.pool.adapters else 0,
                         running_loras=frozenset(stats.running_loras),
                         waiting_loras=frozenset(stats.waiting_loras),
-                        prefill_tokens_pending=eng.prefill_tokens_pending(self.now),
+                        prefill_tokens_pending=stats.prefill_tokens_pending
+                        + eng.in_flight_prefill_tokens(self.now),
                         kv_blocks_total=stats.num_kv_blocks,
                         prompt_tokens_total=stats.prompt_tokens_total,
                         prefix_hits_total=stats.prefix_cache_hits_total,
