@@ -69,3 +69,24 @@ def test_port_in_use_is_a_clear_error() -> None:
         out = run_cli("--endpoints", "127.0.0.1:1", "--profile", "random", "--grpc-port", str(port))
     assert out.returncode == 2
     assert "cannot serve" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tokenizer_only_flow_control_wants_is_a_warning_when_it_cannot_load() -> None:
+    """Flow control counts prompt tokens, so the EPP loads a tokenizer for it even when no scorer
+    needs one. One that cannot be loaded then leaves flow control estimating (a warning, the
+    EPP goes on: here to a busy port); where a scorer needs it, it is still an error."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        common = ("--endpoints", "127.0.0.1:1", "--tokenizer", "/nonexistent/tokenizer", "--grpc-port", port)
+        out = run_cli(*common, "--profile", "default")
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert "warning: cannot load tokenizer '/nonexistent/tokenizer'" in out.stderr
+        assert "estimates prompt tokens" in out.stderr and "cannot serve" in out.stderr
+        out = run_cli(*common, "--profile", "default", "--no-flow-control")
+        assert out.returncode == 2 and "tokenizer" not in out.stderr and "cannot serve" in out.stderr
+        out = run_cli(*common, "--profile", "precise-prefix")
+        assert out.returncode == 2 and "cannot load tokenizer" in out.stderr and "warning" not in out.stderr
