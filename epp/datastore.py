@@ -87,6 +87,8 @@ class EndpointState:
     pending_picks: deque[float] = field(default_factory=deque)
     # The prefill tokens each of those picks brings (aligned with pending_picks; 0 = unknown).
     pending_tokens: deque[int] = field(default_factory=deque)
+    # Their sum, kept as they come and go: every pick reads it once per candidate.
+    pending_tokens_total: int = 0
     # When the engine's announcements of our own picks' admissions arrived, oldest first, not yet
     # matched with a scrape sent after them; and whether this engine announces admissions at all.
     own_admissions: deque[float] = field(default_factory=deque)
@@ -119,9 +121,17 @@ class EndpointState:
         picks, tokens = self.pending_picks, self.pending_tokens
         picks.append(now)
         tokens.append(prefill_tokens)
+        self.pending_tokens_total += prefill_tokens
         while picks and picks[0] < now - PICK_MAX_AGE_SECONDS:
             picks.popleft()
-            tokens.popleft()
+            self.pending_tokens_total -= tokens.popleft()
+
+    def set_last_pick_tokens(self, prefill_tokens: int) -> None:
+        """Correct the prefill tokens of the pick made last."""
+        tokens = self.pending_tokens
+        if tokens:
+            self.pending_tokens_total += prefill_tokens - tokens[-1]
+            tokens[-1] = prefill_tokens
 
     def confirm_picks(self, scrape_sent: float) -> None:
         """Forget the picks a scrape sent at ``scrape_sent`` shows. From an engine that announces
@@ -134,12 +144,12 @@ class EndpointState:
         if self.announces_admissions:
             while picks and admitted and admitted[0] <= cutoff:
                 picks.popleft()
-                tokens.popleft()
+                self.pending_tokens_total -= tokens.popleft()
                 admitted.popleft()
             cutoff = scrape_sent - PICK_ADMISSION_WAIT_SECONDS
         while picks and picks[0] <= cutoff:
             picks.popleft()
-            tokens.popleft()
+            self.pending_tokens_total -= tokens.popleft()
         while len(admitted) > len(picks):
             admitted.pop()
 
@@ -151,7 +161,7 @@ class EndpointState:
 
     def pending_prefill_tokens(self) -> int:
         """Prefill tokens of this replica's picks that no scrape shows yet."""
-        return sum(self.pending_tokens)
+        return self.pending_tokens_total
 
     def queue(self) -> int:
         """Waiting requests: the engine's queue plus our picks it cannot show yet."""

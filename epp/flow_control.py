@@ -447,7 +447,7 @@ class FlowController:
         next request until a scrape shows it, unless a scorer knew better (cache hits)."""
         state = self.director.datastore.get(address)
         if state is not None and state.pending_tokens and state.pending_tokens[-1] == 0:
-            state.pending_tokens[-1] = prompt_tokens
+            state.set_last_pick_tokens(prompt_tokens)
 
     def _next_flow(self, band: _Band, blocked: set[str]) -> str | None:
         best: str | None = None

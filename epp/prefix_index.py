@@ -268,7 +268,7 @@ class ApproximateIndex:
         return _longest_prefix(keys, endpoints, self._lru.get)
 
 
-@dataclass
+@dataclass(slots=True)
 class _RecentPick:
     when: float
     keys: Sequence[int]
@@ -320,7 +320,10 @@ class RecentPicks:
                 self._groups.popitem(last=False)  # its heap entries expire as no-ops
         else:
             self._groups.move_to_end(first)
-        group.setdefault(endpoint, deque(maxlen=self.per_endpoint)).append(_RecentPick(when, keys, until))
+        picks = group.get(endpoint)
+        if picks is None:
+            picks = group[endpoint] = deque(maxlen=self.per_endpoint)
+        picks.append(_RecentPick(when, keys, until))
         heapq.heappush(self._expiry, (until, first))
         if len(self._expiry) > 2 * self.max_groups + 1024:
             self._compact()

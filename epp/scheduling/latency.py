@@ -207,7 +207,7 @@ class WorkingSets:
         self.sample = sample
         self._where: dict[int, dict[str, float]] = {}
         self._distinct: dict[str, int] = {}
-        self._order: dict[str, deque[tuple[float, int]]] = {}
+        self._order: dict[str, deque[tuple[float, frozenset[int]]]] = {}
 
     def sampled(self, keys: list[int]) -> frozenset[int]:
         n = self.sample
@@ -226,7 +226,7 @@ class WorkingSets:
                 if address not in seen:
                     added += 1
                 seen[address] = now
-            order.append((now, key))
+        order.append((now, sampled))  # one entry per request, not per key: this runs every pick
         self._distinct[address] = self._distinct.get(address, 0) + added
         self._expire(address, now)
 
@@ -238,13 +238,15 @@ class WorkingSets:
         where = self._where
         gone = 0
         while order and order[0][0] < cutoff:
-            when, key = order.popleft()
-            seen = where.get(key)
-            if seen is not None and seen.get(address) == when:
-                del seen[address]
-                gone += 1
-                if not seen:
-                    del where[key]
+            when, keys = order.popleft()
+            for key in keys:
+                seen = where.get(key)
+                # a key touched again since is kept, by this entry's later twin
+                if seen is not None and seen.get(address) == when:
+                    del seen[address]
+                    gone += 1
+                    if not seen:
+                        del where[key]
         if gone:
             self._distinct[address] -= gone
 
@@ -268,12 +270,13 @@ class WorkingSets:
 
     def forget(self, address: str) -> None:
         where = self._where
-        for _, key in self._order.pop(address, ()):
-            seen = where.get(key)
-            if seen is not None:
-                seen.pop(address, None)
-                if not seen:
-                    del where[key]
+        for _, keys in self._order.pop(address, ()):
+            for key in keys:
+                seen = where.get(key)
+                if seen is not None:
+                    seen.pop(address, None)
+                    if not seen:
+                        del where[key]
         self._distinct.pop(address, None)
 
 

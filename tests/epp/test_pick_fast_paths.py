@@ -173,3 +173,26 @@ def test_the_working_set_sample_never_counts_more_blocks_than_there_are() -> Non
         ws.touch("a", ws.sampled(keys), float(i))
         assert ws.blocks("a", float(i)) <= len(distinct)
         assert ws.holds_all(ws.sampled(keys)).get("a", 0) <= len(keys)
+
+
+def test_pending_prefill_total_is_the_sum_of_the_pending_picks() -> None:
+    """The running total every pick reads stays the sum of the picks still counted, through
+    picks, corrections, admissions, scrapes and age-outs."""
+    rng = random.Random(6)
+    store = Datastore()
+    store.set_endpoints([Endpoint("10.0.0.1:8000")])
+    (state,) = store.all()
+    now = 0.0
+    for _ in range(2000):
+        now += rng.choice([0.001, 0.02, 0.5, 3.0])
+        op = rng.random()
+        if op < 0.5:
+            state.note_pick(now, rng.choice([0, 7, 900]))
+        elif op < 0.6:
+            state.set_last_pick_tokens(rng.randrange(1000))
+        elif op < 0.8:
+            state.note_own_admission(now)
+        else:
+            state.confirm_picks(now - rng.uniform(0, 2))
+        assert state.pending_prefill_tokens() == sum(state.pending_tokens)
+        assert len(state.pending_tokens) == len(state.pending_picks)
