@@ -71,9 +71,14 @@ def main() -> None:
         # one fixed salt makes every run of a seed pick alike.
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, "PYTHONHASHSEED": "0"})
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # noisy-neighbor is a multi-tenant experiment of its own (bench/noisy_neighbor.py here)
+    # noisy-neighbor is a multi-tenant experiment of its own (bench/noisy_neighbor.py here); the
+    # virtual pool has no prefill/decode split, so presets that need one run in `kvgate bench`
     ap.add_argument(
-        "--preset", choices=sorted(p for p in PRESETS if p != "noisy-neighbor"), default="llm-d-shared-prefix"
+        "--preset",
+        choices=sorted(
+            p for p, preset in PRESETS.items() if p != "noisy-neighbor" and "pd" not in preset.values
+        ),
+        default="llm-d-shared-prefix",
     )
     ap.add_argument("--strategies", default="precise-prefix,precise-prefix-weights,default,round-robin")
     ap.add_argument(

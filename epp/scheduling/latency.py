@@ -297,12 +297,17 @@ class PredictedLatencyScorer:
     # Cached blocks a pick would evict on a full engine, as future recompute work.
     eviction_penalty: float = 3.0
     # How long a prefix this replica routed somewhere counts as that engine's to keep cached.
-    working_set_seconds: float = 20.0
+    # Several times the gap between a prefix's requests at low load: at 4 req/s over llm-d's 64
+    # prefixes one gap in four outlasted 20 s, the engines looked to hold fewer prefixes than
+    # they did, and a fifth went onto engines that held four (hit 69% against the oracle's 72%).
+    working_set_seconds: float = 60.0
     # Prompt tokens computed on an engine, charged again in proportion to its recent working
     # set over the candidates' mean: a prefix computed somewhere goes where the fewest prefixes
     # live, so prefixes spread evenly over the pool as they first appear (as a placement that
     # knows the groups in advance deals them) instead of wherever the queue is shortest then.
-    balance_penalty: float = 2.0
+    # At 2, a new prefix still went where the queue was a few seconds shorter under overload, and
+    # the pool ended up with three to six prefixes an engine where the oracle deals four.
+    balance_penalty: float = 4.0
     # Learn each engine's speed apart (a pool of mixed accelerators) instead of the pool's one.
     per_endpoint_speed: bool = False
     prefix: PrecisePrefixCacheScorer = field(init=False)

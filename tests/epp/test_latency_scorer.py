@@ -298,3 +298,24 @@ def test_a_prompt_cold_everywhere_goes_where_the_fewest_prefixes_live() -> None:
         assert got[address] == pytest.approx(base + 2.0 * 440 * held[address] / mean * PER_TOKEN)
     off = predict(scorer(balance_penalty=0.0), store)
     assert off["a:1"] == off["b:1"]
+
+
+def test_a_prefix_that_recurs_slowly_still_counts_as_its_engines_to_keep() -> None:
+    """At 4 req/s over 64 prefixes a prefix recurs every 16 s on average, and one gap in four
+    is longer than 20 s. By default an engine keeps counting a prefix routed there 45 s ago,
+    so a new prefix goes where fewer live, not onto an engine that already holds three."""
+    store = pool({"a:1": 0, "b:1": 0})
+    s = PredictedLatencyScorer(
+        block_size=4,
+        prior_seconds_per_token=PER_TOKEN,
+        prior_seconds_per_step=STEP,
+        work_penalty=0.0,
+        eviction_penalty=0.0,
+        recent_window_seconds=0.0,
+    )
+    for i, where in enumerate(["a:1", "a:1", "a:1", "b:1"]):
+        s.working_sets.touch(
+            where, s.working_sets.sampled([hash(("other", i, b)) for b in range(80)]), NOW - 45.0
+        )
+    got = predict(s, store)
+    assert got["b:1"] < got["a:1"]
