@@ -61,6 +61,10 @@ class EndpointMetrics:
     # when it moves, the engine's GET /v1/models changed. None: not exported.
     adapter_changes: float | None = None
 
+    def has_adapter(self, name: str) -> bool:
+        """The engine reports the adapter running or waiting (vllm:lora_requests_info)."""
+        return name in self.running_loras or name in self.waiting_loras
+
 
 # A pick shows in the engine's own counts only once Envoy has forwarded the request and the
 # engine has admitted it; a scrape sent sooner than this after the pick (or, from an engine that

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvgate.api.lora import lora_int_id
-from kvgate.epp.datastore import EndpointState
 from kvgate.epp.scheduling.framework import SchedulingContext
 
 _CACHE_KEY = "lora-adapter"
@@ -25,7 +24,7 @@ def request_adapter(ctx: SchedulingContext) -> str | None:
             adapter = model
         else:
             states = store.all()
-            if _runs_as_adapter(model, states):
+            if any(s.metrics.has_adapter(model) for s in states):
                 adapter = model
             else:
                 bases = frozenset().union(*(s.served_models - s.served_adapters for s in states))
@@ -33,15 +32,6 @@ def request_adapter(ctx: SchedulingContext) -> str | None:
                     adapter = model
     ctx.cache[_CACHE_KEY] = adapter
     return adapter
-
-
-def _runs_as_adapter(model: str, states: list[EndpointState]) -> bool:
-    # a loop, not any() over a generator: this runs on every pick, over every endpoint
-    for state in states:
-        m = state.metrics
-        if model in m.running_loras or model in m.waiting_loras:
-            return True
-    return False
 
 
 def request_lora_id(ctx: SchedulingContext) -> int | None:

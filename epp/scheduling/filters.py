@@ -104,9 +104,7 @@ class LoraAffinityFilter:
         adapter = request_adapter(ctx)
         if adapter is None:
             return endpoints
-        loaded = [
-            e for e in endpoints if adapter in e.metrics.running_loras or adapter in e.metrics.waiting_loras
-        ]
+        loaded = [e for e in endpoints if e.metrics.has_adapter(adapter)]
         free = [e for e in endpoints if e not in loaded and len(e.metrics.running_loras) < e.metrics.max_lora]
         if self.loaded_only:
             return loaded or free or endpoints
@@ -136,7 +134,7 @@ class ModelServedFilter:
         # A model list beats lora_requests_info: an adapter unloaded while requests still run
         # under it shows running there, yet that engine answers 404 to every new one.
         serving = [e for e in endpoints if model in e.served_models] or [
-            e for e in endpoints if model in e.metrics.running_loras or model in e.metrics.waiting_loras
+            e for e in endpoints if e.metrics.has_adapter(model)
         ]
         if not serving:
             return endpoints

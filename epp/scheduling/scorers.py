@@ -85,7 +85,7 @@ class LoraAffinityScorer:
         out: list[float] = []
         for e in endpoints:
             m = e.metrics
-            if adapter in m.running_loras or adapter in m.waiting_loras:
+            if m.has_adapter(adapter):
                 out.append(1.0)
             elif len(m.running_loras) < m.max_lora:
                 out.append(0.5)
