@@ -24,7 +24,7 @@ endpoints that meet them: any endpoint predicted to meet the SLO beats one that 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -198,16 +198,17 @@ class WorkingSets:
     that share a prefix share its sampled keys too, and a sampled key stands for itself and
     the n-1 blocks before it: a distinct count at 1/`sample` of the cost that never exceeds
     the true one (a prompt's last < n blocks go uncounted), which keeps the pick cheap on long
-    prompts. Kept by key (key ->
-    endpoint -> last seen), so how much of one request every endpoint already holds is one
-    pass over the request's sampled keys, not one set intersection per endpoint."""
+    prompts. Kept twice: per endpoint, its keys by when each was last sent there (oldest
+    first, so expiry pops from the front and memory follows the working set, not the pick rate
+    times the window), and per key the endpoints holding it, so how much of one request every
+    endpoint already holds is one pass over the request's sampled keys, not one set
+    intersection per endpoint."""
 
     def __init__(self, window: float, sample: int = 8) -> None:
         self.window = window
         self.sample = sample
-        self._where: dict[int, dict[str, float]] = {}
-        self._distinct: dict[str, int] = {}
-        self._order: dict[str, deque[tuple[float, frozenset[int]]]] = {}
+        self._where: dict[int, set[str]] = {}
+        self._last_seen: dict[str, OrderedDict[int, float]] = {}
 
     def sampled(self, keys: list[int]) -> frozenset[int]:
         n = self.sample
@@ -215,45 +216,38 @@ class WorkingSets:
 
     def touch(self, address: str, sampled: frozenset[int], now: float) -> None:
         where = self._where
-        order = self._order.setdefault(address, deque())
-        added = 0
+        seen = self._last_seen.get(address)
+        if seen is None:
+            seen = self._last_seen[address] = OrderedDict()
         for key in sampled:
-            seen = where.get(key)
-            if seen is None:
-                where[key] = {address: now}
-                added += 1
+            if key in seen:
+                seen.move_to_end(key)
             else:
-                if address not in seen:
-                    added += 1
-                seen[address] = now
-        order.append((now, sampled))  # one entry per request, not per key: this runs every pick
-        self._distinct[address] = self._distinct.get(address, 0) + added
+                holders = where.get(key)
+                if holders is None:
+                    where[key] = {address}
+                else:
+                    holders.add(address)
+            seen[key] = now
         self._expire(address, now)
 
     def _expire(self, address: str, now: float) -> None:
-        order = self._order.get(address)
-        if not order:
+        seen = self._last_seen.get(address)
+        if not seen:
             return
         cutoff = now - self.window
         where = self._where
-        gone = 0
-        while order and order[0][0] < cutoff:
-            when, keys = order.popleft()
-            for key in keys:
-                seen = where.get(key)
-                # a key touched again since is kept, by this entry's later twin
-                if seen is not None and seen.get(address) == when:
-                    del seen[address]
-                    gone += 1
-                    if not seen:
-                        del where[key]
-        if gone:
-            self._distinct[address] -= gone
+        while seen and next(iter(seen.values())) < cutoff:
+            key, _ = seen.popitem(last=False)
+            holders = where[key]
+            holders.discard(address)
+            if not holders:
+                del where[key]
 
     def blocks(self, address: str, now: float) -> int:
         """Estimated distinct blocks in the endpoint's working set."""
         self._expire(address, now)
-        return self._distinct.get(address, 0) * self.sample
+        return len(self._last_seen.get(address, ())) * self.sample
 
     def holds_all(self, sampled: frozenset[int]) -> dict[str, int]:
         """Per endpoint (those holding any): estimated blocks of the request already in its set.
@@ -261,23 +255,20 @@ class WorkingSets:
         counts: dict[str, int] = {}
         where = self._where
         for key in sampled:
-            seen = where.get(key)
-            if seen:
-                for address in seen:
+            holders = where.get(key)
+            if holders:
+                for address in holders:
                     counts[address] = counts.get(address, 0) + 1
         n = self.sample
         return {address: c * n for address, c in counts.items()}
 
     def forget(self, address: str) -> None:
         where = self._where
-        for _, keys in self._order.pop(address, ()):
-            for key in keys:
-                seen = where.get(key)
-                if seen is not None:
-                    seen.pop(address, None)
-                    if not seen:
-                        del where[key]
-        self._distinct.pop(address, None)
+        for key in self._last_seen.pop(address, ()):
+            holders = where[key]
+            holders.discard(address)
+            if not holders:
+                del where[key]
 
 
 @dataclass
