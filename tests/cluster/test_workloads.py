@@ -182,7 +182,7 @@ def served(operator: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": NS},
           "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
                    "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
-                   "replicas": 2, "httpRoute": {"parentRefs": [{"name": "inference-gateway"}]}}}  # fmt: skip
+                   "replicas": 2, "httpRoute": {"parentRefs": [{"name": "kvgate", "namespace": "default"}]}}}  # fmt: skip
     apply(cluster, [*model_claim(NS, tmp_path_factory.mktemp("models")), md])
     served = Served(cluster)
     eventually(lambda: len(served.pods(ENGINES)) == 2 and len(served.pods(EPPS)) == 2, 180,
@@ -227,8 +227,94 @@ def test_the_http_route_is_accepted_by_gateway_apis_own_crd(served: Served) -> N
         "InferencePool",
         MD,
     )
-    assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+    assert route["spec"]["parentRefs"][0] == {
+        "group": "gateway.networking.k8s.io",
+        "kind": "Gateway",
+        "name": "kvgate",
+        "namespace": "default",
+    }
     assert route["metadata"]["ownerReferences"][0]["kind"] == "ModelDeployment"
+
+
+def test_the_gateway_accepts_the_route_and_the_pool_and_serves_through_the_epp(served: Served) -> None:
+    """The user's path: Envoy Gateway (scripts/cluster.sh's Gateway default/kvgate) reads the
+    operator's HTTPRoute, kvgate's extension server turns the InferencePool backend into the
+    EPP's ext_proc and an ORIGINAL_DST cluster, the pool's status says ACCEPTED True, and the
+    `openai` client at the Gateway's address is answered by engines the EPP picked."""
+    import openai
+
+    cluster = served.cluster
+
+    def route_accepted() -> bool:
+        parents = (cluster.get("httproute", MD, "-n", NS).get("status") or {}).get("parents") or []
+        return any(
+            c["type"] == "Accepted" and c["status"] == "True"
+            for p in parents
+            for c in p.get("conditions", [])
+        )
+
+    eventually(route_accepted, 60, "Envoy Gateway accepting the HTTPRoute")
+
+    def pool_accepted() -> list[str]:
+        table = cluster.kubectl("get", "inferencepools", MD, "-n", NS).stdout.splitlines()
+        row = dict(zip(table[0].split(), table[1].split(), strict=False))
+        return [row["ACCEPTED"]] if row.get("ACCEPTED") == "True" else []
+
+    eventually(pool_accepted, 60, "kubectl get inferencepools saying ACCEPTED True")
+    (parent,) = cluster.get("inferencepool", MD, "-n", NS)["status"]["parents"]
+    assert parent["parentRef"]["name"] == "kvgate" and parent["parentRef"]["namespace"] == "default"
+    assert {c["type"]: c["status"] for c in parent["conditions"]} == {
+        "Accepted": "True",
+        "ResolvedRefs": "True",
+    }
+
+    gateway = cluster.get("gateway", "kvgate", "-n", "default")
+    address = gateway["status"]["addresses"][0]["value"]
+    assert address.startswith("127.11."), address  # the node's load balancer, on loopback
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def served_by_engines() -> float:
+        total = 0.0
+        for engine in served.pods(ENGINES):
+            text = httpx.get(f"http://{engine['status']['podIP']}:8000/metrics", timeout=5).text
+            total += sum(
+                float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+            )
+        return total
+
+    def picked_by_epps() -> float:
+        total = 0.0
+        for epp in served.pods(EPPS):
+            text = httpx.get(f"http://{epp['status']['podIP']}:9090/metrics", timeout=5).text
+            total += sum(
+                float(v)
+                for v in re.findall(r"^inference_objective_request_total\{[^}]*\} (\S+)$", text, re.M)
+            )
+        return total
+
+    def answered() -> bool:
+        try:
+            return bool(client.completions.create(model=MD, prompt="warm up", max_tokens=2).choices)
+        except openai.APIError:
+            return False
+
+    eventually(answered, 60, "a completion through the Gateway")  # the proxy's xDS settling
+    engines_before, epps_before = served_by_engines(), picked_by_epps()
+    for i in range(8):
+        assert (
+            client.completions.create(model=MD, prompt=f"through the gateway {i}", max_tokens=4)
+            .choices[0]
+            .text
+        )
+    chunks = list(
+        client.chat.completions.create(
+            model=MD, messages=[{"role": "user", "content": "stream please"}], max_tokens=6, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # every request was picked by the pool's EPP and answered by one of the pool's engines
+    assert picked_by_epps() - epps_before >= 9
+    assert served_by_engines() - engines_before >= 9
 
 
 def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch(served: Served) -> None:

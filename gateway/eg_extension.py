@@ -1,0 +1,626 @@
+"""InferencePool routing for Envoy Gateway: its extension server, and the pool status a gateway owes.
+
+Envoy Gateway translates Gateway API objects into xDS and, for backendRef kinds it does not
+know, hands the result to an extension server over gRPC (`envoygateway.extension`, its
+``proto/extension``). Registered for ``inference.networking.k8s.io/InferencePool`` under
+``extensionManager.backendResources``, this server makes each pool work as GIE defines it:
+
+- ``PostClusterModify`` (a route's cluster for a pool): an ``ORIGINAL_DST`` cluster that
+  connects to whatever ``x-gateway-destination-endpoint`` names, the header the pool's EPP
+  sets; the pool rides along in the cluster's metadata, so later hooks need no memory.
+- ``PostTranslateModify`` (everything, once per translation): for each pool, a cluster for its
+  EPP (``<endpointPickerRef.name>.<namespace>.svc.cluster.local``, HTTP/2, TLS without
+  verification as GIE's EPPs serve a self-signed certificate), an ext_proc filter in every HTTP
+  listener, off by default and switched on only on the routes whose cluster is that pool's, with
+  the GIE settings kvgate's own gateway uses (kvgate.gateway.envoy_config) and
+  ``failure_mode_allow`` from the pool's ``failureMode``.
+
+`PoolStatus` writes ``InferencePool.status.parents``: one entry per Gateway of Envoy Gateway's
+class whose accepted HTTPRoute sends to the pool, with ``Accepted`` and ``ResolvedRefs`` (the
+EPP's Service exists). That is what makes ``kubectl get inferencepools`` say ACCEPTED True.
+
+The messages are built at import from Envoy's descriptors (xds-protos) and this module's own
+declaration of the extension's wire contract: no generated files, no protoc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
+import envoy.config.endpoint.v3.endpoint_pb2 as endpoint_pb2
+import envoy.config.listener.v3.listener_pb2 as listener_pb2
+import envoy.config.route.v3.route_components_pb2 as route_components_pb2
+import envoy.config.route.v3.route_pb2 as route_pb2
+import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
+import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
+import envoy.extensions.transport_sockets.tls.v3.secret_pb2 as secret_pb2
+import grpc
+import httpx
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf.message import Message
+
+from kvgate.gateway.envoy_config import _ext_proc_filter, _grpc_cluster
+
+log = logging.getLogger("kvgate.gateway.extension")
+
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_KIND = "InferencePool"
+ENDPOINT_HEADER = "x-gateway-destination-endpoint"
+METADATA_KEY = "kvgate.dev/inference-pool"
+HCM = "envoy.filters.network.http_connection_manager"
+ROUTER = "envoy.filters.http.router"
+EG_CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
+DEFAULT_EPP_PORT = 9002
+MESSAGE_TIMEOUT = 300.0  # seconds: a long prompt's whole body is buffered before the pick
+SERVICE = "envoygateway.extension.EnvoyGatewayExtension"
+
+# -- the wire contract --------------------------------------------------------------------------
+# (message, [(field, number, type, repeated)]): a type starting with "." is a message.
+_DEPENDENCIES = [cluster_pb2, endpoint_pb2, listener_pb2, route_components_pb2, route_pb2, secret_pb2]
+_MESSAGES: list[tuple[str, list[tuple[str, int, str, bool]]]] = [
+    ("ExtensionResource", [("unstructured_bytes", 1, "bytes", False)]),
+    (
+        "PostRouteExtensionContext",
+        [
+            ("extension_resources", 1, ".envoygateway.extension.ExtensionResource", True),
+            ("hostnames", 2, "string", True),
+            ("extension_policies", 3, ".envoygateway.extension.ExtensionResource", True),
+        ],
+    ),
+    ("PostVirtualHostExtensionContext", []),
+    (
+        "PostClusterExtensionContext",
+        [("backend_extension_resources", 1, ".envoygateway.extension.ExtensionResource", True)],
+    ),
+    ("PostEndpointsExtensionContext", []),
+    (
+        "PostHTTPListenerExtensionContext",
+        [("extension_resources", 1, ".envoygateway.extension.ExtensionResource", True)],
+    ),
+    (
+        "PostTranslateExtensionContext",
+        [("extension_resources", 1, ".envoygateway.extension.ExtensionResource", True)],
+    ),
+    (
+        "PostRouteModifyRequest",
+        [
+            ("route", 1, ".envoy.config.route.v3.Route", False),
+            ("post_route_context", 2, ".envoygateway.extension.PostRouteExtensionContext", False),
+        ],
+    ),
+    ("PostRouteModifyResponse", [("route", 1, ".envoy.config.route.v3.Route", False)]),
+    (
+        "PostClusterModifyRequest",
+        [
+            ("cluster", 1, ".envoy.config.cluster.v3.Cluster", False),
+            ("post_cluster_context", 2, ".envoygateway.extension.PostClusterExtensionContext", False),
+        ],
+    ),
+    ("PostClusterModifyResponse", [("cluster", 1, ".envoy.config.cluster.v3.Cluster", False)]),
+    (
+        "PostEndpointsModifyRequest",
+        [
+            ("load_assignment", 1, ".envoy.config.endpoint.v3.ClusterLoadAssignment", False),
+            ("post_endpoints_context", 2, ".envoygateway.extension.PostEndpointsExtensionContext", False),
+        ],
+    ),
+    (
+        "PostEndpointsModifyResponse",
+        [("load_assignment", 1, ".envoy.config.endpoint.v3.ClusterLoadAssignment", False)],
+    ),
+    (
+        "PostVirtualHostModifyRequest",
+        [
+            ("virtual_host", 1, ".envoy.config.route.v3.VirtualHost", False),
+            (
+                "post_virtual_host_context",
+                2,
+                ".envoygateway.extension.PostVirtualHostExtensionContext",
+                False,
+            ),
+        ],
+    ),
+    ("PostVirtualHostModifyResponse", [("virtual_host", 1, ".envoy.config.route.v3.VirtualHost", False)]),
+    (
+        "PostHTTPListenerModifyRequest",
+        [
+            ("listener", 1, ".envoy.config.listener.v3.Listener", False),
+            ("post_listener_context", 2, ".envoygateway.extension.PostHTTPListenerExtensionContext", False),
+        ],
+    ),
+    ("PostHTTPListenerModifyResponse", [("listener", 1, ".envoy.config.listener.v3.Listener", False)]),
+    (
+        "PostTranslateModifyRequest",
+        [
+            ("post_translate_context", 1, ".envoygateway.extension.PostTranslateExtensionContext", False),
+            ("clusters", 2, ".envoy.config.cluster.v3.Cluster", True),
+            ("secrets", 3, ".envoy.extensions.transport_sockets.tls.v3.Secret", True),
+            ("listeners", 4, ".envoy.config.listener.v3.Listener", True),
+            ("routes", 5, ".envoy.config.route.v3.RouteConfiguration", True),
+        ],
+    ),
+    (
+        "PostTranslateModifyResponse",
+        [
+            ("clusters", 1, ".envoy.config.cluster.v3.Cluster", True),
+            ("secrets", 2, ".envoy.extensions.transport_sockets.tls.v3.Secret", True),
+            ("listeners", 3, ".envoy.config.listener.v3.Listener", True),
+            ("routes", 4, ".envoy.config.route.v3.RouteConfiguration", True),
+        ],
+    ),
+]
+_SCALARS = {
+    "bytes": descriptor_pb2.FieldDescriptorProto.TYPE_BYTES,
+    "string": descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+}
+
+
+def _build_messages() -> dict[str, type[Message]]:
+    F = descriptor_pb2.FieldDescriptorProto
+    file = descriptor_pb2.FileDescriptorProto(
+        name="kvgate/envoygateway_extension.proto",
+        package="envoygateway.extension",
+        syntax="proto3",
+        dependency=[m.DESCRIPTOR.name for m in _DEPENDENCIES],
+    )
+    for name, fields in _MESSAGES:
+        msg = file.message_type.add(name=name)
+        for field, number, kind, repeated in fields:
+            f = msg.field.add(
+                name=field,
+                number=number,
+                label=F.LABEL_REPEATED if repeated else F.LABEL_OPTIONAL,
+            )
+            if kind.startswith("."):
+                f.type, f.type_name = F.TYPE_MESSAGE, kind
+            else:
+                f.type = _SCALARS[kind]
+    pool = descriptor_pool.Default()
+    try:
+        described = pool.FindFileByName(file.name)
+    except KeyError:
+        described = pool.Add(file)
+    return {
+        name: message_factory.GetMessageClass(described.message_types_by_name[name]) for name, _ in _MESSAGES
+    }
+
+
+MESSAGES = _build_messages()
+
+
+# -- what a pool asks of the gateway ------------------------------------------------------------
+@dataclass(frozen=True)
+class Pool:
+    namespace: str
+    name: str
+    epp: str
+    epp_port: int
+    failure_mode: str  # FailOpen | FailClose
+
+    @classmethod
+    def from_object(cls, obj: dict[str, Any]) -> Pool:
+        meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+        ref = spec.get("endpointPickerRef") or {}
+        port = (ref.get("port") or {}).get("number") or DEFAULT_EPP_PORT
+        return cls(
+            namespace=str(meta.get("namespace") or "default"),
+            name=str(meta["name"]),
+            epp=str(ref["name"]),
+            epp_port=int(port),
+            failure_mode=str(ref.get("failureMode") or "FailClose"),
+        )
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def epp_cluster(self) -> str:
+        return f"kvgate/epp/{self.namespace}/{self.name}"
+
+    @property
+    def filter_name(self) -> str:
+        return f"envoy.filters.http.ext_proc/kvgate/{self.namespace}/{self.name}"
+
+    @property
+    def epp_host(self) -> str:
+        return f"{self.epp}.{self.namespace}.svc.cluster.local"
+
+    def as_struct(self) -> struct_pb2.Struct:
+        s = struct_pb2.Struct()
+        s.update(
+            {
+                "namespace": self.namespace,
+                "name": self.name,
+                "epp": self.epp,
+                "eppPort": self.epp_port,
+                "failureMode": self.failure_mode,
+            }
+        )
+        return s
+
+    @classmethod
+    def from_cluster(cls, cluster: cluster_pb2.Cluster) -> Pool | None:
+        meta = cluster.metadata.filter_metadata.get(METADATA_KEY)
+        if meta is None:
+            return None
+        d = dict(meta)
+        return cls(d["namespace"], d["name"], d["epp"], int(d["eppPort"]), d["failureMode"])
+
+
+def pool_of(resources: list[Any]) -> Pool | None:
+    """The InferencePool among a hook's extension resources (unstructured JSON), if any."""
+    for res in resources:
+        try:
+            obj = json.loads(res.unstructured_bytes)
+        except ValueError:
+            continue
+        if obj.get("kind") == POOL_KIND and str(obj.get("apiVersion", "")).startswith(POOL_GROUP + "/"):
+            return Pool.from_object(obj)
+    return None
+
+
+# -- the hooks ----------------------------------------------------------------------------------
+def pool_cluster(cluster: cluster_pb2.Cluster, pool: Pool) -> cluster_pb2.Cluster:
+    """The route's cluster for a pool: connect to the endpoint the EPP named."""
+    out = cluster_pb2.Cluster()
+    out.CopyFrom(cluster)
+    for name in ("load_assignment", "eds_cluster_config", "load_balancing_policy", "health_checks"):
+        out.ClearField(name)
+    out.type = cluster_pb2.Cluster.ORIGINAL_DST
+    out.lb_policy = cluster_pb2.Cluster.CLUSTER_PROVIDED
+    out.original_dst_lb_config.use_http_header = True
+    out.original_dst_lb_config.http_header_name = ENDPOINT_HEADER
+    out.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
+    return out
+
+
+def _any(msg: Message) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+def _route_clusters(route: route_components_pb2.Route) -> list[str]:
+    action = route.route
+    if action.cluster:
+        return [action.cluster]
+    return [c.name for c in action.weighted_clusters.clusters]
+
+
+def translate(
+    clusters: list[cluster_pb2.Cluster],
+    listeners: list[listener_pb2.Listener],
+    routes: list[route_pb2.RouteConfiguration],
+) -> tuple[list[cluster_pb2.Cluster], list[listener_pb2.Listener], list[route_pb2.RouteConfiguration]]:
+    """Add each pool's EPP cluster and ext_proc filter, and switch the filter on for its routes."""
+    pools: dict[str, Pool] = {}
+    for c in clusters:
+        pool = Pool.from_cluster(c)
+        if pool is not None:
+            pools[c.name] = pool
+    if not pools:
+        return clusters, listeners, routes
+    unique = {p.key: p for p in pools.values()}
+    have = {c.name for c in clusters}
+    clusters = list(clusters)
+    for pool in unique.values():
+        if pool.epp_cluster not in have:
+            clusters.append(_grpc_cluster(pool.epp_cluster, [(pool.epp_host, pool.epp_port)], False, True))
+    # only the HTTP listeners whose route table sends somewhere to a pool get the filters
+    tables = {
+        config.name
+        for config in routes
+        if any(c in pools for vhost in config.virtual_hosts for r in vhost.routes for c in _route_clusters(r))
+    }
+    listeners = [_with_filters(listener, list(unique.values()), tables) for listener in listeners]
+    routes = [_with_routes(config, pools) for config in routes]
+    return clusters, listeners, routes
+
+
+def _with_filters(
+    listener: listener_pb2.Listener, pools: list[Pool], tables: set[str]
+) -> listener_pb2.Listener:
+    out = listener_pb2.Listener()
+    out.CopyFrom(listener)
+    chains = [*out.filter_chains]
+    if out.HasField("default_filter_chain"):
+        chains.append(out.default_filter_chain)
+    for chain in chains:
+        for f in chain.filters:
+            if f.name != HCM or not f.HasField("typed_config"):
+                continue
+            hcm = hcm_pb2.HttpConnectionManager()
+            if not f.typed_config.Unpack(hcm) or hcm.rds.route_config_name not in tables:
+                continue
+            present = {h.name for h in hcm.http_filters}
+            added = [
+                hcm_pb2.HttpFilter(
+                    name=p.filter_name,
+                    typed_config=_any(
+                        _ext_proc_filter(p.failure_mode, MESSAGE_TIMEOUT, False, p.epp_cluster)
+                    ),
+                    disabled=True,  # on only where a route sends to this pool
+                )
+                for p in pools
+                if p.filter_name not in present
+            ]
+            if not added:
+                continue
+            kept = list(hcm.http_filters)
+            at = next((i for i, h in enumerate(kept) if h.name == ROUTER), len(kept))
+            del hcm.http_filters[:]
+            hcm.http_filters.extend([*kept[:at], *added, *kept[at:]])
+            f.typed_config.CopyFrom(_any(hcm))
+    return out
+
+
+def _with_routes(
+    config: route_pb2.RouteConfiguration, pools: dict[str, Pool]
+) -> route_pb2.RouteConfiguration:
+    out = route_pb2.RouteConfiguration()
+    out.CopyFrom(config)
+    for vhost in out.virtual_hosts:
+        for route in vhost.routes:
+            targets = {pools[c].filter_name for c in _route_clusters(route) if c in pools}
+            for name in sorted(targets):
+                route.typed_per_filter_config[name].CopyFrom(
+                    _any(
+                        route_components_pb2.FilterConfig(
+                            config=_any(
+                                ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides())
+                            )
+                        )
+                    )
+                )
+    return out
+
+
+class Extension:
+    """The gRPC methods; a hook this server does not change answers with what it was given."""
+
+    def post_cluster_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        resp = MESSAGES["PostClusterModifyResponse"]()
+        pool = pool_of(list(req.post_cluster_context.backend_extension_resources))
+        if pool is None:
+            resp.cluster.CopyFrom(req.cluster)
+        else:
+            resp.cluster.CopyFrom(pool_cluster(req.cluster, pool))
+            log.info(
+                "cluster %s -> InferencePool %s (EPP %s:%d)",
+                req.cluster.name,
+                pool.key,
+                pool.epp_host,
+                pool.epp_port,
+            )
+        return resp
+
+    def post_translate_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        clusters, listeners, routes = translate(list(req.clusters), list(req.listeners), list(req.routes))
+        resp = MESSAGES["PostTranslateModifyResponse"]()
+        resp.clusters.extend(clusters)
+        resp.secrets.extend(req.secrets)
+        resp.listeners.extend(listeners)
+        resp.routes.extend(routes)
+        return resp
+
+    def post_route_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        return MESSAGES["PostRouteModifyResponse"](route=req.route)
+
+    def post_virtual_host_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        return MESSAGES["PostVirtualHostModifyResponse"](virtual_host=req.virtual_host)
+
+    def post_http_listener_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        return MESSAGES["PostHTTPListenerModifyResponse"](listener=req.listener)
+
+    def post_endpoints_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+        return MESSAGES["PostEndpointsModifyResponse"](load_assignment=req.load_assignment)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[[Any, grpc.ServicerContext], Any], request: str) -> grpc.RpcMethodHandler:
+            def safe(req: Any, ctx: grpc.ServicerContext) -> Any:
+                try:
+                    return fn(req, ctx)
+                except Exception as exc:  # a bad pool object must not take the gateway's xDS down
+                    log.exception("%s failed: %s", fn.__name__, exc)
+                    ctx.abort(grpc.StatusCode.INTERNAL, f"kvgate extension: {exc}")
+
+            return grpc.unary_unary_rpc_method_handler(
+                safe,
+                request_deserializer=MESSAGES[request].FromString,
+                response_serializer=lambda m: m.SerializeToString(),
+            )
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "PostClusterModify": unary(self.post_cluster_modify, "PostClusterModifyRequest"),
+                "PostTranslateModify": unary(self.post_translate_modify, "PostTranslateModifyRequest"),
+                "PostRouteModify": unary(self.post_route_modify, "PostRouteModifyRequest"),
+                "PostVirtualHostModify": unary(self.post_virtual_host_modify, "PostVirtualHostModifyRequest"),
+                "PostHTTPListenerModify": unary(
+                    self.post_http_listener_modify, "PostHTTPListenerModifyRequest"
+                ),
+                "PostEndpointsModify": unary(self.post_endpoints_modify, "PostEndpointsModifyRequest"),
+            },
+        )
+
+
+# -- InferencePool status -------------------------------------------------------------------------
+def _condition(kind: str, ok: bool, reason: str, message: str, generation: int, since: str) -> dict[str, Any]:
+    return {
+        "type": kind,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": since,
+    }
+
+
+def route_accepted_by(route: dict[str, Any], gateway: tuple[str, str]) -> bool:
+    for parent in (route.get("status") or {}).get("parents") or []:
+        ref = parent.get("parentRef") or {}
+        ns = ref.get("namespace") or route["metadata"]["namespace"]
+        if (ns, ref.get("name")) != gateway or parent.get("controllerName") != EG_CONTROLLER:
+            continue
+        return any(
+            c.get("type") == "Accepted" and c.get("status") == "True" for c in parent.get("conditions") or []
+        )
+    return False
+
+
+def pool_parents(
+    pool: dict[str, Any],
+    routes: list[dict[str, Any]],
+    gateways: dict[tuple[str, str], dict[str, Any]],
+    classes: dict[str, dict[str, Any]],
+    services: set[tuple[str, str]],
+    now: str,
+) -> list[dict[str, Any]]:
+    """status.parents of one pool: each Envoy Gateway Gateway with an accepted route to it."""
+    ns, name = pool["metadata"]["namespace"], pool["metadata"]["name"]
+    generation = int(pool["metadata"].get("generation") or 1)
+    old = {
+        ((p.get("parentRef") or {}).get("namespace"), (p.get("parentRef") or {}).get("name")): p
+        for p in (pool.get("status") or {}).get("parents") or []
+    }
+    try:
+        epp = Pool.from_object(pool).epp
+    except (KeyError, TypeError, ValueError):
+        epp = ""
+    parents: dict[tuple[str, str], dict[str, Any]] = {}
+    for route in routes:
+        rns = route["metadata"]["namespace"]
+        to_pool = any(
+            b.get("group") == POOL_GROUP and b.get("kind") == POOL_KIND and b.get("name") == name
+            and (b.get("namespace") or rns) == ns
+            for rule in (route.get("spec") or {}).get("rules") or []
+            for b in rule.get("backendRefs") or []
+        )  # fmt: skip
+        if not to_pool:
+            continue
+        for ref in (route.get("spec") or {}).get("parentRefs") or []:
+            if ref.get("kind", "Gateway") != "Gateway":
+                continue
+            key = (ref.get("namespace") or rns, ref["name"])
+            gateway = gateways.get(key)
+            if gateway is None:
+                continue
+            gclass = classes.get(gateway["spec"].get("gatewayClassName", ""))
+            if gclass is None or gclass["spec"].get("controllerName") != EG_CONTROLLER:
+                continue
+            accepted = route_accepted_by(route, key)
+            resolved = (ns, epp) in services
+            previous = {c["type"]: c for c in (old.get(key) or {}).get("conditions") or []}
+
+            def since(kind: str, ok: bool, previous: dict[str, Any] = previous) -> str:
+                before = previous.get(kind)
+                return (
+                    before["lastTransitionTime"]
+                    if before and before["status"] == ("True" if ok else "False")
+                    else now
+                )
+
+            parents[key] = {
+                "parentRef": {
+                    "group": "gateway.networking.k8s.io",
+                    "kind": "Gateway",
+                    "namespace": key[0],
+                    "name": key[1],
+                },
+                "controllerName": EG_CONTROLLER,
+                "conditions": [
+                    _condition(
+                        "Accepted",
+                        accepted,
+                        "Accepted" if accepted else "HTTPRouteNotAccepted",
+                        "an HTTPRoute through this Gateway sends to the pool"
+                        if accepted
+                        else "the Gateway has not accepted the HTTPRoute that sends to the pool",
+                        generation,
+                        since("Accepted", accepted),
+                    ),
+                    _condition(
+                        "ResolvedRefs",
+                        resolved,
+                        "ResolvedRefs" if resolved else "InvalidExtensionRef",
+                        f"endpoint picker Service {ns}/{epp}" + (" found" if resolved else " not found"),
+                        generation,
+                        since("ResolvedRefs", resolved),
+                    ),
+                ],
+            }
+    return [parents[k] for k in sorted(parents)]
+
+
+class PoolStatus:
+    """Keeps every InferencePool's status.parents true, by polling (a small cluster)."""
+
+    def __init__(self, api: httpx.AsyncClient, period: float = 2.0) -> None:
+        self.api, self.period = api, period
+
+    async def _items(self, path: str) -> list[dict[str, Any]]:
+        resp = await self.api.get(path)
+        if resp.status_code == 404:  # the CRD is not installed (yet)
+            return []
+        resp.raise_for_status()
+        return list(resp.json().get("items") or [])
+
+    async def sync(self) -> None:
+        pools = await self._items(f"/apis/{POOL_GROUP}/v1/inferencepools")
+        if not pools:
+            return
+        routes = await self._items("/apis/gateway.networking.k8s.io/v1/httproutes")
+        gateways = {
+            (g["metadata"]["namespace"], g["metadata"]["name"]): g
+            for g in await self._items("/apis/gateway.networking.k8s.io/v1/gateways")
+        }
+        classes = {
+            c["metadata"]["name"]: c
+            for c in await self._items("/apis/gateway.networking.k8s.io/v1/gatewayclasses")
+        }
+        services = {
+            (s["metadata"]["namespace"], s["metadata"]["name"]) for s in await self._items("/api/v1/services")
+        }
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        for pool in pools:
+            parents = pool_parents(pool, routes, gateways, classes, services, now)
+            if parents == ((pool.get("status") or {}).get("parents") or []):
+                continue
+            meta = pool["metadata"]
+            resp = await self.api.patch(
+                f"/apis/{POOL_GROUP}/v1/namespaces/{meta['namespace']}/inferencepools/{meta['name']}/status",
+                content=json.dumps({"status": {"parents": parents}}),
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            if resp.status_code >= 400:
+                log.warning(
+                    "InferencePool %s/%s status: %s %s",
+                    meta["namespace"],
+                    meta["name"],
+                    resp.status_code,
+                    resp.text[:300],
+                )
+            else:
+                log.info(
+                    "InferencePool %s/%s: parents %s",
+                    meta["namespace"],
+                    meta["name"],
+                    [p["parentRef"]["name"] for p in parents],
+                )
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                log.warning("InferencePool status sync failed: %s", exc)
+            await asyncio.sleep(self.period)

@@ -1,0 +1,286 @@
+"""Envoy Gateway's extension hooks for InferencePool backends, over real gRPC, on the xDS shapes
+Envoy Gateway sends (an EDS cluster per route rule, an HCM listener on RDS, a route table)."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
+import envoy.config.listener.v3.listener_components_pb2 as listener_components_pb2
+import envoy.config.listener.v3.listener_pb2 as listener_pb2
+import envoy.config.route.v3.route_components_pb2 as route_components_pb2
+import envoy.config.route.v3.route_pb2 as route_pb2
+import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
+import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
+import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
+import grpc
+import pytest
+from google.protobuf import any_pb2
+
+from kvgate.gateway import eg_extension as ext
+
+POOL = {
+    "apiVersion": "inference.networking.k8s.io/v1",
+    "kind": "InferencePool",
+    "metadata": {"name": "smollm2", "namespace": "models", "generation": 3},
+    "spec": {
+        "selector": {"matchLabels": {"app": "smollm2"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "smollm2-epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
+    },
+}
+POOL_CLUSTER = "httproute/models/smollm2/rule/0"
+
+
+def _any(msg: Any) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+@pytest.fixture(scope="module")
+def stub() -> Any:
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((ext.Extension().handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def call(method: str, request: Any) -> Any:
+        response = ext.MESSAGES[method.replace("Modify", "ModifyResponse")]
+        fn = channel.unary_unary(
+            f"/{ext.SERVICE}/{method}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=response.FromString,
+        )
+        return fn(request, timeout=10)
+
+    yield call
+    channel.close()
+    server.stop(0)
+
+
+def _resource(obj: dict[str, Any]) -> Any:
+    return ext.MESSAGES["ExtensionResource"](unstructured_bytes=json.dumps(obj).encode())
+
+
+def _eg_cluster(name: str) -> cluster_pb2.Cluster:
+    c = cluster_pb2.Cluster(name=name, type=cluster_pb2.Cluster.EDS)
+    c.eds_cluster_config.service_name = name
+    c.connect_timeout.seconds = 10
+    return c
+
+
+def _modified_pool_cluster(stub: Any) -> cluster_pb2.Cluster:
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster(POOL_CLUSTER))
+    req.post_cluster_context.backend_extension_resources.append(_resource(POOL))
+    return stub("PostClusterModify", req).cluster
+
+
+def _listener() -> listener_pb2.Listener:
+    hcm = hcm_pb2.HttpConnectionManager(stat_prefix="http-10080")
+    hcm.rds.route_config_name = "default/kvgate/http"
+    hcm.http_filters.append(
+        hcm_pb2.HttpFilter(name="envoy.filters.http.router", typed_config=_any(router_pb2.Router()))
+    )
+    chain = listener_components_pb2.FilterChain(
+        filters=[listener_components_pb2.Filter(name=ext.HCM, typed_config=_any(hcm))]
+    )
+    return listener_pb2.Listener(name="default/kvgate/http", filter_chains=[chain])
+
+
+def _routes() -> route_pb2.RouteConfiguration:
+    def route(name: str, cluster: str) -> route_components_pb2.Route:
+        r = route_components_pb2.Route(name=name)
+        r.match.prefix = "/"
+        r.route.cluster = cluster
+        return r
+
+    vhost = route_components_pb2.VirtualHost(
+        name="default/kvgate/http/*",
+        domains=["*"],
+        routes=[route("to-pool", POOL_CLUSTER), route("to-service", "httproute/default/web/rule/0")],
+    )
+    return route_pb2.RouteConfiguration(name="default/kvgate/http", virtual_hosts=[vhost])
+
+
+def _hcm(listener: listener_pb2.Listener) -> hcm_pb2.HttpConnectionManager:
+    hcm = hcm_pb2.HttpConnectionManager()
+    assert listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    return hcm
+
+
+def test_a_pool_cluster_connects_where_the_epp_says(stub: Any) -> None:
+    c = _modified_pool_cluster(stub)
+    assert c.name == POOL_CLUSTER
+    assert c.type == cluster_pb2.Cluster.ORIGINAL_DST
+    assert c.lb_policy == cluster_pb2.Cluster.CLUSTER_PROVIDED
+    assert c.original_dst_lb_config.use_http_header
+    assert c.original_dst_lb_config.http_header_name == "x-gateway-destination-endpoint"
+    assert not c.HasField("eds_cluster_config") and c.connect_timeout.seconds == 10
+    assert ext.Pool.from_cluster(c) == ext.Pool("models", "smollm2", "smollm2-epp", 9002, "FailOpen")
+
+
+def test_a_cluster_of_another_backend_comes_back_unchanged(stub: Any) -> None:
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster("httproute/default/web/rule/0"))
+    req.post_cluster_context.backend_extension_resources.append(
+        _resource({"apiVersion": "example.com/v1", "kind": "Bucket", "metadata": {"name": "b"}})
+    )
+    assert stub("PostClusterModify", req).cluster == req.cluster
+
+
+def test_translation_adds_the_epp_and_enables_its_filter_only_on_the_pools_routes(stub: Any) -> None:
+    req = ext.MESSAGES["PostTranslateModifyRequest"]()
+    req.clusters.extend([_modified_pool_cluster(stub), _eg_cluster("httproute/default/web/rule/0")])
+    req.listeners.append(_listener())
+    req.routes.append(_routes())
+    resp = stub("PostTranslateModify", req)
+
+    epp = {c.name: c for c in resp.clusters}["kvgate/epp/models/smollm2"]
+    address = epp.load_assignment.endpoints[0].lb_endpoints[0].endpoint.address.socket_address
+    assert (address.address, address.port_value) == ("smollm2-epp.models.svc.cluster.local", 9002)
+    assert epp.type == cluster_pb2.Cluster.STRICT_DNS and epp.HasField("transport_socket")
+
+    filters = _hcm(resp.listeners[0]).http_filters
+    assert [f.name for f in filters] == [
+        "envoy.filters.http.ext_proc/kvgate/models/smollm2",
+        "envoy.filters.http.router",
+    ]
+    assert filters[0].disabled
+    proc = ext_proc_pb2.ExternalProcessor()
+    assert filters[0].typed_config.Unpack(proc)
+    assert proc.grpc_service.envoy_grpc.cluster_name == "kvgate/epp/models/smollm2"
+    assert proc.failure_mode_allow  # the pool's FailOpen
+
+    to_pool, to_service = resp.routes[0].virtual_hosts[0].routes
+    assert list(to_pool.typed_per_filter_config) == ["envoy.filters.http.ext_proc/kvgate/models/smollm2"]
+    config = route_components_pb2.FilterConfig()
+    assert to_pool.typed_per_filter_config["envoy.filters.http.ext_proc/kvgate/models/smollm2"].Unpack(config)
+    assert not config.disabled
+    per_route = ext_proc_pb2.ExtProcPerRoute()
+    assert config.config.Unpack(per_route) and per_route.HasField("overrides")  # Envoy requires one
+    assert not to_service.typed_per_filter_config
+
+
+def test_listeners_without_a_route_to_a_pool_get_no_filter(stub: Any) -> None:
+    req = ext.MESSAGES["PostTranslateModifyRequest"]()
+    req.clusters.append(_modified_pool_cluster(stub))
+    other = _listener()
+    hcm = _hcm(other)
+    hcm.rds.route_config_name = "envoy-gateway-proxy-ready"
+    other.filter_chains[0].filters[0].typed_config.CopyFrom(_any(hcm))
+    req.listeners.extend([_listener(), other])
+    req.routes.append(_routes())
+    resp = stub("PostTranslateModify", req)
+    assert len(_hcm(resp.listeners[0]).http_filters) == 2
+    assert [f.name for f in _hcm(resp.listeners[1]).http_filters] == ["envoy.filters.http.router"]
+
+
+def test_translation_is_idempotent(stub: Any) -> None:
+    req = ext.MESSAGES["PostTranslateModifyRequest"]()
+    req.clusters.append(_modified_pool_cluster(stub))
+    req.listeners.append(_listener())
+    req.routes.append(_routes())
+    once = stub("PostTranslateModify", req)
+    again = ext.MESSAGES["PostTranslateModifyRequest"](
+        clusters=once.clusters, listeners=once.listeners, routes=once.routes
+    )
+    twice = stub("PostTranslateModify", again)
+    assert [c.name for c in twice.clusters] == [c.name for c in once.clusters]
+    assert len(_hcm(twice.listeners[0]).http_filters) == 2
+
+
+def test_translation_without_pools_changes_nothing(stub: Any) -> None:
+    req = ext.MESSAGES["PostTranslateModifyRequest"]()
+    req.clusters.append(_eg_cluster("httproute/default/web/rule/0"))
+    req.listeners.append(_listener())
+    req.routes.append(_routes())
+    resp = stub("PostTranslateModify", req)
+    assert list(resp.clusters) == list(req.clusters)
+    assert list(resp.listeners) == list(req.listeners)
+    assert list(resp.routes) == list(req.routes)
+
+
+def test_a_malformed_pool_is_an_error_not_a_crash(stub: Any) -> None:
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster(POOL_CLUSTER))
+    broken = {**POOL, "spec": {"selector": {}, "targetPorts": []}}  # no endpointPickerRef
+    req.post_cluster_context.backend_extension_resources.append(_resource(broken))
+    with pytest.raises(grpc.RpcError) as err:
+        stub("PostClusterModify", req)
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    # the server still answers afterwards
+    assert _modified_pool_cluster(stub).type == cluster_pb2.Cluster.ORIGINAL_DST
+
+
+def _route_to_pool(accepted: bool) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "smollm2", "namespace": "models"},
+        "spec": {
+            "parentRefs": [{"name": "kvgate", "namespace": "default"}],
+            "rules": [
+                {"backendRefs": [{"group": ext.POOL_GROUP, "kind": "InferencePool", "name": "smollm2"}]}
+            ],
+        },
+        "status": {
+            "parents": [
+                {
+                    "parentRef": {"name": "kvgate", "namespace": "default"},
+                    "controllerName": ext.EG_CONTROLLER,
+                    "conditions": [{"type": "Accepted", "status": "True" if accepted else "False"}],
+                }
+            ]
+        },
+    }
+
+
+GATEWAYS = {("default", "kvgate"): {"spec": {"gatewayClassName": "kvgate"}}}
+CLASSES = {"kvgate": {"spec": {"controllerName": ext.EG_CONTROLLER}}}
+
+
+def test_pool_status_names_each_gateway_that_routes_to_it() -> None:
+    parents = ext.pool_parents(
+        POOL, [_route_to_pool(True)], GATEWAYS, CLASSES, {("models", "smollm2-epp")}, "2026-12-06T00:00:00Z"
+    )
+    assert [p["parentRef"] for p in parents] == [
+        {"group": "gateway.networking.k8s.io", "kind": "Gateway", "namespace": "default", "name": "kvgate"}
+    ]
+    conditions = {c["type"]: c for c in parents[0]["conditions"]}
+    assert conditions["Accepted"]["status"] == "True"
+    assert conditions["ResolvedRefs"]["status"] == "True"
+    assert conditions["Accepted"]["observedGeneration"] == 3
+
+
+def test_pool_status_says_why_when_not_accepted_or_the_epp_is_missing() -> None:
+    parents = ext.pool_parents(
+        POOL, [_route_to_pool(False)], GATEWAYS, CLASSES, set(), "2026-12-06T00:00:00Z"
+    )
+    conditions = {c["type"]: c for c in parents[0]["conditions"]}
+    assert (conditions["Accepted"]["status"], conditions["Accepted"]["reason"]) == (
+        "False",
+        "HTTPRouteNotAccepted",
+    )
+    assert (conditions["ResolvedRefs"]["status"], conditions["ResolvedRefs"]["reason"]) == (
+        "False",
+        "InvalidExtensionRef",
+    )
+
+
+def test_pool_status_ignores_gateways_of_other_implementations_and_other_pools() -> None:
+    other_class = {"kvgate": {"spec": {"controllerName": "example.com/other"}}}
+    assert ext.pool_parents(POOL, [_route_to_pool(True)], GATEWAYS, other_class, set(), "t") == []
+    other_pool = {**POOL, "metadata": {**POOL["metadata"], "name": "another"}}
+    assert ext.pool_parents(other_pool, [_route_to_pool(True)], GATEWAYS, CLASSES, set(), "t") == []
+
+
+def test_pool_status_keeps_transition_times_while_nothing_changes() -> None:
+    first = ext.pool_parents(POOL, [_route_to_pool(True)], GATEWAYS, CLASSES, set(), "2026-12-06T00:00:00Z")
+    pool = {**POOL, "status": {"parents": first}}
+    second = ext.pool_parents(pool, [_route_to_pool(True)], GATEWAYS, CLASSES, set(), "2026-12-06T01:00:00Z")
+    assert second == first
+    third = ext.pool_parents(
+        pool, [_route_to_pool(True)], GATEWAYS, CLASSES, {("models", "smollm2-epp")}, "2026-12-06T02:00:00Z"
+    )
+    times = {c["type"]: c["lastTransitionTime"] for c in third[0]["conditions"]}
+    assert times == {"Accepted": "2026-12-06T00:00:00Z", "ResolvedRefs": "2026-12-06T02:00:00Z"}
