@@ -24,7 +24,8 @@ images:
 images-test: setup
 	@FLAVOR=$(FLAVOR) .venv/bin/pytest tests/images -m images -p no:cacheprovider
 
-# A real control plane (etcd, kube-apiserver, controller-manager, scheduler) on 127.0.0.1, built
-# from Go modules on first use (tools/cluster, ~11 min cold): prints `cluster ready`; Ctrl-C stops.
+# A real control plane (etcd, kube-apiserver, controller-manager, scheduler) and Envoy Gateway on
+# 127.0.0.1, built from Go modules on first use (tools/cluster and tools/gateway, ~15 min cold):
+# prints the Gateway's address and `cluster ready`; Ctrl-C stops.
 cluster: setup
 	@scripts/cluster.sh

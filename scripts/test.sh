@@ -13,7 +13,7 @@ scripts/typecheck.sh
 # CI also builds what a user deploys and what the cluster tests run against (elsewhere: `make
 # images && make images-test`, and `make cluster` once). Cold on 2 cores: the images ~10 min and
 # their smoke tests ~1.5 min (the engine image would have crashed at start, and nothing noticed),
-# the control plane's Go build ~11 min; both are cached on the machine after.
+# the control plane's and Envoy Gateway's Go builds ~15 min; both are cached on the machine after.
 if [[ ${CI:-} == true ]]; then
     echo "== images (scripts/images.sh) and their smoke tests"
     scripts/images.sh
