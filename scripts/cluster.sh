@@ -72,6 +72,12 @@ failed() { # what log
     tail -n 25 "$2" >&2 || true
     exit 1
 }
+all_alive() { # when
+    local pid
+    for pid in "${PIDS[@]}"; do
+        alive "$pid" || failed "a component exited $1" "$(ls -t "$DIR"/logs/*.log | head -1)"
+    done
+}
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
@@ -164,9 +170,7 @@ KUBECTL=(kubectl --kubeconfig "$DIR/kubeconfig")
 ready=""
 for _ in $(seq 1 600); do
     if "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; then ready=1 && break; fi
-    for pid in "${PIDS[@]}"; do
-        alive "$pid" || failed "a component exited before the API server was ready" "$(ls -t "$DIR"/logs/*.log | head -1)"
-    done
+    all_alive "before the API server was ready"
     sleep 0.2
 done
 [[ -n $ready ]] || failed "the API server was not ready within 120 s" "$DIR/logs/kube-apiserver.log"
@@ -316,9 +320,7 @@ for _ in $(seq 1 300); do
         gateway_address=$("${KUBECTL[@]}" get gateway kvgate -o jsonpath='{.status.addresses[0].value}')
         break
     fi
-    for pid in "${PIDS[@]}"; do
-        alive "$pid" || failed "a component exited before the Gateway was programmed" "$(ls -t "$DIR"/logs/*.log | head -1)"
-    done
+    all_alive "before the Gateway was programmed"
     sleep 0.5
 done
 [[ -n $gateway_address ]] || failed "Gateway default/kvgate was not Programmed within 150 s" "$DIR/logs/envoy-gateway.log"
