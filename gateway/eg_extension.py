@@ -43,10 +43,10 @@ import envoy.extensions.filters.network.http_connection_manager.v3.http_connecti
 import envoy.extensions.transport_sockets.tls.v3.secret_pb2 as secret_pb2
 import grpc
 import httpx
-from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, message_factory, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 from google.protobuf.message import Message
 
-from kvgate.gateway.envoy_config import _ext_proc_filter, _grpc_cluster
+from kvgate.gateway.envoy_config import _any, _ext_proc_filter, _grpc_cluster
 
 log = logging.getLogger("kvgate.gateway.extension")
 
@@ -280,12 +280,6 @@ def pool_cluster(cluster: cluster_pb2.Cluster, pool: Pool) -> cluster_pb2.Cluste
     out.original_dst_lb_config.http_header_name = ENDPOINT_HEADER
     out.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
     return out
-
-
-def _any(msg: Message) -> any_pb2.Any:
-    a = any_pb2.Any()
-    a.Pack(msg)
-    return a
 
 
 def _route_clusters(route: route_components_pb2.Route) -> list[str]:

@@ -38,6 +38,8 @@ import dns.rdatatype
 import dns.rrset
 import httpx
 
+from kvgate.testing.netns_relay import splice
+
 log = logging.getLogger("kvgate.node.net")
 
 DNS_ADDRESS = "127.10.255.253"  # kept out of the pods' range by the node agent
@@ -224,7 +226,7 @@ class ClusterNetwork:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+        await splice(reader, writer, up_reader, up_writer)
 
     # -- DNS -------------------------------------------------------------------------------------
     def answer(self, wire: bytes) -> bytes | None:
@@ -282,15 +284,3 @@ class _DnsProtocol(asyncio.DatagramProtocol):
         reply = self.net.answer(data)
         if reply is not None and self.transport is not None:
             self.transport.sendto(reply, addr)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except (OSError, asyncio.IncompleteReadError):
-        pass
-    finally:
-        with contextlib.suppress(OSError, RuntimeError):
-            writer.close()

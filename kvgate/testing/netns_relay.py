@@ -39,6 +39,19 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         pass
 
 
+async def splice(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    up_reader: asyncio.StreamReader,
+    up_writer: asyncio.StreamWriter,
+) -> None:
+    """Both directions of a connection and its upstream, until both are done; then both close."""
+    await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    for w in (writer, up_writer):
+        with contextlib.suppress(OSError, RuntimeError):
+            w.close()
+
+
 def _relay(open_upstream: Opener) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -46,10 +59,7 @@ def _relay(open_upstream: Opener) -> Callable[[asyncio.StreamReader, asyncio.Str
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        for w in (writer, up_writer):
-            with contextlib.suppress(OSError, RuntimeError):
-                w.close()
+        await splice(reader, writer, up_reader, up_writer)
 
     return handle
 

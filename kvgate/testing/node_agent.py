@@ -90,17 +90,21 @@ def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _repository(image: str) -> list[str]:
+    """An image reference's repository path, less its digest and tag: `reg:5000/a/b:1` -> [reg:5000, a, b]."""
+    parts = image.split("@")[0].split("/")
+    parts[-1] = parts[-1].split(":")[0]
+    return parts
+
+
 def component_of(image: str) -> str | None:
     """kvgate's component for an image reference (any registry and tag), None for another."""
-    repo = image.split("@")[0].rsplit("/", 1)[-1].split(":")[0]
-    return IMAGES.get(repo)
+    return IMAGES.get(_repository(image)[-1])
 
 
 def foreign_of(image: str) -> str | None:
     """The binary an image of Envoy's or Envoy Gateway's provides here, None for another."""
-    path = image.split("@")[0].rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image.split("@")[0]
-    parts = path.split("/")
-    return FOREIGN.get("/".join(parts[-2:]))
+    return FOREIGN.get("/".join(_repository(image)[-2:]))
 
 
 def envoy_bin() -> Path | None:
@@ -112,11 +116,6 @@ def envoy_bin() -> Path | None:
         return None
     folder = Path(next(iter(spec.submodule_search_locations))) / "_bin"
     return folder if (folder / "envoy").exists() else None
-
-
-def usable_by_others(path: Path) -> bool:
-    real = path.resolve()
-    return all(p.stat().st_mode & 0o001 for p in [real, *real.parents])
 
 
 @dataclass
@@ -310,7 +309,7 @@ class PodWorker:
             private_shm=any(self.foreign),
             can_switch_user=None
             if not any(self.foreign)
-            else all(usable_by_others(self.agent.foreign_bins[f]) for f in self.foreign if f),
+            else all(pod_process.usable_by_others(self.agent.foreign_bins[f]) for f in self.foreign if f),
             pod_ip=self.ip,
             node_name=self.agent.name,
             own_address=True,

@@ -41,11 +41,16 @@ def namespaces_work() -> bool:
     return probe.returncode == 0
 
 
+def usable_by_others(path: Path) -> bool:
+    """Whether a non-root user can run `path` (every folder above it searchable by others)."""
+    real = path.resolve()
+    return all(p.stat().st_mode & stat.S_IXOTH for p in [real, *real.parents])
+
+
 def interpreter_usable_by_others() -> bool:
     """Whether a non-root user can run this venv's interpreter (a pyenv python under a 0700
     /root cannot be): if not, containers run as root here and runAsUser is not exercised."""
-    real = Path(sys.executable).resolve()
-    return all(p.stat().st_mode & stat.S_IXOTH for p in [real, *real.parents])
+    return usable_by_others(Path(sys.executable))
 
 
 def image_env(component: str) -> dict[str, str]:
@@ -238,8 +243,8 @@ class Pod:
         security = {**(self.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
         if security.get("readOnlyRootFilesystem"):
             script.append("mount -o remount,bind,ro /")
-        command = [*container["command"], *container.get("args", [])]
-        command = [_expand(a, self.env(container)) for a in command]
+        env = self.env(container)
+        command = [_expand(a, env) for a in [*container["command"], *container.get("args", [])]]
         if self.own_address:
             command = [
                 a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")

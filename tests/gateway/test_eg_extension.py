@@ -17,9 +17,9 @@ import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
 import grpc
 import pytest
-from google.protobuf import any_pb2
 
 from kvgate.gateway import eg_extension as ext
+from kvgate.gateway.envoy_config import _any
 
 POOL = {
     "apiVersion": "inference.networking.k8s.io/v1",
@@ -32,12 +32,6 @@ POOL = {
     },
 }
 POOL_CLUSTER = "httproute/models/smollm2/rule/0"
-
-
-def _any(msg: Any) -> any_pb2.Any:
-    a = any_pb2.Any()
-    a.Pack(msg)
-    return a
 
 
 @pytest.fixture(scope="module")
