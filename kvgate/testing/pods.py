@@ -5,7 +5,17 @@ namespace with bind mounts: configMap files, emptyDirs, PVCs, the service-accoun
 read-only root filesystem when the container asks for one, and its runAsUser/runAsGroup (when
 this venv's interpreter is usable by that user).
 
-What cannot run here is substituted, and only that: the image is this checkout's venv (its PATH
+A container whose image is in the node's image store (kvgate.testing.oci_images: the OCI
+archives `make images` wrote) runs in that image's root instead: a working container of its own
+(the image plus a writable layer), with /proc, a /dev of the usual nodes, /sys read-only, the
+pod's /etc/hosts, /etc/hostname and /etc/resolv.conf, and every volume bound inside it (mount
+points resolved inside the root, never through a link out of it); its UTS namespace carries the
+pod's name; then kvgate.testing.pod_exec chroots, drops the capabilities the securityContext
+drops, sets no_new_privs, switches to runAsUser/runAsGroup or the image's USER and execs the
+image's ENTRYPOINT and CMD as Kubernetes combines them with command and args, with the image's
+ENV and working directory. runAsNonRoot is checked against the user that results.
+
+Otherwise what cannot run here is substituted, and only that: the image is this checkout's venv (its PATH
 replaces /opt/kvgate/bin), the pod network is the host's loopback (the pod IP is 127.0.0.1, or
 a loopback address of the pod's own: then a container told to bind every address, `0.0.0.0` or
 `tcp://*`, binds that one, as it would inside its own network namespace), and a PVC is a folder
@@ -14,6 +24,7 @@ a loopback address of the pod's own: then a container told to bind every address
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -22,8 +33,10 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+
+from kvgate.testing.oci_images import ImageStore, Root
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -31,6 +44,13 @@ VENV_BIN = Path(sys.executable).parent
 STAGING = Path("/var/tmp/kvgate-pod-staging")
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# the device nodes a container runtime gives every container (the OCI runtime spec's defaults)
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+
+
+class ContainerConfigError(Exception):
+    """What the kubelet reports as CreateContainerConfigError: the container cannot start as
+    specified (its runAsNonRoot against the image's user, say)."""
 
 
 def namespaces_work() -> bool:
@@ -114,6 +134,9 @@ class Pod:
     # None: switch to runAsUser when this venv's interpreter is usable by others (kvgate's
     # images); otherwise whether the image's binaries are
     can_switch_user: bool | None = None
+    # image mode: container name -> its root (a working container of the store's)
+    roots: dict[str, Root] = field(default_factory=dict)
+    store: ImageStore | None = None
     _volumes: dict[str, Path] = field(default_factory=dict)
     _made_mount_points: list[Path] = field(default_factory=list)
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
@@ -198,7 +221,11 @@ class Pod:
         }[path]
 
     def env(self, container: dict[str, Any]) -> dict[str, str]:
-        env = {**self.image_env, **self.service_env}
+        root = self.roots.get(container["name"])
+        if root is not None:
+            env = {**root.config.env, "HOSTNAME": self.name, **self.service_env}
+        else:
+            env = {**self.image_env, **self.service_env}
         for item in container.get("env", []):
             source = item.get("valueFrom")
             if source is None:
@@ -229,6 +256,9 @@ class Pod:
         return [(path, STAGING / f"{self.name}-{i}") for i, path in enumerate(kept)]
 
     def argv(self, container: dict[str, Any]) -> list[str]:
+        root = self.roots.get(container["name"])
+        if root is not None:
+            return self._rooted_argv(container, root)
         script = ["set -e"]
         kept = self._kept(container)
         for path, staging in kept:
@@ -244,12 +274,7 @@ class Pod:
         if security.get("readOnlyRootFilesystem"):
             script.append("mount -o remount,bind,ro /")
         env = self.env(container)
-        command = [_expand(a, env) for a in [*container["command"], *container.get("args", [])]]
-        if self.own_address:
-            command = [
-                a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")
-                for a in command
-            ]
+        command = self._command(container, env, None)
         user = []
         can_switch = interpreter_usable_by_others() if self.can_switch_user is None else self.can_switch_user
         if "runAsUser" in security and can_switch:
@@ -260,7 +285,149 @@ class Pod:
         script.append("exec " + shlex.join([*user, *command]))
         return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)]
 
+    def _command(self, container: dict[str, Any], env: dict[str, str], root: Root | None) -> list[str]:
+        """command and args, over the image's ENTRYPOINT and CMD as Kubernetes combines them:
+        command replaces ENTRYPOINT (and drops CMD), args replace CMD; $(VAR) expanded."""
+        own = [_expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
+        if root is None:
+            command = own
+        elif "command" in container:
+            command = own
+        elif "args" in container:
+            command = [*root.config.entrypoint, *own]
+        else:
+            command = [*root.config.entrypoint, *root.config.cmd]
+        if not command:
+            raise ContainerConfigError(f"container {container['name']}: no command, and the image has none")
+        if self.own_address:
+            command = [
+                a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")
+                for a in command
+            ]
+        return command
+
+    # -- image mode ----------------------------------------------------------------------------
+    def _security(self, container: dict[str, Any]) -> dict[str, Any]:
+        return {**(self.spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+
+    def _pod_files(self) -> list[tuple[Path, str, bool]]:
+        """/etc/hosts and /etc/hostname, as the kubelet writes them for a pod."""
+        hosts, hostname = self.root / "hosts", self.root / "hostname"
+        if not hosts.exists():
+            self.root.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(
+                f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost\n{self.pod_ip}\t{self.name}\n"
+            )
+            hostname.write_text(self.name + "\n")
+        return [(hosts, "/etc/hosts", False), (hostname, "/etc/hostname", False)]
+
+    def _rooted_mounts(self, container: dict[str, Any], root: Root) -> list[tuple[Path, Path, bool]]:
+        """(source, target on this machine, read-only): each target resolved inside the root,
+        parents first, so a mount is never hidden by one over its parent."""
+        mounts = [*self._pod_files(), *self._mounts(container)]
+        if all(target != "/dev/shm" for _, target, _ in mounts):
+            shm = self.root / "shm"
+            shm.mkdir(parents=True, exist_ok=True)
+            shm.chmod(0o1777)
+            mounts.append((shm, "/dev/shm", False))
+        resolved = [(source, inside(root.path, target), ro) for source, target, ro in mounts]
+        return sorted(resolved, key=lambda m: len(m[1].parts))
+
+    def user(self, container: dict[str, Any], root: Root) -> tuple[int, int, list[int]]:
+        """The uid, gid and supplementary groups the container runs with: runAsUser and
+        runAsGroup over the image's USER (a name looked up in the image's /etc/passwd)."""
+        security = self._security(container)
+        name, _, group = root.config.user.partition(":")
+        passwd = _table(root.path / "etc" / "passwd")
+        groups = _table(root.path / "etc" / "group")
+        if "runAsUser" in security:
+            uid = int(security["runAsUser"])
+        elif not name or name.isdigit():
+            uid = int(name or 0)
+        elif name in passwd:
+            uid = int(passwd[name][2])
+        else:
+            raise ContainerConfigError(f"unable to find user {name}: no matching entries in passwd file")
+        if "runAsGroup" in security:
+            gid = int(security["runAsGroup"])
+        elif group:
+            if group.isdigit():
+                gid = int(group)
+            elif group in groups:
+                gid = int(groups[group][2])
+            else:
+                raise ContainerConfigError(f"unable to find group {group}: no matching entries in group file")
+        else:
+            entry = next((e for e in passwd.values() if e[2] == str(uid) and len(e) > 3), None)
+            gid = int(entry[3]) if entry else 0
+        if security.get("runAsNonRoot") and uid == 0:
+            raise ContainerConfigError("container has runAsNonRoot and image will run as root")
+        extra = [int(g) for g in (self.spec.get("securityContext") or {}).get("supplementalGroups", [])]
+        fs_group = (self.spec.get("securityContext") or {}).get("fsGroup")
+        if fs_group is not None:
+            extra.append(int(fs_group))
+        return uid, gid, sorted(set(extra))
+
+    def _rooted_argv(self, container: dict[str, Any], root: Root) -> list[str]:
+        q = shlex.quote
+        r = root.path
+        security = self._security(container)
+        env = self.env(container)
+        command = self._command(container, env, root)
+        uid, gid, groups = self.user(container, root)
+        script = [
+            "set -e",
+            # a mount of its own, so that making it read-only touches this container's view alone
+            f"mount --bind {q(str(r))} {q(str(r))}",
+            f"mount -t proc proc {q(str(r / 'proc'))}",
+            f"mount -t tmpfs -o nosuid,mode=755 dev {q(str(r / 'dev'))}",
+        ]
+        for node in DEVICES:
+            script.append(
+                f": >{q(str(r / 'dev' / node))}; mount --bind /dev/{node} {q(str(r / 'dev' / node))}"
+            )
+        script += [
+            f"mkdir {q(str(r / 'dev' / 'shm'))} {q(str(r / 'dev' / 'pts'))}",
+            f"ln -s /proc/self/fd {q(str(r / 'dev' / 'fd'))}",
+            *(
+                f"ln -s /proc/self/fd/{i} {q(str(r / 'dev' / n))}"
+                for i, n in enumerate(("stdin", "stdout", "stderr"))
+            ),
+            f"mount --rbind /sys {q(str(r / 'sys'))}",
+            f"mount -o remount,bind,ro {q(str(r / 'sys'))}",
+        ]
+        for source, target, read_only in self._rooted_mounts(container, root):
+            script.append(f"mount --bind {q(str(source))} {q(str(target))}")
+            if read_only:
+                script.append(f"mount -o remount,bind,ro {q(str(target))}")
+        if security.get("readOnlyRootFilesystem"):
+            script.append(f"mount -o remount,bind,ro {q(str(r))}")
+        script.append(f"hostname {q(self.name)}")
+        launcher = [sys.executable, "-m", "kvgate.testing.pod_exec", "--root", str(r),
+                    "--workdir", container.get("workingDir") or root.config.workdir,
+                    "--user", f"{uid}:{gid}", "--groups", ",".join(map(str, groups))]  # fmt: skip
+        drop = (security.get("capabilities") or {}).get("drop") or []
+        if drop:
+            launcher += ["--drop-caps", ",".join(drop)]
+        if security.get("allowPrivilegeEscalation") is False:
+            launcher.append("--no-new-privs")
+        script.append("exec " + shlex.join([*launcher, "--", *command]))
+        return ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", "\n".join(script)]
+
+    def _prepare_root(self, container: dict[str, Any], root: Root) -> None:
+        """Mount points inside the root's writable layer (the image is not touched)."""
+        for source, target, _ in self._rooted_mounts(container, root):
+            if source.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            elif not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.touch()
+
     def _prepare(self, container: dict[str, Any]) -> dict[str, str]:
+        root = self.roots.get(container["name"])
+        if root is not None:
+            self._prepare_root(container, root)
+            return self.env(container)
         points = [Path(t) for _, t, _ in self._mounts(container)] + [s for _, s in self._kept(container)]
         for point in points:
             if not point.exists():
@@ -313,6 +480,9 @@ class Pod:
             except OSError:
                 pass
         shutil.rmtree(self.root / "volumes", ignore_errors=True)
+        if self.store is not None:
+            for root in self.roots.values():
+                self.store.remove(root.name)
         try:
             STAGING.rmdir()  # the last pod to stop removes the shared parent
         except OSError:
@@ -330,6 +500,44 @@ class Pod:
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             },
         }
+
+
+def inside(root: Path, path: str) -> Path:
+    """`path` as the container sees it, on this machine: its links followed inside `root` (an
+    absolute target starts again at the root, `..` stops there), so no mount lands outside it
+    (Debian's /var/run is a link to /run: on the host it would be the host's /run)."""
+    parts = [p for p in PurePosixPath(path).parts if p != "/"]
+    resolved: list[str] = []
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = root.joinpath(*resolved, part)
+        if candidate.is_symlink():
+            hops += 1
+            if hops > 40:
+                raise ContainerConfigError(f"{path}: too many levels of symbolic links in the image")
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                resolved = []
+            parts = [p for p in PurePosixPath(target).parts if p != "/"] + parts
+            continue
+        resolved.append(part)
+    return root.joinpath(*resolved)
+
+
+def _table(path: Path) -> dict[str, list[str]]:
+    """/etc/passwd or /etc/group of an image, by name (missing: empty)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    return {f[0]: f for f in (line.split(":") for line in lines) if len(f) >= 3}
 
 
 def _expand(arg: str, env: dict[str, str]) -> str:

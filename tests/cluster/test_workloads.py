@@ -57,7 +57,7 @@ def operator(crds: Cluster) -> Iterator[Cluster]:
     APIService would send the API server to the Service's ClusterIP, which is not on loopback)."""
     restricted_namespace(crds, OPS)
     crds.helm("install", "kvgate-ops", "charts/kvgate", "--namespace", OPS, "--set", "operator.resyncSeconds=5",
-              "--set", f"operator.watchNamespaces={{{NS},{SCALED}}}", "--set", "metricsApi.enabled=true",
+              "--set", f"operator.watchNamespaces={{{NS},{SCALED},default}}", "--set", "metricsApi.enabled=true",
               "--set", "metricsApi.apiService=false", "--wait", "--timeout", "120s")  # fmt: skip
     yield crds
     crds.helm("uninstall", "kvgate-ops", "--namespace", OPS, "--wait", check=False)
@@ -215,6 +215,56 @@ def test_the_operator_pod_turns_a_model_deployment_into_ready_pods_on_the_node(s
     # the operator is the chart's pod, not a process of this test
     operator_pod = cluster.get("pods", "-n", OPS)["items"][0]
     assert pod_ready(operator_pod) and operator_pod["status"]["podIP"].startswith("127.10.")
+
+
+def _processes_of(pod_name: str) -> list[int]:
+    """The processes of a pod's containers, by the HOSTNAME its runtime gives them."""
+    marker = f"HOSTNAME={pod_name}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue  # gone, or a kernel thread
+    return pids
+
+
+def test_kvgates_pods_run_from_the_images_with_the_charts_security_context(served: Served) -> None:
+    """Engine, EPP and operator pods run from the OCI archives `make images` built: the
+    archive's digest as imageID, each process chrooted into its image's root, that root
+    read-only, as uid 65532 with no capabilities and no_new_privs (the restricted profile the
+    chart and the operator write)."""
+    from kvgate.testing.oci_images import ImageStore
+
+    if not served.cluster.images:
+        pytest.skip("no OCI archives in dist/images: `make images` builds them (CI always does)")
+    store = ImageStore(ROOT / "dist" / "images")
+    operator_pods = served.cluster.get("pods", "-n", OPS)["items"]
+    for pod in [*served.pods(ENGINES), *served.pods(EPPS), *operator_pods]:
+        name = pod["metadata"]["name"]
+        for status in pod["status"]["containerStatuses"]:
+            archive = store.find(status["image"])
+            assert archive is not None, status["image"]
+            assert status["imageID"] == f"{archive.ref.rsplit(':', 1)[0]}@{archive.manifest_digest}", status
+        pids = _processes_of(name)
+        assert pids, f"no process of pod {name}"
+        for pid in pids:
+            assert os.readlink(f"/proc/{pid}/root") != "/", (
+                f"pod {name}: pid {pid} is not in its image's root"
+            )
+            fields = dict(
+                line.split(":\t", 1)
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if ":\t" in line
+            )
+            assert fields["Uid"].split()[:2] == ["65532", "65532"], (name, fields["Uid"])
+            assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0, (name, fields)
+            assert fields["NoNewPrivs"].strip() == "1", name
+            mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+            (root_mount,) = [m for m in mounts if m[4] == "/"][-1:]
+            assert "ro" in root_mount[5].split(","), (name, root_mount)
 
 
 def test_the_http_route_is_accepted_by_gateway_apis_own_crd(served: Served) -> None:
@@ -543,3 +593,40 @@ def test_an_hpa_scales_the_engines_on_the_pools_queue_and_the_drain_loses_nothin
     finally:
         scaled.envoy.proc.stop()
         cluster.kubectl("delete", "modeldeployment", MD, "-n", SCALED, "--wait=false")
+
+
+def test_the_readmes_example_model_deployment_answers_through_the_gateway(operator: Cluster) -> None:
+    """README's path, as written: manifests/examples/modeldeployment-cluster.yaml (the default
+    model from the PersistentVolume scripts/cluster.sh made, a real engine on the CPU) in the
+    default namespace, then one completion through the Gateway's address. It runs after the
+    module's own ModelDeployment is gone: both HTTPRoutes match every path on the Gateway's one
+    listener, and Gateway API gives such a tie to the older route (several ModelDeployments
+    share a listener by spec.httpRoute.matchModelName and a body-based router, not tested here)."""
+    cluster = operator
+    example = ROOT / "manifests" / "examples" / "modeldeployment-cluster.yaml"
+    cluster.kubectl("apply", "-f", str(example))
+    try:
+        address = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
+        body = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+
+        def answer() -> dict[str, Any] | None:
+            resp = httpx.post(f"http://{address}/v1/completions", json=body, timeout=60)
+            return dict(resp.json()) if resp.status_code == 200 else None
+
+        reply = eventually(answer, 300, "the example ModelDeployment answering through the Gateway")
+        assert reply["model"] == "smollm2" and reply["choices"][0]["text"].strip(), reply
+        assert reply["usage"]["completion_tokens"] == 8
+        table = cluster.kubectl("get", "inferencepools", "smollm2", "-n", "default").stdout.splitlines()
+        assert dict(zip(table[0].split(), table[1].split(), strict=False))["ACCEPTED"] == "True", table
+        if cluster.images:
+            (engine,) = [
+                p
+                for p in cluster.get("pods", "-n", "default", "-l", "kvgate.dev/role=engine")["items"]
+                if pod_ready(p)
+            ]
+            assert engine["status"]["containerStatuses"][0]["imageID"].startswith(
+                "ghcr.io/kvgate/engine@sha256:"
+            )
+    finally:
+        cluster.delete("modeldeployment", "smollm2", "default", within=120)
+        cluster.kubectl("delete", "-f", str(example), "--ignore-not-found", "--wait=false", check=False)
