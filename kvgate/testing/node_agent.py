@@ -15,8 +15,9 @@ the pods the scheduler binds to it the way a kubelet would, as far as this machi
   built, given with --gateway-bin), with the bootstrap and args the controller wrote. Envoy
   gets the pod's network view from kvgate/testing/podnet.c (LD_PRELOAD: every-address and
   127.0.0.1 binds go to the pod's address, abstract sockets are the pod's own), a /dev/shm of
-  its own, and the cluster DNS. A Go binary makes its own system calls, so the shutdown-manager
-  binds its port (19002) on every address: one proxy pod at a time has one.
+  its own, and the cluster DNS. A Go binary makes its own system calls, which the shim cannot reach, so the
+  shutdown-manager runs in a network namespace of its own (loopback only), its ports (19002)
+  relayed from the pod's address: every Gateway's proxy pod has one.
 - With --images DIR, a container whose image is one of the OCI archives there (what `make
   images` wrote: kvgate's engine, EPP and operator) runs from that image instead of this venv:
   its own copy-on-write root, the image's entrypoint, user and environment, and the pod's
@@ -337,6 +338,12 @@ class PodWorker:
                 "KUBERNETES_SERVICE_PORT": str(api.port or 443),
             },
             store=self.agent.images,
+            # Envoy Gateway's own binary is Go: the podnet shim cannot move its binds
+            own_network={
+                c["name"]
+                for c, f in zip(spec["containers"], self.foreign, strict=True)
+                if f == "envoy-gateway"
+            },
         )
         if self.agent.images is not None:
             for name, image in self.from_images.items():

@@ -24,6 +24,7 @@ a loopback address of the pod's own: then a container told to bind every address
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -42,6 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 # Where the checkout and venv are set aside while volumes are mounted over their parents.
 STAGING = Path("/var/tmp/kvgate-pod-staging")
+# the Unix sockets that carry a container's ports across its network namespace (short paths:
+# a socket's path is at most 107 bytes)
+RELAY_DIR = Path("/tmp/kvgate-pod-relays")
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # the device nodes a container runtime gives every container (the OCI runtime spec's defaults)
@@ -137,9 +141,14 @@ class Pod:
     # image mode: container name -> its root (a working container of the store's)
     roots: dict[str, Root] = field(default_factory=dict)
     store: ImageStore | None = None
+    # containers in a network namespace of their own, loopback only, their ports relayed from
+    # the pod's address: a Go program binds every address with its own system calls, which the
+    # podnet shim cannot reach, so two such pods would collide on the node's shared loopback
+    own_network: set[str] = field(default_factory=set)
     _volumes: dict[str, Path] = field(default_factory=dict)
     _made_mount_points: list[Path] = field(default_factory=list)
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
+    _relays: dict[str, list[subprocess.Popen[Any]]] = field(default_factory=dict)
 
     # -- volumes -----------------------------------------------------------------------------
     def volume(self, name: str) -> Path:
@@ -282,8 +291,52 @@ class Pod:
             user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={group}", "--clear-groups"]
             if security.get("allowPrivilegeEscalation") is False:
                 user.append("--no-new-privs")
+        unshare = ["unshare", "--mount", "--propagation", "private"]
+        relayed = self._relayed(container)
+        if relayed:
+            unshare.insert(2, "--net")
+            inside = [a for port, sock in relayed for a in ("--unix", f"{sock}=127.0.0.1:{port}")]
+            script += [
+                "ip link set lo up",
+                shlex.join([sys.executable, "-m", "kvgate.testing.netns_relay", "--die-with-parent", *inside])
+                + " >/dev/null 2>&1 &",
+            ]
         script.append("exec " + shlex.join([*user, *command]))
-        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)]
+        return [*unshare, "sh", "-c", "\n".join(script)]
+
+    def ports(self, container: dict[str, Any]) -> list[int]:
+        """The ports a container serves: its containerPorts and the ones its probes dial."""
+        named = {p.get("name"): int(p["containerPort"]) for p in container.get("ports", [])}
+        found = set(named.values())
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container.get(kind) or {}
+            for handler in ("httpGet", "tcpSocket", "grpc"):
+                port = (probe.get(handler) or {}).get("port")
+                if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+                    found.add(int(port))
+                elif port in named:
+                    found.add(named[port])
+        return sorted(found)
+
+    def _relayed(self, container: dict[str, Any]) -> list[tuple[int, Path]]:
+        if container["name"] not in self.own_network:
+            return []
+        key = hashlib.sha1(f"{self.root}/{container['name']}".encode()).hexdigest()[:12]
+        return [(port, RELAY_DIR / f"{key}-{port}.sock") for port in self.ports(container)]
+
+    def _relay_out(self, container: dict[str, Any]) -> None:
+        """The outside half: the pod's address and each port, to the namespace's sockets."""
+        relayed = self._relayed(container)
+        if not relayed:
+            return
+        RELAY_DIR.mkdir(parents=True, exist_ok=True)
+        outside = [a for port, sock in relayed for a in ("--tcp", f"{self.pod_ip}:{port}={sock}")]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvgate.testing.netns_relay", *outside],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._procs.append(proc)
 
     def _command(self, container: dict[str, Any], env: dict[str, str], root: Root | None) -> list[str]:
         """command and args, over the image's ENTRYPOINT and CMD as Kubernetes combines them:
@@ -299,7 +352,7 @@ class Pod:
             command = [*root.config.entrypoint, *root.config.cmd]
         if not command:
             raise ContainerConfigError(f"container {container['name']}: no command, and the image has none")
-        if self.own_address:
+        if self.own_address and container["name"] not in self.own_network:
             command = [
                 a.replace("0.0.0.0", self.pod_ip).replace("tcp://*:", f"tcp://{self.pod_ip}:")
                 for a in command
@@ -455,6 +508,10 @@ class Pod:
 
     def start(self, container: dict[str, Any], log: Path) -> Container:
         env = self._prepare(container)
+        if not any(p.poll() is None for p in self._relays.get(container["name"], [])):
+            before = len(self._procs)
+            self._relay_out(container)
+            self._relays[container["name"]] = self._procs[before:]
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 self.argv(container), env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/"
@@ -483,6 +540,9 @@ class Pod:
         if self.store is not None:
             for root in self.roots.values():
                 self.store.remove(root.name)
+        for container in self.spec["containers"]:
+            for _, sock in self._relayed(container):
+                sock.unlink(missing_ok=True)
         try:
             STAGING.rmdir()  # the last pod to stop removes the shared parent
         except OSError:

@@ -367,6 +367,78 @@ def test_the_gateway_accepts_the_route_and_the_pool_and_serves_through_the_epp(s
     assert served_by_engines() - engines_before >= 9
 
 
+def _wildcard_listeners() -> set[int]:
+    """Ports listened on at every address (0.0.0.0 or ::) in this network namespace."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, _, port = fields[1].partition(":")
+            if fields[3] == "0A" and set(address) == {"0"}:  # LISTEN
+                ports.add(int(port, 16))
+    return ports
+
+
+def test_a_gateway_a_user_writes_in_another_namespace_serves_the_pool_too(served: Served) -> None:
+    """A second Gateway (its own namespace, listener port 80, as a user writes it) gets a proxy
+    pod of its own beside the first (both shutdown-managers on port 19002), a loopback address
+    of its own, and serves an HTTPRoute to the same InferencePool through its EPP."""
+    cluster = served.cluster
+    cluster.kubectl("create", "namespace", "team-a")
+    gateway = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "Gateway",
+        "metadata": {"name": "edge", "namespace": "team-a"},
+        "spec": {
+            "gatewayClassName": "kvgate",
+            "listeners": [
+                {
+                    "name": "http",
+                    "protocol": "HTTP",
+                    "port": 80,
+                    "allowedRoutes": {"namespaces": {"from": "All"}},
+                }
+            ],
+        },
+    }
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+             "metadata": {"name": "via-edge", "namespace": NS},
+             "spec": {"parentRefs": [{"name": "edge", "namespace": "team-a"}],
+                      "rules": [{"backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                  "name": MD}]}]}}  # fmt: skip
+    apply(cluster, [gateway, route])
+    try:
+
+        def programmed() -> str:
+            status = cluster.get("gateway", "edge", "-n", "team-a").get("status") or {}
+            ok = any(
+                c["type"] == "Programmed" and c["status"] == "True" for c in status.get("conditions", [])
+            )
+            return str(status["addresses"][0]["value"]) if ok and status.get("addresses") else ""
+
+        address = eventually(programmed, 120, "the second Gateway Programmed")
+        first = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
+        assert address.startswith("127.11.") and address != first, (address, first)
+        body = {"model": MD, "prompt": "through the second gateway", "max_tokens": 4}
+
+        def answered() -> bool:
+            return httpx.post(f"http://{address}/v1/completions", json=body, timeout=30).status_code == 200
+
+        eventually(answered, 90, "a completion through the second Gateway")
+        proxies = cluster.get("pods", "-n", "envoy-gateway-system")["items"]
+        assert len(proxies) == 2 and all(pod_ready(p) for p in proxies), [
+            (p["metadata"]["name"], p["status"].get("containerStatuses")) for p in proxies
+        ]
+        # each shutdown-manager serves its own pod's 19002: none holds the port on every address
+        # of the node (where the other pod's probes and preStop hook would reach it instead)
+        assert 19002 not in _wildcard_listeners()
+        # the first Gateway still serves
+        assert httpx.post(f"http://{first}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        cluster.kubectl("delete", "httproute", "via-edge", "-n", NS, "--wait=false", check=False)
+        cluster.kubectl("delete", "namespace", "team-a", "--wait=false", check=False)
+
+
 def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch(served: Served) -> None:
     import openai
 

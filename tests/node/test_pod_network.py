@@ -183,3 +183,38 @@ def test_the_relay_carries_tcp_through_a_unix_socket(tmp_path: Path) -> None:
         return got
 
     assert asyncio.run(run()) == b"echo:hi"
+
+
+@pytest.mark.skipif(not pod_process.namespaces_work(), reason="needs private mount namespaces (root)")
+def test_two_pods_whose_containers_bind_every_address_themselves_coexist(tmp_path: Path) -> None:
+    """A container in a network namespace of its own (what the node gives Envoy Gateway's
+    shutdown-manager, a Go program the podnet shim cannot reach) binds 0.0.0.0 on its port, and
+    the node relays that port from the pod's address: two such pods on one port coexist."""
+    import httpx
+
+    from kvgate.testing.polling import eventually
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = f"import http.server as h; h.ThreadingHTTPServer(('0.0.0.0', {port}), h.SimpleHTTPRequestHandler).serve_forever()"
+    pods = []
+    for i, ip in enumerate(("127.10.7.1", "127.10.7.2")):
+        container = {"name": "go", "command": [sys.executable, "-c", server],
+                     "readinessProbe": {"httpGet": {"path": "/", "port": port}}}  # fmt: skip
+        pod = pod_process.Pod(spec={"containers": [container]}, root=tmp_path / f"pod{i}", name=f"p{i}",
+                              namespace="ns", image_env={"PATH": "/usr/bin:/bin"}, pod_ip=ip, own_address=True,
+                              own_network={"go"})  # fmt: skip
+        pod.start(container, tmp_path / f"pod{i}.log")
+        pods.append(pod)
+    try:
+        for ip in ("127.10.7.1", "127.10.7.2"):
+            eventually(lambda ip=ip: httpx.get(f"http://{ip}:{port}/", timeout=2).status_code == 200, 30,
+                       f"the relayed port at {ip}")  # fmt: skip
+        # nothing bound the node's own loopback: the servers are inside their namespaces
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=2)
+    finally:
+        for pod in pods:
+            pod.stop(5)
+    assert not list(pod_process.RELAY_DIR.glob(f"*-{port}.sock")), "the relay sockets outlived their pods"
