@@ -32,7 +32,8 @@ the pods the scheduler binds to it the way a kubelet would, as far as this machi
 
 Substituted, because this machine has no pod network: each pod gets a loopback address of its
 own (127.10.x.y) as its pod IP, and a container told to bind every address (`0.0.0.0`,
-`tcp://*`) binds that one instead, as it would inside its own network namespace: two engines
+`tcp://*`, or 0.0.0.0 in its code: kvgate/testing/podnet.c, binds only) binds that one instead,
+as it would inside its own network namespace: two engines
 on port 8000 do not collide and nothing listens beyond loopback. Nothing may leave loopback
 either: every container gets HF_HUB_OFFLINE=1 unless its pod points HF_ENDPOINT at a loopback
 hub (a Hub model's init container then fails, and retries, instead of dialling out). The node
@@ -338,6 +339,7 @@ class PodWorker:
                 "KUBERNETES_SERVICE_PORT": str(api.port or 443),
             },
             store=self.agent.images,
+            podnet=PODNET if PODNET.exists() and not any(self.foreign) else None,
             # Envoy Gateway's own binary is Go: the podnet shim cannot move its binds
             own_network={
                 c["name"]

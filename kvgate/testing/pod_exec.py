@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="", help="supplementary GIDs, comma-separated")
     p.add_argument("--drop-caps", default="")
     p.add_argument("--no-new-privs", action="store_true")
+    p.add_argument("--preload", help="LD_PRELOAD for the command (a path inside the root)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -89,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if program is None:
         print(f'pod_exec: exec: "{command[0]}": executable file not found in $PATH', file=sys.stderr)
         return 127
+    env = dict(os.environ)
+    if args.preload:
+        env["LD_PRELOAD"] = args.preload
     try:
-        os.execve(program, command, dict(os.environ))
+        os.execve(program, command, env)
     except OSError as exc:
         print(f"pod_exec: exec {program}: {exc.strerror}", file=sys.stderr)
         return 126

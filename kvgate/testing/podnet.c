@@ -1,5 +1,5 @@
-/* The pod network of `make cluster`'s node for programs that are not kvgate's (Envoy, as Envoy
- * Gateway's proxy pods run it): loaded with LD_PRELOAD, it gives the process the network view
+/* The pod network of `make cluster`'s node, for programs that bind as if they had one (Envoy
+ * as Envoy Gateway's proxy pods run it, and kvgate's own processes): loaded with LD_PRELOAD, it gives the process the network view
  * it would have inside a pod's own network namespace, on a machine that has none to give.
  *
  * - bind() to every address (0.0.0.0) or to 127.0.0.1 binds the pod's own loopback address
@@ -14,6 +14,10 @@
  *
  * Every other address, and every IPv6 one, is left as it is. Without KVGATE_POD_IP it does
  * nothing. Go programs make their own system calls and never see it.
+ *
+ * KVGATE_PODNET_BINDS_ONLY=1 (kvgate's own pods): binds and abstract sockets as above, connects
+ * to 127.0.0.1 left alone: their processes reach the API server and a test's hub there, on the
+ * node, as they do without the shim.
  *
  * Built by scripts/setup.sh:  cc -shared -fPIC -O2 -o .tools/lib/kvgate-podnet.so podnet.c -ldl
  */
@@ -95,7 +99,8 @@ int connect(int fd, const struct sockaddr *addr, socklen_t len) {
     union room room;
     if (real == NULL)
         real = (sock_fn)dlsym(RTLD_NEXT, "connect");
-    addr = in_pod(addr, &len, &room);
+    if (addr == NULL || addr->sa_family != AF_INET || getenv("KVGATE_PODNET_BINDS_ONLY") == NULL)
+        addr = in_pod(addr, &len, &room);
     return real(fd, addr, len);
 }
 

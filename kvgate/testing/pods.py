@@ -46,6 +46,7 @@ STAGING = Path("/var/tmp/kvgate-pod-staging")
 # the Unix sockets that carry a container's ports across its network namespace (short paths:
 # a socket's path is at most 107 bytes)
 RELAY_DIR = Path("/tmp/kvgate-pod-relays")
+PODNET_IN_ROOT = "/usr/lib/kvgate-podnet.so"  # where an image's container finds the shim
 SA_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # the device nodes a container runtime gives every container (the OCI runtime spec's defaults)
@@ -145,6 +146,9 @@ class Pod:
     # the pod's address: a Go program binds every address with its own system calls, which the
     # podnet shim cannot reach, so two such pods would collide on the node's shared loopback
     own_network: set[str] = field(default_factory=set)
+    # kvgate/testing/podnet.c for kvgate's own processes, binds only: a bind of every address
+    # takes the pod's (kopf's liveness and metrics servers bind 0.0.0.0 in code, not in args)
+    podnet: Path | None = None
     _volumes: dict[str, Path] = field(default_factory=dict)
     _made_mount_points: list[Path] = field(default_factory=list)
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list)
@@ -235,6 +239,10 @@ class Pod:
             env = {**root.config.env, "HOSTNAME": self.name, **self.service_env}
         else:
             env = {**self.image_env, **self.service_env}
+        if self.podnet is not None:
+            env |= {"KVGATE_POD_IP": self.pod_ip, "KVGATE_PODNET_BINDS_ONLY": "1"}
+            if root is None:
+                env["LD_PRELOAD"] = str(self.podnet)
         for item in container.get("env", []):
             source = item.get("valueFrom")
             if source is None:
@@ -378,6 +386,8 @@ class Pod:
         """(source, target on this machine, read-only): each target resolved inside the root,
         parents first, so a mount is never hidden by one over its parent."""
         mounts = [*self._pod_files(), *self._mounts(container)]
+        if self.podnet is not None:
+            mounts.append((self.podnet, PODNET_IN_ROOT, True))
         if all(target != "/dev/shm" for _, target, _ in mounts):
             shm = self.root / "shm"
             shm.mkdir(parents=True, exist_ok=True)
@@ -464,6 +474,8 @@ class Pod:
             launcher += ["--drop-caps", ",".join(drop)]
         if security.get("allowPrivilegeEscalation") is False:
             launcher.append("--no-new-privs")
+        if self.podnet is not None:
+            launcher += ["--preload", PODNET_IN_ROOT]
         script.append("exec " + shlex.join([*launcher, "--", *command]))
         return ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c", "\n".join(script)]
 

@@ -53,6 +53,30 @@ def test_podnet_gives_a_process_its_pods_address() -> None:
     assert plain.stdout.split()[:2] == ["0.0.0.0", "127.0.0.1"], plain.stderr
 
 
+BINDS_ONLY_PROBE = r"""
+import socket, sys
+a = socket.socket(); a.bind(("0.0.0.0", 0)); a.listen()
+client = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+print(a.getsockname()[0], client.getpeername()[0])
+"""
+
+
+@pytest.mark.skipif(not PODNET.exists(), reason="scripts/setup.sh builds .tools/lib/kvgate-podnet.so")
+def test_podnet_binds_only_for_kvgates_pods_leaves_their_connects_on_the_node() -> None:
+    """kvgate's own processes: a bind of every address takes the pod's (kopf's liveness server
+    binds 0.0.0.0 in code), while a connect to 127.0.0.1 still reaches the node, where the API
+    server is (here: this test's listener, which the pod's address does not have)."""
+    env = {"LD_PRELOAD": str(PODNET), "KVGATE_POD_IP": "127.10.9.9", "KVGATE_PODNET_BINDS_ONLY": "1",
+           "PATH": "/usr/bin:/bin"}  # fmt: skip
+    with socket.socket() as node:
+        node.bind(("127.0.0.1", 0))
+        node.listen()
+        done = subprocess.run([sys.executable, "-c", BINDS_ONLY_PROBE, str(node.getsockname()[1])], env=env,
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["127.10.9.9", "127.0.0.1"], done.stdout
+
+
 def _pod(name: str, ns: str, ip: str, labels: dict[str, str], ready: bool = True) -> dict[str, Any]:
     return {
         "metadata": {"name": name, "namespace": ns, "labels": labels},
