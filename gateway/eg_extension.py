@@ -12,8 +12,14 @@ know, hands the result to an extension server over gRPC (`envoygateway.extension
   EPP (``<endpointPickerRef.name>.<namespace>.svc.cluster.local``, HTTP/2, TLS without
   verification as GIE's EPPs serve a self-signed certificate), an ext_proc filter in every HTTP
   listener, off by default and switched on only on the routes whose cluster is that pool's, with
-  the GIE settings kvgate's own gateway uses (kvgate.gateway.envoy_config) and
-  ``failure_mode_allow`` from the pool's ``failureMode``.
+  the GIE settings kvgate's own gateway uses (kvgate.gateway.envoy_config). Ahead of them, a
+  header_mutation filter removes a client's ``x-gateway-destination-endpoint``: only the EPP
+  names the endpoint (``use_http_header`` is unsanitised by Envoy: a forged value would
+  send the request to any host and port the proxy can reach). The filters fail closed even
+  for a ``FailOpen`` pool: with the EPP gone no endpoint is named, and an ``ORIGINAL_DST``
+  cluster then connects to the listener's own address, the proxy itself, a request looping
+  through it until its headers overflow; a warning is logged, and FailOpen waits for a cluster
+  with the pool's endpoints as its fallback.
 
 `PoolStatus` writes ``InferencePool.status.parents``: one entry per Gateway of Envoy Gateway's
 class whose accepted HTTPRoute sends to the pool, with ``Accepted`` and ``ResolvedRefs`` (the
@@ -34,11 +40,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 import envoy.config.cluster.v3.cluster_pb2 as cluster_pb2
+import envoy.config.common.mutation_rules.v3.mutation_rules_pb2 as mutation_rules_pb2
 import envoy.config.endpoint.v3.endpoint_pb2 as endpoint_pb2
 import envoy.config.listener.v3.listener_pb2 as listener_pb2
 import envoy.config.route.v3.route_components_pb2 as route_components_pb2
 import envoy.config.route.v3.route_pb2 as route_pb2
 import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
+import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2 as header_mutation_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
 import envoy.extensions.transport_sockets.tls.v3.secret_pb2 as secret_pb2
 import grpc
@@ -56,6 +64,7 @@ ENDPOINT_HEADER = "x-gateway-destination-endpoint"
 METADATA_KEY = "kvgate.dev/inference-pool"
 HCM = "envoy.filters.network.http_connection_manager"
 ROUTER = "envoy.filters.http.router"
+STRIP_FILTER = "envoy.filters.http.header_mutation/kvgate/strip-destination-endpoint"
 EG_CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
 DEFAULT_EPP_PORT = 9002
 MESSAGE_TIMEOUT = 300.0  # seconds: a long prompt's whole body is buffered before the pick
@@ -303,6 +312,14 @@ def translate(
     if not pools:
         return clusters, listeners, routes
     unique = {p.key: p for p in pools.values()}
+    for pool in unique.values():
+        if pool.failure_mode == "FailOpen":
+            log.warning(
+                "InferencePool %s: failureMode FailOpen is served as FailClose through Envoy Gateway "
+                "(with the EPP gone no endpoint is named, and the pool's ORIGINAL_DST cluster would "
+                "send the request back into the proxy)",
+                pool.key,
+            )
     have = {c.name for c in clusters}
     clusters = list(clusters)
     for pool in unique.values():
@@ -317,6 +334,15 @@ def translate(
     listeners = [_with_filters(listener, list(unique.values()), tables) for listener in listeners]
     routes = [_with_routes(config, pools) for config in routes]
     return clusters, listeners, routes
+
+
+def _strip_filter() -> hcm_pb2.HttpFilter:
+    """Removes the client's x-gateway-destination-endpoint before any EPP runs."""
+    remove = mutation_rules_pb2.HeaderMutation(remove=ENDPOINT_HEADER)
+    config = header_mutation_pb2.HeaderMutation(
+        mutations=header_mutation_pb2.Mutations(request_mutations=[remove])
+    )
+    return hcm_pb2.HttpFilter(name=STRIP_FILTER, typed_config=_any(config))
 
 
 def _with_filters(
@@ -335,12 +361,11 @@ def _with_filters(
             if not f.typed_config.Unpack(hcm) or hcm.rds.route_config_name not in tables:
                 continue
             present = {h.name for h in hcm.http_filters}
-            added = [
+            added = [_strip_filter()] if STRIP_FILTER not in present else []
+            added += [
                 hcm_pb2.HttpFilter(
                     name=p.filter_name,
-                    typed_config=_any(
-                        _ext_proc_filter(p.failure_mode, MESSAGE_TIMEOUT, False, p.epp_cluster)
-                    ),
+                    typed_config=_any(_ext_proc_filter("FailClose", MESSAGE_TIMEOUT, False, p.epp_cluster)),
                     disabled=True,  # on only where a route sends to this pool
                 )
                 for p in pools

@@ -60,7 +60,18 @@ def operator(crds: Cluster) -> Iterator[Cluster]:
               "--set", f"operator.watchNamespaces={{{NS},{SCALED},default}}", "--set", "metricsApi.enabled=true",
               "--set", "metricsApi.apiService=false", "--wait", "--timeout", "120s")  # fmt: skip
     yield crds
+    # the operator removes its finalizers, so what is left goes before it does
+    for md in crds.get("modeldeployments", "-A")["items"]:
+        meta = md["metadata"]
+        crds.delete("modeldeployment", meta["name"], meta["namespace"], within=120)
     crds.helm("uninstall", "kvgate-ops", "--namespace", OPS, "--wait", check=False)
+    # the next files on this worker (e2e/test_operator_pods.py) bind port 8000 on every address:
+    # every engine this module made must be gone first, its draining included
+    eventually(
+        lambda: not crds.get("pods", "-A", "-l", "kvgate.dev/model-deployment")["items"],
+        180,
+        "every pod of the module's ModelDeployments gone",
+    )
 
 
 def model_claim(namespace: str, folder: Path) -> list[dict[str, Any]]:
@@ -367,6 +378,68 @@ def test_the_gateway_accepts_the_route_and_the_pool_and_serves_through_the_epp(s
     assert served_by_engines() - engines_before >= 9
 
 
+def test_a_pool_whose_epp_is_gone_fails_closed_and_a_forged_endpoint_goes_nowhere(served: Served) -> None:
+    """An InferencePool whose EPP does not exist, marked FailOpen, behind the Gateway: the
+    request is a 503, not a pass-through; and a client's own x-gateway-destination-endpoint,
+    which an ORIGINAL_DST cluster would follow to any address, reaches nothing (the extension
+    strips it before the EPP, and fails closed: with no EPP the cluster would connect back to
+    the proxy's own listener)."""
+    import http.server
+
+    cluster = served.cluster
+    hits: list[str] = []
+
+    class Canary(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    canary = http.server.ThreadingHTTPServer(("127.0.0.7", 0), Canary)  # not 127.0.0.1: the proxy's own
+    threading.Thread(target=canary.serve_forever, daemon=True).start()
+    pool = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": "orphan", "namespace": NS},
+        "spec": {
+            "selector": {"matchLabels": {"kvgate.dev/model-deployment": MD, "kvgate.dev/role": "engine"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"name": "no-such-epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
+        },
+    }
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "orphan", "namespace": NS},
+             "spec": {"parentRefs": [{"name": "kvgate", "namespace": "default"}],
+                      "rules": [{"matches": [{"headers": [{"name": "x-test-pool", "value": "orphan"}]}],
+                                 "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                  "name": "orphan"}]}]}}  # fmt: skip
+    apply(cluster, [pool, route])
+    try:
+        address = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
+        forged = {
+            "x-test-pool": "orphan",
+            "x-gateway-destination-endpoint": f"127.0.0.7:{canary.server_port}",
+        }
+        body = {"model": MD, "prompt": "where does this go", "max_tokens": 2}
+
+        def status() -> int:
+            return httpx.post(
+                f"http://{address}/v1/completions", json=body, headers=forged, timeout=30
+            ).status_code
+
+        eventually(lambda: status() == 503, 90, "the orphan pool's route answering 503")
+        assert [status() for _ in range(5)] == [503] * 5
+        assert hits == [], f"a forged endpoint was followed: {hits}"
+        # the module's own pool is untouched by the orphan's route
+        assert httpx.post(f"http://{address}/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        canary.shutdown()
+        cluster.kubectl("delete", "httproute", "orphan", "-n", NS, "--wait=false", check=False)
+        cluster.kubectl("delete", "inferencepool", "orphan", "-n", NS, "--wait=false", check=False)
+
+
 def _wildcard_listeners() -> set[int]:
     """Ports listened on at every address (0.0.0.0 or ::) in this network namespace."""
     ports = set()
@@ -430,8 +503,9 @@ def test_a_gateway_a_user_writes_in_another_namespace_serves_the_pool_too(served
             (p["metadata"]["name"], p["status"].get("containerStatuses")) for p in proxies
         ]
         # each shutdown-manager serves its own pod's 19002: none holds the port on every address
-        # of the node (where the other pod's probes and preStop hook would reach it instead)
-        assert 19002 not in _wildcard_listeners()
+        # of the node (where the other pod's probes and preStop hook would reach it instead);
+        # nor does the operator pod its liveness (8080) and metrics API (6443) ports
+        assert not {19002, 8080, 6443} & _wildcard_listeners()
         # the first Gateway still serves
         assert httpx.post(f"http://{first}/v1/completions", json=body, timeout=30).status_code == 200
     finally:
@@ -664,7 +738,7 @@ def test_an_hpa_scales_the_engines_on_the_pools_queue_and_the_drain_loses_nothin
         assert sum(t.statuses[200] for t in every) >= 30 and not failed, failed[:5]
     finally:
         scaled.envoy.proc.stop()
-        cluster.kubectl("delete", "modeldeployment", MD, "-n", SCALED, "--wait=false")
+        cluster.delete("modeldeployment", MD, SCALED, within=120)  # while the operator can finalize it
 
 
 def test_the_readmes_example_model_deployment_answers_through_the_gateway(operator: Cluster) -> None:
@@ -701,4 +775,11 @@ def test_the_readmes_example_model_deployment_answers_through_the_gateway(operat
             )
     finally:
         cluster.delete("modeldeployment", "smollm2", "default", within=120)
+        eventually(
+            lambda: (
+                not cluster.get("pods", "-n", "default", "-l", "kvgate.dev/model-deployment=smollm2")["items"]
+            ),
+            180,
+            "the example's pods gone",
+        )
         cluster.kubectl("delete", "-f", str(example), "--ignore-not-found", "--wait=false", check=False)

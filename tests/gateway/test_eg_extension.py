@@ -13,6 +13,7 @@ import envoy.config.listener.v3.listener_pb2 as listener_pb2
 import envoy.config.route.v3.route_components_pb2 as route_components_pb2
 import envoy.config.route.v3.route_pb2 as route_pb2
 import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
+import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2 as header_mutation_pb2
 import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
 import grpc
@@ -139,14 +140,21 @@ def test_translation_adds_the_epp_and_enables_its_filter_only_on_the_pools_route
 
     filters = _hcm(resp.listeners[0]).http_filters
     assert [f.name for f in filters] == [
+        "envoy.filters.http.header_mutation/kvgate/strip-destination-endpoint",
         "envoy.filters.http.ext_proc/kvgate/models/smollm2",
         "envoy.filters.http.router",
     ]
-    assert filters[0].disabled
+    # a client's x-gateway-destination-endpoint is removed before the EPP runs, on every route
+    strip = header_mutation_pb2.HeaderMutation()
+    assert not filters[0].disabled and filters[0].typed_config.Unpack(strip)
+    assert [m.remove for m in strip.mutations.request_mutations] == ["x-gateway-destination-endpoint"]
+    assert filters[1].disabled
     proc = ext_proc_pb2.ExternalProcessor()
-    assert filters[0].typed_config.Unpack(proc)
+    assert filters[1].typed_config.Unpack(proc)
     assert proc.grpc_service.envoy_grpc.cluster_name == "kvgate/epp/models/smollm2"
-    assert proc.failure_mode_allow  # the pool's FailOpen
+    # the pool says FailOpen, but with the EPP gone the ORIGINAL_DST cluster would connect to
+    # the proxy's own listener: it fails closed
+    assert not proc.failure_mode_allow
 
     to_pool, to_service = resp.routes[0].virtual_hosts[0].routes
     assert list(to_pool.typed_per_filter_config) == ["envoy.filters.http.ext_proc/kvgate/models/smollm2"]
@@ -168,7 +176,7 @@ def test_listeners_without_a_route_to_a_pool_get_no_filter(stub: Any) -> None:
     req.listeners.extend([_listener(), other])
     req.routes.append(_routes())
     resp = stub("PostTranslateModify", req)
-    assert len(_hcm(resp.listeners[0]).http_filters) == 2
+    assert len(_hcm(resp.listeners[0]).http_filters) == 3
     assert [f.name for f in _hcm(resp.listeners[1]).http_filters] == ["envoy.filters.http.router"]
 
 
@@ -183,7 +191,7 @@ def test_translation_is_idempotent(stub: Any) -> None:
     )
     twice = stub("PostTranslateModify", again)
     assert [c.name for c in twice.clusters] == [c.name for c in once.clusters]
-    assert len(_hcm(twice.listeners[0]).http_filters) == 2
+    assert len(_hcm(twice.listeners[0]).http_filters) == 3
 
 
 def test_translation_without_pools_changes_nothing(stub: Any) -> None:
