@@ -805,7 +805,26 @@ class KVOffloadSpec(K8sModel):
         return self.size_bytes() / GIB
 
 
+TENANTS_FAIL_OPEN_MESSAGE = (
+    "spec.tenants with spec.routing.failureMode FailOpen: a request the endpoint picker does not "
+    "answer would reach the engines without its key checked; use FailClose (the default)"
+)
+
+
 class ModelDeploymentSpec(K8sModel):
+    # The API server refuses it (`kvgate up --tenants --failure-mode FailOpen` does too).
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.tenants) || !has(self.routing) || !has(self.routing.failureMode)"
+                    " || self.routing.failureMode != 'FailOpen'",
+                    "message": TENANTS_FAIL_OPEN_MESSAGE,
+                }
+            ]
+        }
+    )
+
     model: ModelSource
     engine: EngineSpec = Field(default_factory=EngineSpec)
     replicas: int | None = Field(
@@ -867,6 +886,13 @@ class ModelDeploymentSpec(K8sModel):
 
     def lora_settings(self) -> LoRASpec:
         return self.lora or LoRASpec()
+
+    @model_validator(mode="after")
+    def _tenants_fail_closed(self) -> ModelDeploymentSpec:
+        # The CRD's CEL rule says the same; this says it where the API server did not check.
+        if self.tenants is not None and self.routing.failure_mode == "FailOpen":
+            raise ValueError(TENANTS_FAIL_OPEN_MESSAGE)
+        return self
 
     @model_validator(mode="after")
     def _adapters_are_servable(self) -> ModelDeploymentSpec:

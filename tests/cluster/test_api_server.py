@@ -99,8 +99,23 @@ def test_inference_objectives_and_model_deployments_from_the_examples_are_accept
             },
             "spec.adapters",
         ),
+        (
+            {
+                "model": {"source": "hf://org/model"},
+                "routing": {"failureMode": "FailOpen"},
+                "tenants": {"secretName": "tenants"},
+            },
+            "spec.tenants with spec.routing.failureMode FailOpen",
+        ),
     ],
-    ids=["s3-source", "negative-replicas", "failure-mode", "huge-source", "10000-adapters"],
+    ids=[
+        "s3-source",
+        "negative-replicas",
+        "failure-mode",
+        "huge-source",
+        "10000-adapters",
+        "tenants-fail-open",
+    ],
 )
 def test_invalid_model_deployments_are_refused_with_the_field_named(
     crds: Cluster, spec: dict[str, Any], words: str
@@ -113,6 +128,13 @@ def test_invalid_model_deployments_are_refused_with_the_field_named(
     }
     done = crds.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(doc), check=False)
     assert done.returncode != 0 and words in done.stderr, done.stderr[-2000:]
+
+
+def test_tenants_with_the_default_failure_mode_are_accepted(crds: Cluster) -> None:
+    doc = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": "keyed"},
+           "spec": {"model": {"source": "hf://org/model"}, "tenants": {"secretName": "tenants"}}}  # fmt: skip
+    done = crds.kubectl("create", "--dry-run=server", "-f", "-", stdin=json.dumps(doc), check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_an_invalid_name_is_refused_with_the_rule(crds: Cluster) -> None:

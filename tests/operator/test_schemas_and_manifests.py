@@ -1005,7 +1005,7 @@ def test_chart_defaults_put_tenants_and_flow_control_into_its_models(validator: 
         "models[1].spec.model.source=hf://a/b",
         "models[1].spec.tenants.secretName=own-tenants",
         "models[1].spec.tenants.key=keys.yaml",
-        "models[1].spec.routing.failureMode=FailOpen",
+        "models[1].spec.routing.failureMode=FailClose",
         "models[1].spec.routing.flowControl.enabled=false",
         "models[1].spec.routing.flowControl.maxQueued=7",
     )
@@ -1024,7 +1024,7 @@ def test_chart_defaults_put_tenants_and_flow_control_into_its_models(validator: 
         "keys.yaml",
     )
     assert mds["own"]["spec"]["routing"] == {
-        "failureMode": "FailOpen",
+        "failureMode": "FailClose",
         "flowControl": {"enabled": False, "maxQueued": 7, "ttl": "45s"},
     }
     # What the operator then runs: the same flags as for a hand-written spec.
@@ -1106,3 +1106,18 @@ def test_the_autoscalers_read_what_the_epp_exports_with_its_thresholds() -> None
     query = ch.autoscaler_query("smol", "saturation")
     assert "/ 5)" in query and "/ 0.8)" in query
     assert contract.saturation(2.5, 0.2) == 0.5 and contract.saturation(1.0, 0.8) == 1.0
+
+
+def test_tenants_with_fail_open_are_refused_where_the_api_server_did_not_check() -> None:
+    from pydantic import ValidationError
+
+    from kvgate.api.k8s.model_deployment import ModelDeploymentSpec
+
+    keyed = {"model": {"source": "hf://a/b"}, "tenants": {"secretName": "llm-tenants"}}
+    assert ModelDeploymentSpec.model_validate(keyed).routing.failure_mode == "FailClose"
+    with pytest.raises(ValidationError, match=r"spec\.tenants with spec\.routing\.failureMode FailOpen"):
+        ModelDeploymentSpec.model_validate({**keyed, "routing": {"failureMode": "FailOpen"}})
+    # without tenants, FailOpen stays the user's choice
+    ModelDeploymentSpec.model_validate(
+        {"model": {"source": "hf://a/b"}, "routing": {"failureMode": "FailOpen"}}
+    )
