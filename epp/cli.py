@@ -95,7 +95,8 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--profile",
         default="",
-        help="built-in profile (precise-prefix, precise-prefix-weights, default, round-robin, random) or, with --config-file, "
+        help="built-in profile (precise-prefix, precise-prefix-weights, default, round-robin, random; conformance: GIE's "
+        "conformance suite, where the client names the endpoint) or, with --config-file, "
         "which of its schedulingProfiles runs (default: precise-prefix / the file's first)",
     )
     s.add_argument(
@@ -348,7 +349,22 @@ def _add_metrics_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-usage-percentage-metric", default="", help="override: KV-cache use (0-1) series"
     )
     add_log_level(p, default_format="json")
+    # GIE's EPP spells the log format so: a Deployment written for its EPP runs this one unchanged
+    m.add_argument(
+        "--zap-encoder",
+        dest="log_format",
+        type=_zap_encoder,
+        metavar="{json,console}",
+        help="GIE's spelling of --log-format (console = text)",
+    )
     add_otlp_endpoint(p)
+
+
+def _zap_encoder(text: str) -> str:
+    formats = {"json": "json", "console": "text"}
+    if text not in formats:
+        raise argparse.ArgumentTypeError(f"expected json or console, got {text!r}")
+    return formats[text]
 
 
 def _fail(message: str) -> int:

@@ -41,6 +41,10 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_METADATA_NAMESPACE = "envoy.lb"
 SUBSET_HINT_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
+# GIE: the gateway reports in the response phase's metadata which endpoint served the request;
+# the conformance profile echoes it to the client in its test header
+SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
+SERVED_ENDPOINT_TEST_HEADER = "x-conformance-test-served-endpoint"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 # llm-d's per-request latency objectives (milliseconds), read by the predicted-latency scorer.
@@ -224,6 +228,7 @@ class EndpointPickerHandler:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         tracer: Tracer | None = None,
         tenants: TenantRegistry | None = None,
+        report_served_endpoint: bool = False,
     ) -> None:
         self.director = director
         self.metrics = metrics
@@ -234,6 +239,8 @@ class EndpointPickerHandler:
         self.tracer = tracer or Tracer(None, "kvgate-epp")
         # Tenants (a tenants file): every request must carry one's API key; None: no key asked for.
         self.tenants = tenants
+        # GIE's conformance EPP: the served endpoint (response metadata) as a response header
+        self.report_served_endpoint = report_served_endpoint
 
     # -- request phase ----------------------------------------------------------------------
     def on_request_headers(
@@ -332,6 +339,7 @@ class EndpointPickerHandler:
             slo_tpot_s=_milliseconds(headers.get(SLO_TPOT_HEADER)),
             path=headers.get(":path", ""),
             subset=x.subset,
+            headers=headers,
             tokenizer=self.tokenizer,
             policy=self._policy(),
         )
@@ -515,8 +523,11 @@ class EndpointPickerHandler:
         return out
 
     # -- response phase ---------------------------------------------------------------------
-    def on_response_headers(self, x: _Exchange, msg: ep.HttpHeaders) -> list[ep.ProcessingResponse]:
-        self.director.response_seen()  # the response phase is configured: in-flight counts are exact
+    def on_response_headers(
+        self, x: _Exchange, msg: ep.HttpHeaders, metadata: base_pb2.Metadata | None = None
+    ) -> list[ep.ProcessingResponse]:
+        # (in-flight counts become exact only with the response body: a gateway may send the
+        # headers alone, as Envoy Gateway's does, and close the stream before the body ends)
         status = ""
         for h in msg.headers.headers:
             if h.key == ":status":
@@ -529,6 +540,8 @@ class EndpointPickerHandler:
         mutation = ep.HeaderMutation()
         if x.rewriter is not None:
             mutation.remove_headers.append("content-length")  # the rewritten body may change length
+        if self.report_served_endpoint:
+            mutation.set_headers.append(_header(SERVED_ENDPOINT_TEST_HEADER, served_endpoint(metadata)))
         resp = ep.ProcessingResponse(
             response_headers=ep.HeadersResponse(response=ep.CommonResponse(header_mutation=mutation))
         )
@@ -614,7 +627,7 @@ class EndpointPickerHandler:
         if kind == "request_headers":
             return self.on_request_headers(x, msg.request_headers, msg.metadata_context)
         if kind == "response_headers":
-            return self.on_response_headers(x, msg.response_headers)
+            return self.on_response_headers(x, msg.response_headers, msg.metadata_context)
         if kind == "request_trailers":
             return self.on_request_trailers(x)
         if kind == "response_trailers":
@@ -680,6 +693,18 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return None if msg is eof else msg
 
         await run_exchange(self.handler, read, context.write)
+
+
+def served_endpoint(metadata: base_pb2.Metadata | None) -> str:
+    """What the gateway says served the request (GIE's envoy.lb metadata), or why it is unknown
+    in the words GIE's conformance EPP uses."""
+    lb = metadata.filter_metadata.get(LB_METADATA_NAMESPACE) if metadata is not None else None
+    if lb is None:
+        return "fail: missing envoy lb metadata"
+    value = lb.fields.get(SERVED_ENDPOINT_KEY)
+    if value is None or not value.HasField("string_value"):
+        return "fail: missing destination endpoint served metadata"
+    return value.string_value
 
 
 def completion_tokens(tail: bytes) -> int | None:

@@ -25,6 +25,8 @@ from kvgate.epp.datastore import Datastore
 LIVENESS = "liveness"
 READINESS = "readiness"
 EXT_PROC = "envoy.service.ext_proc.v3.ExternalProcessor"
+# the service GIE's EPP reports readiness under: its chart's (and llm-d's) probes ask for it
+GIE_READINESS = "inference-extension"
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -87,6 +89,7 @@ class EppHealth:
             self._ready = ready
             status = SERVING if ready else NOT_SERVING
             await self._set(READINESS, status)
+            await self._set(GIE_READINESS, status)
             await self._set(EXT_PROC, status)
 
     async def watch(self, interval: float = TICK_S) -> None:

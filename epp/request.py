@@ -59,6 +59,7 @@ class InferenceRequest:
     slo_tpot_s: float | None = None  # x-slo-tpot-ms: its time-per-output-token objective
     path: str = ""
     subset: list[str] | None = None  # Envoy's subset hint; None = no hint
+    headers: dict[str, str] = field(default_factory=dict)  # as Envoy sent them, lower-case names
     tokenizer: Tokenizer | None = None
     policy: PromptPolicy = field(default_factory=PromptPolicy)
     _token_ids: list[int] | None = field(default=None, repr=False)

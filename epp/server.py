@@ -28,6 +28,7 @@ from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
 from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
+from kvgate.epp.scheduling.filters import HeaderBasedTestingFilter
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
 from kvgate.epp.tenants import load_tenants
 
@@ -120,6 +121,10 @@ class EppServer:
             max_body_bytes=settings.max_request_body_bytes,
             tracer=self.tracer,
             tenants=self.tenants,
+            # with GIE's conformance filter the suite also wants the served endpoint echoed
+            report_served_endpoint=any(
+                f.type_name == HeaderBasedTestingFilter.type_name for f in profile.filters
+            ),
         )
         self.flow: FlowGate | None = None
         if settings.flow_control.enabled:

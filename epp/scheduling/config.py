@@ -27,6 +27,7 @@ PLUGIN_TYPES: dict[str, type] = {
         filters.LeastKVCacheFilter,
         filters.LoraAffinityFilter,
         filters.ModelServedFilter,
+        filters.HeaderBasedTestingFilter,
         scorers.QueueScorer,
         scorers.KVCacheUtilizationScorer,
         scorers.LoadAwareScorer,
@@ -113,6 +114,7 @@ def parse_duration(text: str) -> float:
 # GIE's default profile (queue 2, kv-cache 2, approximate prefix 3, LoRA affinity 2) and kvgate's own.
 # Each starts with model-served-filter: never an engine that does not serve the request's model
 # (an adapter loaded on some engines only); where every engine serves it, it keeps them all.
+CONFORMANCE_PROFILE = "conformance"
 BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     "default": {
         "plugins": [
@@ -247,6 +249,20 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
             {
                 "name": "random",
                 "plugins": [{"pluginRef": "model-served-filter"}, {"pluginRef": "random-picker"}],
+            }
+        ],
+    },
+    # GIE's conformance suite: the client names the pods (test-epp-endpoint-selection), and the
+    # EPP reports the endpoint the gateway says served it (x-conformance-test-served-endpoint)
+    CONFORMANCE_PROFILE: {
+        "plugins": [{"type": "header-based-testing-filter"}, {"type": "round-robin-picker"}],
+        "schedulingProfiles": [
+            {
+                "name": CONFORMANCE_PROFILE,
+                "plugins": [
+                    {"pluginRef": "header-based-testing-filter"},
+                    {"pluginRef": "round-robin-picker"},
+                ],
             }
         ],
     },

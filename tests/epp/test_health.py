@@ -11,7 +11,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate.epp.datastore import Datastore, Endpoint
-from kvgate.epp.health import EXT_PROC, LIVENESS, NOT_SERVING, SERVING, EppHealth, ThreadedHealthServer
+from kvgate.epp.health import (
+    EXT_PROC,
+    GIE_READINESS,
+    LIVENESS,
+    NOT_SERVING,
+    READINESS,
+    SERVING,
+    EppHealth,
+    ThreadedHealthServer,
+)
 from kvgate.testing.polling import eventually_async
 
 
@@ -58,4 +67,25 @@ async def test_a_busy_loop_still_answers_health_and_a_stalled_one_says_not_servi
         assert await asyncio.to_thread(_check, server.port, EXT_PROC) == NOT_SERVING
     finally:
         watch.cancel()
+        server.stop()
+
+
+async def test_readiness_is_also_reported_under_gies_service_name() -> None:
+    # GIE's chart and llm-d's probe the EPP with service "inference-extension": a Deployment
+    # written for their EPP must see kvgate's become ready, not be restarted forever
+    datastore = Datastore()
+    health = EppHealth(datastore)
+    server = ThreadedHealthServer(health, "127.0.0.1", 0)
+    await health.start()
+    server.start()
+    try:
+        await health.refresh()
+        for service in (READINESS, GIE_READINESS):
+            assert await asyncio.to_thread(_check, server.port, service) == NOT_SERVING
+        datastore.set_endpoints([Endpoint("127.0.0.1:1")])  # no KV events: nothing to replay
+        await health.refresh()
+        for service in (READINESS, GIE_READINESS, EXT_PROC):
+            assert await asyncio.to_thread(_check, server.port, service) == SERVING
+    finally:
+        await health.shutdown()
         server.stop()
