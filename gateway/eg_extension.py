@@ -47,8 +47,10 @@ import envoy.config.route.v3.route_components_pb2 as route_components_pb2
 import envoy.config.route.v3.route_pb2 as route_pb2
 import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
 import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2 as header_mutation_pb2
+import envoy.extensions.filters.http.header_to_metadata.v3.header_to_metadata_pb2 as header_to_metadata_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
 import envoy.extensions.transport_sockets.tls.v3.secret_pb2 as secret_pb2
+import envoy.extensions.upstreams.http.v3.http_protocol_options_pb2 as http_options_pb2
 import grpc
 import httpx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
@@ -65,6 +67,9 @@ METADATA_KEY = "kvgate.dev/inference-pool"
 HCM = "envoy.filters.network.http_connection_manager"
 ROUTER = "envoy.filters.http.router"
 STRIP_FILTER = "envoy.filters.http.header_mutation/kvgate/strip-destination-endpoint"
+SERVED_FILTER = "envoy.filters.http.header_to_metadata/kvgate/destination-endpoint-served"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 EG_CONTROLLER = "gateway.envoyproxy.io/gatewayclass-controller"
 DEFAULT_EPP_PORT = 9002
 MESSAGE_TIMEOUT = 300.0  # seconds: a long prompt's whole body is buffered before the pick
@@ -212,6 +217,7 @@ class Pool:
     epp: str
     epp_port: int
     failure_mode: str  # FailOpen | FailClose
+    app_protocol: str = "http"  # of the target ports: http (HTTP/1.1) or kubernetes.io/h2c
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Pool:
@@ -224,6 +230,7 @@ class Pool:
             epp=str(ref["name"]),
             epp_port=int(port),
             failure_mode=str(ref.get("failureMode") or "FailClose"),
+            app_protocol=str(spec.get("appProtocol") or "http"),
         )
 
     @property
@@ -251,6 +258,7 @@ class Pool:
                 "epp": self.epp,
                 "eppPort": self.epp_port,
                 "failureMode": self.failure_mode,
+                "appProtocol": self.app_protocol,
             }
         )
         return s
@@ -260,25 +268,67 @@ class Pool:
         meta = cluster.metadata.filter_metadata.get(METADATA_KEY)
         if meta is None:
             return None
-        d = dict(meta)
-        return cls(d["namespace"], d["name"], d["epp"], int(d["eppPort"]), d["failureMode"])
+        return cls.from_struct(dict(meta))
+
+    @classmethod
+    def from_struct(cls, d: dict[str, Any]) -> Pool:
+        return cls(
+            d["namespace"],
+            d["name"],
+            d["epp"],
+            int(d["eppPort"]),
+            d["failureMode"],
+            d.get("appProtocol", "http"),
+        )
 
 
-def pool_of(resources: list[Any]) -> Pool | None:
-    """The InferencePool among a hook's extension resources (unstructured JSON), if any."""
+def pools_of(resources: list[Any]) -> list[Pool | None]:
+    """A hook's extension resources (unstructured JSON) in order, as pools (None: another kind)."""
+    out: list[Pool | None] = []
     for res in resources:
         try:
             obj = json.loads(res.unstructured_bytes)
         except ValueError:
-            continue
-        if obj.get("kind") == POOL_KIND and str(obj.get("apiVersion", "")).startswith(POOL_GROUP + "/"):
-            return Pool.from_object(obj)
-    return None
+            obj = {}
+        pool = obj.get("kind") == POOL_KIND and str(obj.get("apiVersion", "")).startswith(POOL_GROUP + "/")
+        out.append(Pool.from_object(obj) if pool else None)
+    return out
+
+
+def pool_of(resources: list[Any]) -> Pool | None:
+    """The first InferencePool among a hook's extension resources, if any."""
+    return next((p for p in pools_of(resources) if p is not None), None)
+
+
+def split_of(cluster: cluster_pb2.Cluster, pools: list[Pool | None]) -> list[tuple[Pool, int]]:
+    """A rule's backendRefs to several pools, with their weights: Envoy Gateway makes one cluster
+    for the rule, a locality per backendRef (region ``<rule>/backend/<index>``, its weight),
+    and passes the rule's custom backends in backendRef order. [] unless that maps cleanly
+    (every backendRef of the rule a pool) onto two or more pools."""
+    found: list[tuple[Pool, int]] = []
+    for locality in cluster.load_assignment.endpoints:
+        head, _, index = locality.locality.region.rpartition("/backend/")
+        if not head or not index.isdigit() or int(index) >= len(pools):
+            return []
+        pool = pools[int(index)]
+        if pool is None:
+            return []
+        weight = locality.load_balancing_weight.value if locality.HasField("load_balancing_weight") else 1
+        found.append((pool, weight))
+    return found if len({p.key for p, _ in found}) > 1 else []
 
 
 # -- the hooks ----------------------------------------------------------------------------------
-def pool_cluster(cluster: cluster_pb2.Cluster, pool: Pool) -> cluster_pb2.Cluster:
-    """The route's cluster for a pool: connect to the endpoint the EPP named."""
+SPLIT_KEY = "kvgate.dev/inference-pool-split"
+H2C_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+
+
+def pool_cluster(
+    cluster: cluster_pb2.Cluster, pool: Pool, split: list[tuple[Pool, int]] | None = None
+) -> cluster_pb2.Cluster:
+    """The route's cluster for a pool: connect to the endpoint the EPP named. A rule split
+    between pools keeps the split in the metadata; the translation hook then gives each pool a
+    cluster of its own and the route a weighted choice between them."""
     out = cluster_pb2.Cluster()
     out.CopyFrom(cluster)
     for name in ("load_assignment", "eds_cluster_config", "load_balancing_policy", "health_checks"):
@@ -287,7 +337,42 @@ def pool_cluster(cluster: cluster_pb2.Cluster, pool: Pool) -> cluster_pb2.Cluste
     out.lb_policy = cluster_pb2.Cluster.CLUSTER_PROVIDED
     out.original_dst_lb_config.use_http_header = True
     out.original_dst_lb_config.http_header_name = ENDPOINT_HEADER
+    if pool.app_protocol == "kubernetes.io/h2c":  # GIE: the model servers speak HTTP/2 cleartext
+        out.typed_extension_protocol_options[H2C_OPTIONS].CopyFrom(_h2c())
     out.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
+    if split:
+        entries = struct_pb2.Struct()
+        entries.update({"pools": [{**dict(p.as_struct()), "weight": w} for p, w in split]})
+        out.metadata.filter_metadata[SPLIT_KEY].CopyFrom(entries)
+    return out
+
+
+def _h2c() -> Any:
+    options = http_options_pb2.HttpProtocolOptions()
+    options.explicit_http_config.http2_protocol_options.SetInParent()
+    return _any(options)
+
+
+def _split_clusters(cluster: cluster_pb2.Cluster) -> list[tuple[cluster_pb2.Cluster, Pool, int]]:
+    """For a split rule's cluster: one cluster per pool (named after the rule's cluster and the
+    pool), with its weight; [] for a cluster of one pool."""
+    meta = cluster.metadata.filter_metadata.get(SPLIT_KEY)
+    if meta is None:
+        return []
+    out = []
+    for entry in meta.fields["pools"].list_value.values:
+        d = dict(entry.struct_value)
+        pool = Pool.from_struct(d)
+        one = cluster_pb2.Cluster()
+        one.CopyFrom(cluster)
+        one.name = f"{cluster.name}/pool/{pool.key}"
+        del one.metadata.filter_metadata[SPLIT_KEY]
+        one.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
+        if H2C_OPTIONS in one.typed_extension_protocol_options:
+            del one.typed_extension_protocol_options[H2C_OPTIONS]
+        if pool.app_protocol == "kubernetes.io/h2c":
+            one.typed_extension_protocol_options[H2C_OPTIONS].CopyFrom(_h2c())
+        out.append((one, pool, int(d["weight"])))
     return out
 
 
@@ -304,6 +389,12 @@ def translate(
     routes: list[route_pb2.RouteConfiguration],
 ) -> tuple[list[cluster_pb2.Cluster], list[listener_pb2.Listener], list[route_pb2.RouteConfiguration]]:
     """Add each pool's EPP cluster and ext_proc filter, and switch the filter on for its routes."""
+    splits = {c.name: _split_clusters(c) for c in clusters}
+    splits = {name: parts for name, parts in splits.items() if parts}
+    have_names = {c.name for c in clusters}
+    clusters = list(clusters) + [
+        one for parts in splits.values() for one, _, _ in parts if one.name not in have_names
+    ]
     pools: dict[str, Pool] = {}
     for c in clusters:
         pool = Pool.from_cluster(c)
@@ -332,7 +423,7 @@ def translate(
         if any(c in pools for vhost in config.virtual_hosts for r in vhost.routes for c in _route_clusters(r))
     }
     listeners = [_with_filters(listener, list(unique.values()), tables) for listener in listeners]
-    routes = [_with_routes(config, pools) for config in routes]
+    routes = [_with_routes(config, pools, splits) for config in routes]
     return clusters, listeners, routes
 
 
@@ -343,6 +434,31 @@ def _strip_filter() -> hcm_pb2.HttpFilter:
         mutations=header_mutation_pb2.Mutations(request_mutations=[remove])
     )
     return hcm_pb2.HttpFilter(name=STRIP_FILTER, typed_config=_any(config))
+
+
+def _served_filter() -> hcm_pb2.HttpFilter:
+    """GIE: the data plane tells the EPP, in the response phase's metadata, which endpoint
+    served the request. An ORIGINAL_DST cluster connects to exactly the address the EPP's
+    header names, so after the EPP (this filter runs after every ext_proc filter) that header
+    is the served endpoint; the ext_proc filters forward ``envoy.lb`` with the response headers."""
+    rule = header_to_metadata_pb2.Config.Rule(
+        header=ENDPOINT_HEADER,
+        on_header_present=header_to_metadata_pb2.Config.KeyValuePair(
+            metadata_namespace=LB_NAMESPACE, key=SERVED_KEY, type=header_to_metadata_pb2.Config.STRING
+        ),
+    )
+    return hcm_pb2.HttpFilter(
+        name=SERVED_FILTER, typed_config=_any(header_to_metadata_pb2.Config(request_rules=[rule]))
+    )
+
+
+def _pool_ext_proc(pool: Pool) -> ext_proc_pb2.ExternalProcessor:
+    """The pool's ext_proc filter: kvgate's gateway settings, plus the response headers (not
+    the body) with ``envoy.lb`` forwarded, so the EPP learns the served endpoint (GIE)."""
+    config = _ext_proc_filter("FailClose", MESSAGE_TIMEOUT, False, pool.epp_cluster)
+    config.processing_mode.response_header_mode = config.processing_mode.SEND
+    config.metadata_options.forwarding_namespaces.untyped.append(LB_NAMESPACE)
+    return config
 
 
 def _with_filters(
@@ -365,12 +481,14 @@ def _with_filters(
             added += [
                 hcm_pb2.HttpFilter(
                     name=p.filter_name,
-                    typed_config=_any(_ext_proc_filter("FailClose", MESSAGE_TIMEOUT, False, p.epp_cluster)),
+                    typed_config=_any(_pool_ext_proc(p)),
                     disabled=True,  # on only where a route sends to this pool
                 )
                 for p in pools
                 if p.filter_name not in present
             ]
+            if added and SERVED_FILTER not in present:
+                added.append(_served_filter())
             if not added:
                 continue
             kept = list(hcm.http_filters)
@@ -381,24 +499,41 @@ def _with_filters(
     return out
 
 
+def _enabled() -> Any:
+    """Per-route (or per weighted cluster) config that switches a disabled ext_proc filter on."""
+    per_route = ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides())
+    return _any(route_components_pb2.FilterConfig(config=_any(per_route)))
+
+
 def _with_routes(
-    config: route_pb2.RouteConfiguration, pools: dict[str, Pool]
+    config: route_pb2.RouteConfiguration,
+    pools: dict[str, Pool],
+    splits: dict[str, list[tuple[cluster_pb2.Cluster, Pool, int]]] | None = None,
 ) -> route_pb2.RouteConfiguration:
     out = route_pb2.RouteConfiguration()
     out.CopyFrom(config)
     for vhost in out.virtual_hosts:
         for route in vhost.routes:
+            split = (splits or {}).get(route.route.cluster) if route.HasField("route") else None
+            if split:
+                # A weighted choice between the pools' clusters, made when the route is chosen,
+                # and only the chosen pool's EPP runs (its filter is on for that cluster alone):
+                # the EPP of one pool never names an endpoint for the other's cluster.
+                route.route.ClearField("cluster")
+                for one, pool, weight in split:
+                    entry = route.route.weighted_clusters.clusters.add(name=one.name)
+                    entry.weight.value = weight
+                    entry.typed_per_filter_config[pool.filter_name].CopyFrom(_enabled())
+                continue
+            if route.HasField("route") and route.route.HasField("weighted_clusters"):
+                # each pool's EPP on for its own weighted cluster only
+                for entry in route.route.weighted_clusters.clusters:
+                    if entry.name in pools:
+                        entry.typed_per_filter_config[pools[entry.name].filter_name].CopyFrom(_enabled())
+                continue
             targets = {pools[c].filter_name for c in _route_clusters(route) if c in pools}
             for name in sorted(targets):
-                route.typed_per_filter_config[name].CopyFrom(
-                    _any(
-                        route_components_pb2.FilterConfig(
-                            config=_any(
-                                ext_proc_pb2.ExtProcPerRoute(overrides=ext_proc_pb2.ExtProcOverrides())
-                            )
-                        )
-                    )
-                )
+                route.typed_per_filter_config[name].CopyFrom(_enabled())
     return out
 
 
@@ -407,11 +542,17 @@ class Extension:
 
     def post_cluster_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
         resp = MESSAGES["PostClusterModifyResponse"]()
-        pool = pool_of(list(req.post_cluster_context.backend_extension_resources))
+        found = pools_of(list(req.post_cluster_context.backend_extension_resources))
+        pool = next((p for p in found if p is not None), None)
         if pool is None:
             resp.cluster.CopyFrom(req.cluster)
         else:
-            resp.cluster.CopyFrom(pool_cluster(req.cluster, pool))
+            split = split_of(req.cluster, found)
+            if split:
+                log.info(
+                    "cluster %s: split %s", req.cluster.name, ", ".join(f"{p.key}={w}" for p, w in split)
+                )
+            resp.cluster.CopyFrom(pool_cluster(req.cluster, pool, split))
             log.info(
                 "cluster %s -> InferencePool %s (EPP %s:%d)",
                 req.cluster.name,

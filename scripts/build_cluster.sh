@@ -11,7 +11,8 @@
 # Output: ${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}/<hash>/ with gateway-crds.yaml
 # (Envoy Gateway's CRDs) and bin/ with one
 # multi-call binary (kvgate-cluster) and symlinks kube-apiserver,
-# kube-controller-manager, kube-scheduler, etcd pointing at it.
+# kube-controller-manager, kube-scheduler, etcd pointing at it, envoy-gateway, and
+# echo-basic (tools/conformance: the backend the conformance suites deploy).
 # A cache hit is a no-op. Only the Go module proxy is needed (GOMODCACHE stays
 # at its default, outside the repo). Honours GOFLAGS; uses -mod=vendor when
 # tools/cluster/vendor exists, else -mod=readonly unless GOFLAGS sets -mod.
@@ -21,6 +22,7 @@ SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[
 ROOT="$(cd "$(dirname "$SCRIPT")/.." && pwd)"
 MOD_DIR="$ROOT/tools/cluster"
 GW_DIR="$ROOT/tools/gateway"
+CONF_DIR="$ROOT/tools/conformance"
 CACHE="${KVGATE_CLUSTER_CACHE:-$HOME/.cache/kvgate-cluster}"
 COMMANDS=(kube-apiserver kube-controller-manager kube-scheduler etcd)
 NICE=(nice -n 10)
@@ -48,7 +50,7 @@ EG_VERSION="$(awk '$1 == "github.com/envoyproxy/gateway" && $2 ~ /^v/ {print $2;
 # Cache key: both modules' go.mod, go.sum and *.go, this script and `go version`.
 HASH="$(
   {
-    for dir in "$MOD_DIR" "$GW_DIR"; do
+    for dir in "$MOD_DIR" "$GW_DIR" "$CONF_DIR"; do
       for f in go.mod go.sum $(cd "$dir" && find . -name '*.go' -not -path './vendor/*' | LC_ALL=C sort); do
         [ -f "$dir/$f" ] || continue
         printf '%s/%s\n' "$(basename "$dir")" "$f"
@@ -65,7 +67,7 @@ OUT="$CACHE/$HASH"
 complete() {
   [ -x "$1/bin/kvgate-cluster" ] || return 1
   local c
-  for c in "${COMMANDS[@]}" envoy-gateway; do [ -x "$1/bin/$c" ] || return 1; done
+  for c in "${COMMANDS[@]}" envoy-gateway echo-basic; do [ -x "$1/bin/$c" ] || return 1; done
   [ -s "$1/gateway-crds.yaml" ] || return 1
 }
 
@@ -134,6 +136,16 @@ for f in "$EG_SRC"/charts/gateway-crds-helm/templates/generated/*.yaml; do
   grep -v '^{{' "$f"
 done >"$TMP/gateway-crds.yaml"
 grep -q '^kind: CustomResourceDefinition' "$TMP/gateway-crds.yaml" || die "no CRDs found in $EG_SRC"
+
+# echo-basic, the backend the conformance suites deploy (scripts/gie_conformance.sh): small.
+cd "$CONF_DIR"
+if [ "${MODFLAG[*]}" != "-mod=vendor" ]; then
+  "${NICE[@]}" go mod download || die "go mod download failed in $CONF_DIR"
+fi
+log "building echo-basic ($(awk '$1 == "sigs.k8s.io/gateway-api/conformance" {print $2; exit}' go.mod))"
+CGO_ENABLED=0 "${NICE[@]}" go build "${MODFLAG[@]}" -buildvcs=false -trimpath -ldflags "-s -w" \
+  -o "$TMP/bin/echo-basic" sigs.k8s.io/gateway-api/conformance/echo-basic ||
+  die "go build of echo-basic failed"
 
 log "checking versions"
 got="$("$TMP/bin/kube-apiserver" --version)" || die "kube-apiserver --version failed"

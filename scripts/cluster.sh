@@ -14,6 +14,9 @@
 #   scripts/cluster.sh              # builds what is missing, starts, prints "cluster ready"
 #   KVGATE_CLUSTER_DIR=DIR          # state and kubeconfig (default .cluster, git-ignored)
 #   KVGATE_CLUSTER_API_PORT=PORT    # the API server's port (default: a free one)
+#   KVGATE_CLUSTER_GATEWAY_DEPLOY=GatewayNamespace  # Envoy Gateway's proxies in each Gateway's
+#                                   # namespace (GIE's conformance suite wants them there);
+#                                   # default ControllerNamespace, Envoy Gateway's own default
 #
 # The kubeconfig is DIR/kubeconfig (user kvgate-admin, group system:masters). A kube-apiserver
 # that exits is restarted (DIR/kube-apiserver.pid names it); any other component exiting stops
@@ -253,6 +256,11 @@ fi
 
 # -- the Gateway API implementation: Envoy Gateway and kvgate's extension server -------------------
 EG_NS=envoy-gateway-system
+EG_DEPLOY=${KVGATE_CLUSTER_GATEWAY_DEPLOY:-ControllerNamespace}
+case $EG_DEPLOY in
+    ControllerNamespace | GatewayNamespace) ;;
+    *) echo "KVGATE_CLUSTER_GATEWAY_DEPLOY: ControllerNamespace or GatewayNamespace, not $EG_DEPLOY" >&2; exit 2 ;;
+esac
 CRDS_EG="$(dirname "$BIN")/gateway-crds.yaml"
 "${KUBECTL[@]}" apply --server-side -f "$CRDS_EG" >/dev/null ||
     failed "applying Envoy Gateway's CRDs failed" "$DIR/logs/kube-apiserver.log"
@@ -281,6 +289,7 @@ provider:
   type: Kubernetes
   kubernetes:
     proxyTopologyInjector: {disabled: true}
+    deploy: {type: $EG_DEPLOY}
 logging:
   level: {default: info}
 admin:
@@ -313,16 +322,30 @@ started gateway-extension $!
 for made in /certs /config; do
     [[ -e $made ]] || { mkdir "$made" && MADE_DIRS+=("$made"); }
 done
+# and the in-cluster API access its pod's service account gives (GatewayNamespace mode reads
+# it): the admin token, the API server's CA, at the usual path inside its mount namespace
+SA_MOUNT=/var/run/secrets/kubernetes.io/serviceaccount
+made_sa=()
+for made in /var/run/secrets /var/run/secrets/kubernetes.io $SA_MOUNT; do
+    [[ -e $made ]] || { mkdir "$made" && made_sa=("$made" "${made_sa[@]}"); }
+done
+MADE_DIRS+=("${made_sa[@]}")
+mkdir -p "$DIR/gateway/serviceaccount"
+printf '%s' "$ADMIN_TOKEN" >"$DIR/gateway/serviceaccount/token"
+cp "$DIR/pki/apiserver/apiserver.crt" "$DIR/gateway/serviceaccount/ca.crt"
+printf '%s' "$EG_NS" >"$DIR/gateway/serviceaccount/namespace"
 "$PY" -m kvgate.testing.netns_relay --unix "$DIR/gateway/api.sock=127.0.0.1:$API_PORT" \
     --tcp "$EG_ADDRESS:18000=$DIR/gateway/xds.sock" >"$DIR/logs/gateway-relay.log" 2>&1 &
 started gateway-relay $!
 unshare --mount --net --propagation private sh -c '
     ip link set lo up &&
     mount --bind "$1/gateway/certs/envoy-gateway" /certs && mount --bind "$1/gateway/config" /config &&
+    mount --bind "$1/gateway/serviceaccount" /var/run/secrets/kubernetes.io/serviceaccount &&
     { "$5" -m kvgate.testing.netns_relay --die-with-parent --tcp "127.0.0.1:$4=$1/gateway/api.sock" \
         --unix "$1/gateway/xds.sock=127.0.0.1:18000" >"$1/logs/gateway-relay-inside.log" 2>&1 & } &&
     until grep -q relaying "$1/logs/gateway-relay-inside.log" 2>/dev/null; do sleep 0.1; done &&
-    exec env KUBECONFIG="$1/kubeconfig" ENVOY_GATEWAY_NAMESPACE="$2" "$3/envoy-gateway" server --config-path /config/envoy-gateway.yaml
+    exec env KUBECONFIG="$1/kubeconfig" KUBERNETES_SERVICE_HOST=127.0.0.1 KUBERNETES_SERVICE_PORT="$4" \
+        ENVOY_GATEWAY_NAMESPACE="$2" "$3/envoy-gateway" server --config-path /config/envoy-gateway.yaml
 ' sh "$DIR" "$EG_NS" "$BIN" "$API_PORT" "$PY" >"$DIR/logs/envoy-gateway.log" 2>&1 &
 started envoy-gateway $!
 

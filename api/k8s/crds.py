@@ -105,6 +105,12 @@ from kvgate.api.k8s.model_deployment import (
 # CRD declarations
 # ---------------------------------------------------------------------------------------------
 
+# GIE's CRDs carry the release they come from (its conformance suite reads it for its report):
+# the release whose InferencePool and InferenceObjective schemas these match, and whose
+# conformance suite docs/kubernetes.md reports against this project's gateway
+GIE_BUNDLE_VERSION = "v1.6.0"
+GIE_ANNOTATIONS = {"inference.networking.k8s.io/bundle-version": GIE_BUNDLE_VERSION}
+
 INFERENCE_POOL_CRD = CRDSpec(
     group=POOL_GROUP,
     version=POOL_VERSION,
@@ -121,7 +127,8 @@ INFERENCE_POOL_CRD = CRDSpec(
         PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
     ),
     annotations={
-        "api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"
+        "api-approved.kubernetes.io": "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173",
+        **GIE_ANNOTATIONS,
     },
 )
 
@@ -136,6 +143,7 @@ INFERENCE_OBJECTIVE_CRD = CRDSpec(
         PrinterColumn("Priority", ".spec.priority", type="integer"),
         PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
     ),
+    annotations=GIE_ANNOTATIONS,
 )
 
 MODEL_DEPLOYMENT_CRD = CRDSpec(

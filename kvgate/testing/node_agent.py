@@ -87,6 +87,32 @@ FOREIGN = {
     "envoyproxy/envoy": "envoy",
     "envoyproxy/gateway": "envoy-gateway",
     "envoyproxy/gateway-dev": "envoy-gateway",
+    # the backend GIE's and Gateway API's conformance suites deploy (tools/conformance)
+    "k8s-staging-gateway-api/echo-basic": "echo-basic",
+    "gateway-api/echo-basic": "echo-basic",
+}
+# Go binaries: their own system calls bind every address, out of the podnet shim's reach, so
+# each runs in a network namespace of its own with its ports relayed from the pod's address
+OWN_NETWORK = {"envoy-gateway", "echo-basic"}
+# Images played by one of kvgate's components, and the command it runs when the pod gives none
+# (the pod's args follow): GIE's conformance EPP (lwepp) is kvgate's EPP in its conformance
+# profile, flow control off and no KV events (the suite's backends report no load, publish none)
+STAND_INS = {
+    "gateway-api-inference-extension/lwepp": (
+        "epp",
+        [
+            "kvgate",
+            "epp",
+            "serve",
+            "--profile",
+            "conformance",
+            "--no-flow-control",
+            "--kv-events-port",
+            "0",
+            "--host",
+            "0.0.0.0",
+        ],
+    ),
 }
 PODNET = pod_process.REPO / ".tools" / "lib" / "kvgate-podnet.so"
 POD_NETWORK = ipaddress.ip_network("127.10.0.0/16")
@@ -109,6 +135,11 @@ def _repository(image: str) -> list[str]:
 def component_of(image: str) -> str | None:
     """kvgate's component for an image reference (any registry and tag), None for another."""
     return IMAGES.get(_repository(image)[-1])
+
+
+def stand_in_of(image: str) -> tuple[str, list[str]] | None:
+    """The component playing another project's image here and its command, None for none."""
+    return STAND_INS.get("/".join(_repository(image)[-2:]))
 
 
 def foreign_of(image: str) -> str | None:
@@ -212,7 +243,13 @@ class PodWorker:
         self.dir = agent.state / "pods" / f"{self.ns}_{self.name}_{self.uid[:8]}"
         spec = pod["spec"]
         images = [c.get("image", "") for c in spec["containers"]]
-        self.components = [component_of(i) for i in images]
+        for c, image in zip(spec["containers"], images, strict=True):
+            stand_in = stand_in_of(image)
+            if stand_in is not None and "command" not in c:
+                c["command"] = stand_in[1]
+            elif foreign_of(image) == "echo-basic" and "command" not in c:
+                c["command"] = ["echo-basic"]  # its image's entrypoint
+        self.components = [component_of(i) or (s[0] if (s := stand_in_of(i)) else None) for i in images]
         self.foreign = [foreign_of(i) for i in images]
         # containers (init ones too) that run from an archive of the node's image store
         self.from_images = {
@@ -310,6 +347,7 @@ class PodWorker:
         if spec.get("automountServiceAccountToken", True):
             sa_dir = self.dir / "serviceaccount"
             await self._write_token(sa_dir)
+        projected = await self._projected(maps, secrets)
         api = urlparse(self.agent.config.server)
         runtime = pod_process.Pod(
             spec=spec,
@@ -333,6 +371,7 @@ class PodWorker:
             secrets=secrets,
             claims=claims,
             service_account_dir=sa_dir,
+            projected=projected,
             service_env={
                 **self._offline_env(),
                 "KUBERNETES_SERVICE_HOST": api.hostname or "127.0.0.1",
@@ -340,11 +379,8 @@ class PodWorker:
             },
             store=self.agent.images,
             podnet=PODNET if PODNET.exists() and not any(self.foreign) else None,
-            # Envoy Gateway's own binary is Go: the podnet shim cannot move its binds
             own_network={
-                c["name"]
-                for c, f in zip(spec["containers"], self.foreign, strict=True)
-                if f == "envoy-gateway"
+                c["name"] for c, f in zip(spec["containers"], self.foreign, strict=True) if f in OWN_NETWORK
             },
         )
         if self.agent.images is not None:
@@ -386,6 +422,13 @@ class PodWorker:
         containers = [*spec.get("initContainers", []), *spec["containers"]]
         wanted_maps = {v["configMap"]["name"] for v in spec.get("volumes", []) if "configMap" in v}
         wanted_secrets = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+        for v in spec.get("volumes", []):
+            if "projected" in v and not v["name"].startswith("kube-api-access-"):
+                for source in v["projected"].get("sources") or []:
+                    if "configMap" in source:
+                        wanted_maps.add(source["configMap"]["name"])
+                    if "secret" in source:
+                        wanted_secrets.add(source["secret"]["name"])
         for c in containers:
             for item in c.get("env", []):
                 source = item.get("valueFrom") or {}
@@ -421,22 +464,53 @@ class PodWorker:
         resp.raise_for_status()
         return dict(resp.json())
 
-    async def _write_token(self, sa_dir: Path) -> None:
+    async def _projected(
+        self, maps: dict[str, dict[str, str]], secrets: dict[str, dict[str, str]]
+    ) -> dict[str, dict[str, str]]:
+        """The files of each projected volume the pod writes itself (not the API access one the
+        admission plugin adds): tokens for their audiences (TokenRequest, bound to the pod),
+        ConfigMap and Secret items. Envoy Gateway's proxies in a Gateway's own namespace
+        authenticate to its xDS server with such a token."""
+        out: dict[str, dict[str, str]] = {}
+        for volume in self.pod["spec"].get("volumes", []):
+            sources = (volume.get("projected") or {}).get("sources")
+            if not sources or volume["name"].startswith("kube-api-access-"):
+                continue
+            files: dict[str, str] = {}
+            for source in sources:
+                if "serviceAccountToken" in source:
+                    t = source["serviceAccountToken"]
+                    files[t["path"]] = await self._token(
+                        t.get("audience"), int(t.get("expirationSeconds", TOKEN_SECONDS))
+                    )
+                for kind, data in (("configMap", maps), ("secret", secrets)):
+                    if kind in source:
+                        ref = source[kind]
+                        values = data.get(ref["name"], {})
+                        for item in ref.get("items") or [{"key": k, "path": k} for k in values]:
+                            if item["key"] in values:
+                                files[item["path"]] = values[item["key"]]
+            out[volume["name"]] = files
+        return out
+
+    async def _token(self, audience: str | None, seconds: int) -> str:
         account = self.pod["spec"].get("serviceAccountName") or "default"
-        body = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenRequest",
-            "spec": {
-                "expirationSeconds": TOKEN_SECONDS,
-                "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid},
-            },
+        spec: dict[str, Any] = {
+            "expirationSeconds": seconds,
+            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid},
         }
+        if audience:
+            spec["audiences"] = [audience]
         resp = await self.agent.api.post(
-            f"/api/v1/namespaces/{self.ns}/serviceaccounts/{account}/token", json=body
+            f"/api/v1/namespaces/{self.ns}/serviceaccounts/{account}/token",
+            json={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": spec},
         )
         resp.raise_for_status()
+        return str(resp.json()["status"]["token"])
+
+    async def _write_token(self, sa_dir: Path) -> None:
         files = {
-            "token": resp.json()["status"]["token"],
+            "token": await self._token(None, TOKEN_SECONDS),
             "ca.crt": self.agent.config.ca.read_text(),
             "namespace": self.ns,
         }
@@ -930,6 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
         envoy = envoy_bin()
         if envoy is not None:
             foreign["envoy"] = envoy / "envoy"
+    if args.gateway_bin is not None and (args.gateway_bin / "echo-basic").exists():
+        foreign["echo-basic"] = args.gateway_bin / "echo-basic"
     images = None
     if args.images is not None and run_pods:
         if shutil.which("buildah") is None:

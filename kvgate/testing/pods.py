@@ -131,6 +131,9 @@ class Pod:
     secrets: dict[str, dict[str, str]] = field(default_factory=dict)
     claims: dict[str, Path] = field(default_factory=dict)
     service_account_dir: Path | None = None
+    # projected volumes other than the API access one: volume -> (file path -> content), the
+    # service-account tokens for their audiences requested by the node beforehand
+    projected: dict[str, dict[str, str]] = field(default_factory=dict)
     service_env: dict[str, str] = field(default_factory=dict)  # KUBERNETES_SERVICE_HOST/PORT
     # the pod's /etc/resolv.conf (the cluster DNS), and a /dev/shm of its own (Envoy's
     # hot-restart memory is named by --base-id alone): what a pod's sandbox gives it
@@ -179,6 +182,15 @@ class Pod:
                 file.parent.mkdir(parents=True, exist_ok=True)
                 file.write_text(data[item["key"]])
                 file.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
+            path.chmod(0o755)
+        elif "projected" in spec and name in self.projected:
+            path.mkdir(parents=True)
+            mode = int(spec["projected"].get("defaultMode", 0o644))
+            for rel, text in self.projected[name].items():
+                file = path / rel
+                file.parent.mkdir(parents=True, exist_ok=True)
+                file.write_text(text)
+                file.chmod(mode)
             path.chmod(0o755)
         elif "projected" in spec and self.service_account_dir is not None:
             # the ServiceAccount admission plugin's kube-api-access volume: token, ca.crt, namespace

@@ -14,6 +14,7 @@ import envoy.config.route.v3.route_components_pb2 as route_components_pb2
 import envoy.config.route.v3.route_pb2 as route_pb2
 import envoy.extensions.filters.http.ext_proc.v3.ext_proc_pb2 as ext_proc_pb2
 import envoy.extensions.filters.http.header_mutation.v3.header_mutation_pb2 as header_mutation_pb2
+import envoy.extensions.filters.http.header_to_metadata.v3.header_to_metadata_pb2 as header_to_metadata_pb2
 import envoy.extensions.filters.http.router.v3.router_pb2 as router_pb2
 import envoy.extensions.filters.network.http_connection_manager.v3.http_connection_manager_pb2 as hcm_pb2
 import grpc
@@ -142,6 +143,7 @@ def test_translation_adds_the_epp_and_enables_its_filter_only_on_the_pools_route
     assert [f.name for f in filters] == [
         "envoy.filters.http.header_mutation/kvgate/strip-destination-endpoint",
         "envoy.filters.http.ext_proc/kvgate/models/smollm2",
+        "envoy.filters.http.header_to_metadata/kvgate/destination-endpoint-served",
         "envoy.filters.http.router",
     ]
     # a client's x-gateway-destination-endpoint is removed before the EPP runs, on every route
@@ -155,6 +157,17 @@ def test_translation_adds_the_epp_and_enables_its_filter_only_on_the_pools_route
     # the pool says FailOpen, but with the EPP gone the ORIGINAL_DST cluster would connect to
     # the proxy's own listener: it fails closed
     assert not proc.failure_mode_allow
+    # GIE: the response headers (not the body) go to the EPP with the served endpoint, which the
+    # filter after the EPP copies from the header it set into envoy.lb metadata
+    mode = proc.processing_mode
+    assert (mode.response_header_mode, mode.response_body_mode) == (mode.SEND, mode.NONE)
+    assert "envoy.lb" in proc.metadata_options.forwarding_namespaces.untyped
+    served = header_to_metadata_pb2.Config()
+    assert not filters[2].disabled and filters[2].typed_config.Unpack(served)
+    (rule,) = served.request_rules
+    assert rule.header == "x-gateway-destination-endpoint" and not rule.remove
+    kv = rule.on_header_present
+    assert (kv.metadata_namespace, kv.key) == ("envoy.lb", "x-gateway-destination-endpoint-served")
 
     to_pool, to_service = resp.routes[0].virtual_hosts[0].routes
     assert list(to_pool.typed_per_filter_config) == ["envoy.filters.http.ext_proc/kvgate/models/smollm2"]
@@ -176,7 +189,7 @@ def test_listeners_without_a_route_to_a_pool_get_no_filter(stub: Any) -> None:
     req.listeners.extend([_listener(), other])
     req.routes.append(_routes())
     resp = stub("PostTranslateModify", req)
-    assert len(_hcm(resp.listeners[0]).http_filters) == 3
+    assert len(_hcm(resp.listeners[0]).http_filters) == 4
     assert [f.name for f in _hcm(resp.listeners[1]).http_filters] == ["envoy.filters.http.router"]
 
 
@@ -191,7 +204,7 @@ def test_translation_is_idempotent(stub: Any) -> None:
     )
     twice = stub("PostTranslateModify", again)
     assert [c.name for c in twice.clusters] == [c.name for c in once.clusters]
-    assert len(_hcm(twice.listeners[0]).http_filters) == 3
+    assert len(_hcm(twice.listeners[0]).http_filters) == 4
 
 
 def test_translation_without_pools_changes_nothing(stub: Any) -> None:
@@ -286,3 +299,70 @@ def test_pool_status_keeps_transition_times_while_nothing_changes() -> None:
     )
     times = {c["type"]: c["lastTransitionTime"] for c in third[0]["conditions"]}
     assert times == {"Accepted": "2026-12-06T00:00:00Z", "ResolvedRefs": "2026-12-06T02:00:00Z"}
+
+
+def test_a_rule_split_between_two_pools_is_a_weighted_choice_with_only_the_chosen_pools_epp(
+    stub: Any,
+) -> None:
+    canary = {**POOL, "metadata": {"name": "canary", "namespace": "models"}}
+    canary["spec"] = {**POOL["spec"], "endpointPickerRef": {"name": "canary-epp", "port": {"number": 9002}}}
+    # what Envoy Gateway sends for a rule with backendRefs smollm2 (weight 70) and canary (30):
+    # one cluster, a locality per backendRef, the pools in backendRef order
+    cluster = _eg_cluster(POOL_CLUSTER)
+    for i, weight in enumerate((70, 30)):
+        locality = cluster.load_assignment.endpoints.add()
+        locality.locality.region = f"{POOL_CLUSTER}/backend/{i}"
+        locality.load_balancing_weight.value = weight
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=cluster)
+    req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(canary)])
+    modified = stub("PostClusterModify", req).cluster
+
+    translate = ext.MESSAGES["PostTranslateModifyRequest"](
+        clusters=[modified], listeners=[_listener()], routes=[_routes()]
+    )
+    resp = stub("PostTranslateModify", translate)
+    by_name = {c.name: c for c in resp.clusters}
+    for key, epp in (("models/smollm2", "smollm2-epp"), ("models/canary", "canary-epp")):
+        one = by_name[f"{POOL_CLUSTER}/pool/{key}"]
+        assert one.type == cluster_pb2.Cluster.ORIGINAL_DST and ext.Pool.from_cluster(one).epp == epp
+        assert f"kvgate/epp/{key}" in by_name
+    to_pool = resp.routes[0].virtual_hosts[0].routes[0]
+    assert not to_pool.route.cluster and not to_pool.typed_per_filter_config
+    chosen = {
+        c.name: (c.weight.value, list(c.typed_per_filter_config))
+        for c in to_pool.route.weighted_clusters.clusters
+    }
+    assert chosen == {
+        f"{POOL_CLUSTER}/pool/models/smollm2": (70, ["envoy.filters.http.ext_proc/kvgate/models/smollm2"]),
+        f"{POOL_CLUSTER}/pool/models/canary": (30, ["envoy.filters.http.ext_proc/kvgate/models/canary"]),
+    }
+    names = [f.name for f in _hcm(resp.listeners[0]).http_filters]
+    assert "envoy.filters.http.ext_proc/kvgate/models/canary" in names
+    # translated again (Envoy Gateway may resend what it got back): the same result
+    again = stub("PostTranslateModify", ext.MESSAGES["PostTranslateModifyRequest"](
+        clusters=list(resp.clusters), listeners=list(resp.listeners), routes=list(resp.routes)))  # fmt: skip
+    assert sorted(c.name for c in again.clusters) == sorted(by_name)
+    assert again.routes[0] == resp.routes[0]
+
+
+def test_a_rule_mixing_a_pool_with_another_backend_is_not_split(stub: Any) -> None:
+    cluster = _eg_cluster(POOL_CLUSTER)
+    for i in range(2):
+        cluster.load_assignment.endpoints.add().locality.region = f"{POOL_CLUSTER}/backend/{i}"
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=cluster)
+    other = {"apiVersion": "example.com/v1", "kind": "Bucket", "metadata": {"name": "b"}}
+    req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(other)])
+    modified = stub("PostClusterModify", req).cluster
+    assert ext.SPLIT_KEY not in modified.metadata.filter_metadata
+    assert ext.Pool.from_cluster(modified).name == "smollm2"
+
+
+def test_a_pool_of_h2c_model_servers_gets_http2_to_its_endpoints(stub: Any) -> None:
+    h2c = {**POOL, "spec": {**POOL["spec"], "appProtocol": "kubernetes.io/h2c"}}
+    options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    for obj, http2 in ((h2c, True), (POOL, False)):
+        req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster(POOL_CLUSTER))
+        req.post_cluster_context.backend_extension_resources.append(_resource(obj))
+        c = stub("PostClusterModify", req).cluster
+        assert (options in c.typed_extension_protocol_options) is http2
+        assert ext.Pool.from_cluster(c).app_protocol == ("kubernetes.io/h2c" if http2 else "http")
