@@ -295,11 +295,6 @@ def pools_of(resources: list[Any]) -> list[Pool | None]:
     return out
 
 
-def pool_of(resources: list[Any]) -> Pool | None:
-    """The first InferencePool among a hook's extension resources, if any."""
-    return next((p for p in pools_of(resources) if p is not None), None)
-
-
 def split_of(cluster: cluster_pb2.Cluster, pools: list[Pool | None]) -> list[tuple[Pool, int]]:
     """A rule's backendRefs to several pools, with their weights: Envoy Gateway makes one cluster
     for the rule, a locality per backendRef (region ``<rule>/backend/<index>``, its weight),
