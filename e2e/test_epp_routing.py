@@ -186,7 +186,11 @@ def saturation(stack) -> Saturation:
 
     def background(i: int) -> None:
         with httpx.Client(base_url=envoy.url, timeout=60) as c:
-            r = completion(c, f"long critical job {i}", max_tokens=120, ignore_eos=True)
+            # long enough (~5 s each at the simulator's pace) that the pool's service rate,
+            # 12 slots / 5 s, stays below any arrival rate the gateway manages: on a loaded
+            # CI machine 120 tokens each (1.5 s) were served as fast as they came, 75 of them
+            # without a queue ever forming
+            r = completion(c, f"long critical job {i}", max_tokens=400, ignore_eos=True)
             results.append(r.status_code)
 
     def sheddable(prompt: str) -> httpx.Response:
