@@ -15,11 +15,13 @@ from kvgate.api.cli_args import (
     add_simulation_group,
 )
 from kvgate.api.cli_args import non_negative_float as _non_negative_float
+from kvgate.api.cli_args import non_negative_int as _non_negative_int
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_float as _positive_float
 from kvgate.api.cli_args import positive_int as _positive_int
 from kvgate.api.tracing import endpoint_from_env
 from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.core.waiting_queue import POLICIES
 from kvgate.engine.server.tools.parsers import PARSERS as TOOL_PARSERS
 
 if TYPE_CHECKING:  # the launcher imports uvicorn: only when serving
@@ -99,6 +101,27 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         "--max-num-seqs", type=_positive_int, default=128, help="most sequences running in one step"
     )
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="token budget per step")
+    s.add_argument(
+        "--scheduling-policy",
+        choices=POLICIES,
+        default=EngineConfig.scheduling_policy,
+        help="waiting order: fcfs (arrival), priority (the request's priority, lower first, then "
+        "arrival; vLLM's), fair (priority, then the tenant served least, then arrival; the tenant "
+        "is the x-gateway-inference-fairness-id the EPP stamps)",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=_non_negative_int,
+        default=EngineConfig.long_prefill_token_threshold,
+        help="prompt tokens one step gives prompts longer than this, all of them together, so a "
+        "short request arriving meanwhile waits for a short step; 0: the whole step budget",
+    )
+    s.add_argument(
+        "--max-long-partial-prefills",
+        type=_positive_int,
+        default=EngineConfig.max_long_partial_prefills,
+        help="long prompts being prefilled at once (per tenant with --scheduling-policy fair)",
+    )
     s.add_argument(
         "--max-queued-requests",
         type=_positive_int,
@@ -376,6 +399,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_long_partial_prefills=args.max_long_partial_prefills,
         enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory=args.kv_cache_memory,

@@ -74,6 +74,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fair"  # fcfs | priority | fair (core/waiting_queue.py)
+    # Prompt tokens a step gives long prompts (more than this still to compute), all together:
+    # a short request arriving meanwhile waits for a step that short (vLLM's
+    # --long-prefill-token-threshold caps each prompt alone). 0: the whole step budget.
+    long_prefill_token_threshold: int = 256
+    max_long_partial_prefills: int = 1  # long prompts in prefill at once, per tenant
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: a default budget
     num_kv_blocks: int | None = None  # overrides the memory budget (tests use tiny pools)

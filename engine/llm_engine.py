@@ -148,6 +148,9 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                scheduling_policy=config.scheduling_policy,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_long_partial_prefills=config.max_long_partial_prefills,
             ),
             self.kv,
         )
@@ -202,8 +205,13 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         lora_id: int | None = None,
+        priority: int = 0,
+        tenant: str = "",
     ) -> None:
-        """Queue a request. Raises ValueError with a message fit to show the user."""
+        """Queue a request. Raises ValueError with a message fit to show the user.
+
+        ``priority``: lower is admitted first (vLLM's convention); ``tenant``: whose request it
+        is, for the fair policy's service counters."""
         params.validate()
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan out n > 1 above it")
@@ -229,6 +237,8 @@ class LLMEngine:
             arrival_time=time.time() if arrival_time is None else arrival_time,
             lora_id=lora_id,
             eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            tenant=tenant,
         )
         if params.structured_outputs is not None:
             request.grammar = self.structured.matcher(params.structured_outputs)

@@ -1,23 +1,36 @@
 """Continuous batching: which tokens of which requests to compute in the next step.
 
-One token budget per step. Running requests go first (their decode token, or the next chunk
-of a prompt that is being prefilled in pieces), then waiting requests in arrival order. When
-the pool runs dry, the most recently arrived running request is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed (prefix hits make that
-cheap when its blocks have not been evicted meanwhile).
+One token budget per step, filled in three passes:
+
+1. running requests: decode tokens and prompts with little left to compute;
+2. waiting requests in the policy's order (waiting_queue.py: by default priority, then the
+   tenant served least, then arrival);
+3. the next pieces of long prompts being prefilled.
+
+While short prompts keep arriving (no more than `long_prefill_token_threshold` tokens to
+compute, within `short_prompt_window_s`), the long ones share that many prompt tokens a step,
+less what the step's short prompts take, and at most `max_long_partial_prefills` of a tenant's
+are in prefill at once: a short request then waits for a short step, not for a 2,048-token
+chunk of someone's long prompt. Without short arrivals long prompts take the whole budget.
+
+When the pool runs dry the policy's last running request (lowest priority, most served tenant,
+newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
+(prefix hits make that cheap when its blocks have not been evicted meanwhile).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from kvgate.engine.core.kv_cache_manager import CacheHit, KVCacheManager
 from kvgate.engine.core.request import Request, RequestStatus
 from kvgate.engine.core.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
+from kvgate.engine.core.waiting_queue import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +42,40 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # distinct LoRA adapters among running requests; 0: no limit
+    scheduling_policy: str = "fair"  # fcfs | priority | fair (waiting_queue.py)
+    # Most prompt tokens one request computes per step (vLLM's --long-prefill-token-threshold);
+    # 0: up to the whole budget.
+    long_prefill_token_threshold: int = 0
+    # Prompts with more than that still to compute that get prefill tokens in one step (vLLM's
+    # --max-long-partial-prefills): the rest wait their turn, short prompts go past them.
+    max_long_partial_prefills: int = 1
+    # The cap holds only while short prompts (no more than the threshold to compute) keep
+    # arriving: within this many seconds of the newest arrival. Long prompts alone are
+    # computed as fast as the budget allows, since no one waits for their steps.
+    short_prompt_window_s: float = 10.0
+
+
+@dataclass
+class _Step:
+    """The batch being built."""
+
+    budget: int  # tokens still allowed (max_num_batched_tokens less those scheduled)
+    prefill: int = 0  # prompt tokens scheduled (a decode's single token is not)
+    long_pieces: int = 0  # pieces of long prompts scheduled
+    preempted: bool = False
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)  # request ids in seqs
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if config.long_prefill_token_threshold < 0 or config.max_long_partial_prefills < 1:
+            raise ValueError("long_prefill_token_threshold must be >= 0, max_long_partial_prefills >= 1")
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []  # sorted by (arrival_time, seq_no)
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # since the last batch, for the runner to forget
@@ -47,6 +85,10 @@ class Scheduler:
         # are computed already in our accounting (num_computed_tokens moves at scheduling), but
         # a request arriving now still waits for that step.
         self._in_flight_prefill_tokens = 0
+        # When the newest request and the newest short one arrived (short_prompt_window_s).
+        self._latest_arrival = -math.inf
+        self._short_arrival = -math.inf
+        self._capping = False  # this step: long prompts get the threshold, not the budget
 
     # -- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,8 +100,11 @@ class Scheduler:
         # What its prefill will cost as things stand now (a router reads the sum, see
         # pending_prefill_tokens); the lookup hashes the prompt once, which scheduling reuses.
         request.expected_cached_tokens = self.kv.get_computed_blocks(request).num_tokens
+        self._latest_arrival = max(self._latest_arrival, request.arrival_time)
+        if request.num_tokens - request.expected_cached_tokens <= self.config.long_prefill_token_threshold:
+            self._short_arrival = max(self._short_arrival, request.arrival_time)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.arrived(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -81,6 +126,7 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.finished_time = time.time()
+        self.waiting.departed(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
@@ -123,12 +169,63 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(victim)
+        self.waiting.add_front(victim)
+
+    def _victim(self, scheduled: set[str]) -> Request:
+        """Who gives its blocks back when the pool runs dry, among the running requests not in
+        this step's batch yet: the newest arrival; under a priority order the newest of the
+        lowest priority; under the fair one, of those, the tenant served most."""
+        candidates = [r for r in self.running if r.request_id not in scheduled]
+        return max(candidates, key=self.waiting.order_key)
+
+    def _is_long(self, request: Request, num_new: int) -> bool:
+        """A prompt with more than long_prefill_token_threshold still to compute, while the cap
+        holds. Only a long prompt: a short one computed again after a preemption (prompt and
+        output) is not."""
+        cap = self.config.long_prefill_token_threshold
+        return self._capping and 0 < cap < min(num_new, request.num_prompt_tokens)
+
+    def _long_piece(self, step: _Step) -> int:
+        """How much of a long prompt fits this step: what the step's prompt tokens leave of
+        long_prefill_token_threshold."""
+        return self.config.long_prefill_token_threshold - step.prefill
+
+    def _continue(self, request: Request, num_new: int, step: _Step) -> None:
+        """Schedule up to ``num_new`` more tokens of a running request, preempting (the policy's
+        victim, maybe this very request) until its blocks fit."""
+        cfg = self.config
+        num_new = min(num_new, step.budget, cfg.max_model_len - request.num_computed_tokens)
+        if num_new <= 0:
+            return
+        covered = len(request.block_ids) * self.kv.block_size
+        # Most decode steps stay inside the last block: no allocation to do.
+        while request.num_computed_tokens + num_new > covered and self.kv.allocate(request, num_new) is None:
+            victim = self._victim(step.scheduled)
+            self._preempt(victim)
+            step.preempted = True
+            if victim is request:
+                return
+        self._add(request, num_new, step)
+
+    def _add(self, request: Request, num_new: int, step: _Step) -> None:
+        """Put ``num_new`` tokens of a request (its blocks allocated) into the step."""
+        step.seqs.append(self._seq(request, num_new))
+        step.scheduled.add(request.request_id)
+        if request.num_computed_tokens < request.num_prompt_tokens or num_new > 1:
+            step.prefill += num_new
+        request.num_computed_tokens += num_new
+        # Findable at once: a request admitted next in this very step may reuse them.
+        self.kv.cache_full_blocks(request, request.num_computed_tokens)
+        step.budget -= num_new
 
     def _seq(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
         self._in_flight_prefill_tokens += max(0, min(end, len(request.prompt_token_ids)) - start)
+        if num_new == 1 and start >= request.num_prompt_tokens:
+            self.waiting.charge(request, 0, 1)  # a decode step
+        else:
+            self.waiting.charge(request, num_new, int(end == request.num_tokens))
         seq = ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -145,66 +242,75 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         cfg = self.config
         block_size = self.kv.block_size
-        budget = cfg.max_num_batched_tokens
-        seqs: list[ScheduledSeq] = []
+        step = _Step(budget=cfg.max_num_batched_tokens)
         self._in_flight_prefill_tokens = 0  # counted as each seq is built (_seq)
-        preempted = False
         self.kv.begin_step()
+        self._capping = (
+            cfg.enable_chunked_prefill
+            and cfg.long_prefill_token_threshold > 0
+            and self._latest_arrival - self._short_arrival <= cfg.short_prompt_window_s
+        )
 
-        # 1. Running requests, oldest first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        # 1. Running requests, oldest first: decodes and prompts with little left to compute.
+        #    A long prompt being prefilled in pieces waits for step 3, so that what is admitted
+        #    in step 2 goes before its next piece.
+        long_partials: list[Request] = []
+        for request in list(self.running):
+            if step.budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted for an earlier one's room
             num_new = request.num_tokens - request.num_computed_tokens
-            if not cfg.enable_chunked_prefill and num_new > budget:
-                i += 1
+            if not cfg.enable_chunked_prefill and num_new > step.budget:
                 continue
-            num_new = min(num_new, budget, cfg.max_model_len - request.num_computed_tokens)
-            if num_new <= 0:
-                i += 1
+            if self._is_long(request, num_new):
+                long_partials.append(request)
                 continue
-            covered = len(request.block_ids) * block_size
-            # Most decode steps stay inside the last block: no allocation to do.
-            while (
-                request.num_computed_tokens + num_new > covered and self.kv.allocate(request, num_new) is None
-            ):
-                # Free room by recomputing the newest arrival later; maybe this very request.
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                seqs.append(self._seq(request, num_new))
-                request.num_computed_tokens += num_new
-                self.kv.cache_full_blocks(request, request.num_computed_tokens)
-                budget -= num_new
-                i += 1
+            self._continue(request, num_new, step)
+        longs = Counter(self.waiting.tenant_of(r) for r in long_partials)
 
-        # 2. Waiting requests, in order, while there is room. Not after a preemption: the
-        #    pool is short and admitting more would only thrash.
+        # 2. Waiting requests, in the policy's order, while there is room. Not after a
+        #    preemption: the pool is short and admitting more would only thrash.
         #    A request whose adapter would be one more than max_loras waits (in place) while
-        #    the ones behind it, base-model requests included, go ahead.
+        #    the ones behind it, base-model requests included, go ahead; so does a long prompt
+        #    while max_long_partial_prefills are being computed.
         now = time.time()
         adapters = self.running_lora_ids()
         passed_over: list[Request] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < cfg.max_num_seqs:
-            request = self.waiting[0]
+        while (
+            self.waiting and step.budget > 0 and not step.preempted and len(self.running) < cfg.max_num_seqs
+        ):
+            head = self.waiting.peek()
+            assert head is not None  # the loop runs while some request waits
+            request = head
             lora = request.lora_id
             if cfg.max_loras and lora is not None and lora not in adapters and len(adapters) >= cfg.max_loras:
-                passed_over.append(self.waiting.popleft())
+                self.waiting.remove(request)
+                passed_over.append(request)
                 continue
             hit = self.kv.get_computed_blocks(request)
             if request.prompt_logprobs is not None:
                 hit = _limit_cache_hit(request, hit, block_size)
             num_hit = hit.num_tokens
             num_new = request.num_tokens - num_hit
-            if not cfg.enable_chunked_prefill and num_new > budget:
+            if not cfg.enable_chunked_prefill and num_new > step.budget:
                 break
-            num_new = min(num_new, budget)
+            long = self._is_long(request, num_new)
+            if long:
+                piece = self._long_piece(step)
+                tenant = self.waiting.tenant_of(request)
+                if longs[tenant] >= cfg.max_long_partial_prefills or piece < block_size:
+                    self.waiting.remove(request)  # its turn comes; shorter ones go past it
+                    passed_over.append(request)
+                    continue
+                num_new = piece
+            num_new = min(num_new, step.budget)
             if self.kv.allocate(request, num_new, *hit) is None:
                 break
-            self.waiting.popleft()
+            if long:
+                longs[tenant] += 1
+                step.long_pieces += 1
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -213,22 +319,34 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
-            seqs.append(self._seq(request, num_new))
-            request.num_computed_tokens += num_new
-            # Findable at once: a request admitted next in this very step may reuse them.
-            self.kv.cache_full_blocks(request, request.num_computed_tokens)
-            budget -= num_new
+            self._add(request, num_new, step)
             if lora is not None:
                 adapters.add(lora)
-        self.waiting.extendleft(reversed(passed_over))
+        for request in reversed(passed_over):
+            self.waiting.add_front(request)
+
+        # 3. The long prompts' next pieces, in the policy's order, in what is left of the
+        #    step's prefill allowance (long_prefill_token_threshold less the prompt tokens
+        #    already in it); the first always gets a block, so long prompts never stall.
+        for request in sorted(long_partials, key=self.waiting.order_key):
+            if step.budget <= 0:
+                break
+            piece = self._long_piece(step)
+            if step.long_pieces == 0:
+                piece = max(piece, block_size)
+            if piece < block_size:
+                break
+            if request.status == RequestStatus.RUNNING:
+                self._continue(request, piece, step)
+                step.long_pieces += 1
 
         # An empty batch never reaches the runner, so finished ids wait for the next real one.
         finished: list[str] = []
-        if seqs:
+        if step.seqs:
             finished, self._finished_ids = self._finished_ids, []
         transfers = self.kv.end_step()  # empty unless a seq was scheduled
         return ScheduledBatch(
-            seqs=seqs,
+            seqs=step.seqs,
             finished_request_ids=finished,
             running_lora_ids=frozenset(adapters),
             kv_saves=transfers.saves,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.api.contracts.admissions import Pick
+from kvgate.api.contracts.queue_order import QueueOrder
 from kvgate.engine.llm_engine import LoRANotLoaded
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class _Add:
     arrival_wall: float  # time.time() at arrival: the engine's own timestamps are wall clock
     parent: _Parent
     pick: Pick | None = None  # a kvgate EPP replica routed it: announce its admission
+    order: QueueOrder = field(default_factory=QueueOrder)  # its place in the waiting queue
 
 
 @dataclass
@@ -187,6 +189,7 @@ class AsyncEngine:
         items: list[tuple[list[int], SamplingParams]],
         lora_id: int | None = None,
         pick: Pick | None = None,
+        order: QueueOrder | None = None,
     ) -> RequestHandle:
         """Admit one client request as one engine request per (prompt, params) item.
 
@@ -232,6 +235,7 @@ class AsyncEngine:
                         arrival_wall,
                         parents[index],
                         pick if index == 0 else rest,
+                        order or QueueOrder(),
                     )
                 )
             self._cv.notify()
@@ -400,7 +404,14 @@ class AsyncEngine:
 
     def _apply_add(self, add: _Add) -> BaseException | None:
         try:
-            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, lora_id=add.lora_id)
+            self.engine.add_request(
+                add.request_id,
+                add.prompt_token_ids,
+                add.params,
+                lora_id=add.lora_id,
+                priority=add.order.priority,
+                tenant=add.order.tenant,
+            )
         except LoRANotLoaded:
             # the server checked the name before an unload reached the engine: an unknown model,
             # as vLLM answers it (the server puts the model's name in; it is not known here)

@@ -70,6 +70,8 @@ class _SamplingFields(StructuredFields, _Lenient):
     # vLLM's extension: top-K logprobs at every prompt position (plus the prompt token itself).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     kv_transfer_params: KVTransferParams | None = None
+    # vLLM's: lower is admitted first, with --scheduling-policy priority or fair (the default)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
 
     @field_validator("stop")
     @classmethod

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from kvgate.api.contracts.admissions import Pick
+from kvgate.api.contracts.queue_order import QueueOrder
 from kvgate.api.lora import lora_int_id
 from kvgate.engine.outputs import PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
@@ -106,6 +107,9 @@ class OpenAIServing:
         self.model = model
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_options = tool_options or ToolOptions()
+        # the waiting order (a body priority with fcfs is refused, as vLLM does)
+        config = getattr(engine.engine, "config", None)
+        self.scheduling_policy: str = getattr(config, "scheduling_policy", "fair")
         # Unique ids without a getrandom syscall per request (a GIL hand-off while the engine
         # thread is busy): a random per-process prefix plus a counter.
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -143,6 +147,13 @@ class OpenAIServing:
             )
         if req.logit_bias:
             raise bad_request("logit_bias is not supported by this engine.", "logit_bias")
+        if req.priority and self.scheduling_policy == "fcfs":
+            # vLLM's answer: a priority the queue would ignore is refused, not dropped
+            raise bad_request(
+                "priority is not used with --scheduling-policy fcfs; omit it or run the engine "
+                "with --scheduling-policy priority or fair.",
+                "priority",
+            )
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
         """Validate a tokenized prompt; return the max_tokens to use.
@@ -380,6 +391,7 @@ class OpenAIServing:
         items: list[tuple[list[int], SamplingParams]],
         handoff: Handoff | None,
         pick: Pick | None,
+        order: QueueOrder | None = None,
     ) -> Submitted:
         """Queue a request's sequences (`items`, from `prompts`) on the engine under a new id.
         A P/D consumer pulls a single prompt's KV first; the pulled blocks go if queuing fails."""
@@ -387,7 +399,9 @@ class OpenAIServing:
         lora_id = self._lora_id(model)
         imported = await self.pd.pull_in(req, handoff, prompts[0], lora_id) if len(prompts) == 1 else None
         try:
-            handle = await self.engine.submit(rid, items, lora_id=lora_id, pick=pick)
+            handle = await self.engine.submit(
+                rid, items, lora_id=lora_id, pick=pick, order=order or QueueOrder(req.priority)
+            )
         except BaseException as exc:
             await self.pd.release(imported)
             if isinstance(exc, APIError) and exc.code == "model_not_found":

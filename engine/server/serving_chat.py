@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from kvgate.api.contracts.admissions import Pick
+from kvgate.api.contracts.queue_order import QueueOrder
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.server.async_engine import RequestHandle
 from kvgate.engine.server.errors import bad_request
@@ -41,6 +42,7 @@ class OpenAIServingChat:
         receive: Receive,
         pick: Pick | None = None,
         handoff: Handoff | None = None,
+        order: QueueOrder | None = None,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
         model, produce = serving.prologue(req)
@@ -62,7 +64,7 @@ class OpenAIServingChat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = serving.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, structured)
         items = [(ids, p) for p in params]
-        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, pick)
+        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, pick, order)
         if req.stream:
             return sub.stream(
                 self._stream(sub.handle, sub.meta, include_usage(req), req.logprobs, receive, tool_plan)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.api.contracts.admissions import Pick
+from kvgate.api.contracts.queue_order import QueueOrder
 from kvgate.engine.outputs import PositionLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import RequestHandle
@@ -49,6 +50,7 @@ class OpenAIServingCompletion:
         receive: Receive,
         pick: Pick | None = None,
         handoff: Handoff | None = None,
+        order: QueueOrder | None = None,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
         model, produce = serving.prologue(req)
@@ -84,7 +86,7 @@ class OpenAIServingCompletion:
             )
         echo = [serving.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, serving.first_token_text) if req.echo else None
-        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, pick)
+        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, pick, order)
         if req.stream:
             return sub.stream(
                 self._stream(

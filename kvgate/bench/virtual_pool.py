@@ -18,6 +18,7 @@ announcements `admission_delay` after they are made. What is not: network and pr
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -66,6 +67,11 @@ class PoolSpec:
     kv_blocks: int = 1800
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # Requests that name no tenant are dealt round-robin to this many ("tenant-0", ...); 0: none.
+    tenants: int = 0
+    # the engines' waiting order and prefill cap for long prompts (EngineConfig's defaults)
+    scheduling_policy: str = EngineConfig.scheduling_policy
+    long_prefill_token_threshold: int = EngineConfig.long_prefill_token_threshold
     sim: SimulationConfig = field(
         default_factory=lambda: SimulationConfig(
             prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005
@@ -201,6 +207,8 @@ class _Engine:
             num_kv_blocks=pool.kv_blocks,
             max_num_seqs=pool.max_num_seqs,
             max_num_batched_tokens=pool.max_num_batched_tokens,
+            scheduling_policy=pool.scheduling_policy,
+            long_prefill_token_threshold=pool.long_prefill_token_threshold,
             # no larger than the pool holds, so the engine does not warn that it caps it
             max_model_len=min(8192, pool.kv_blocks * pool.block_size),
             simulation=pool.sim,
@@ -315,6 +323,8 @@ class VirtualPool:
         _, director = self.replicas[replica]
         text = " ".join(req.nominal_words)
         model = req.model or MODEL
+        if req.tenant is None and self.pool.tenants:
+            req = dataclasses.replace(req, tenant=f"tenant-{req.index % self.pool.tenants}")
         body = {"model": model, "prompt": text, "max_tokens": req.max_tokens}
         request = InferenceRequest(
             request_id=f"r{req.index}" if not self._round else f"r{req.index}.{self._round}",
@@ -394,6 +404,9 @@ class VirtualPool:
             SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, temperature=0.0),
             arrival_time=self.now,
             lora_id=None if req.model is None else lora_int_id(req.model),
+            # as the EPP forwards them (GIE's priority: higher first; the engine's: lower first)
+            priority=-req.priority,
+            tenant=req.tenant or "",
         )
         if not eng.busy:
             eng.busy = True

@@ -316,3 +316,42 @@ def _gauges_now(async_engine: AsyncEngine) -> tuple[float, float]:
     m = async_engine.metrics
     with m.lock:
         return m.running.value, m.waiting.value
+
+
+async def test_the_queue_order_comes_from_the_epps_headers_or_the_body(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """kvgate.api.contracts.queue_order: the EPP's priority (GIE's, higher first) and tenant win;
+    a direct client may set vLLM's body priority (lower first); a malformed header counts as none."""
+    engine = _engine(tokenizer)
+    seen: list[tuple[int, str]] = []
+    add = engine.add_request
+
+    def recording(*args, priority: int = 0, tenant: str = "", **kw):  # type: ignore[no-untyped-def]
+        seen.append((priority, tenant))
+        return add(*args, priority=priority, tenant=tenant, **kw)
+
+    engine.add_request = recording  # type: ignore[method-assign]
+    body = {"prompt": "hello", "max_tokens": 2}
+    async for client, _ in _server(engine):
+        stamped = {"x-kvgate-priority": "2", "x-gateway-inference-fairness-id": "team-a"}
+        r = await client.post("/v1/completions", json={**body, "priority": 7}, headers=stamped)
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={**body, "priority": 5})
+        assert r.status_code == 200, r.text
+        forged = {"x-kvgate-priority": "1e9", "x-gateway-inference-fairness-id": "../etc"}
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3},
+            headers=forged,
+        )
+        assert r.status_code == 200, r.text
+    assert seen == [(-2, "team-a"), (5, ""), (-3, "")]
+
+
+async def test_a_body_priority_under_fcfs_is_refused_as_vllm_does(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    async for client, _ in _server(_engine(tokenizer, scheduling_policy="fcfs")):
+        r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "priority": 1})
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["param"] == "priority" and "--scheduling-policy" in err["message"]
+        ok = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2, "priority": 0})
+        assert ok.status_code == 200

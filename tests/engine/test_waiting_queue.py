@@ -1,0 +1,159 @@
+"""The waiting order (engine/core/waiting_queue.py) and the scheduler's cap on long prompts,
+on the real scheduler and KV cache manager with the simulated runner."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.core.kv_cache_manager import KVCacheManager
+from kvgate.engine.core.request import Request
+from kvgate.engine.core.scheduler import Scheduler, SchedulerConfig
+from kvgate.engine.core.waiting_queue import WaitingQueue
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.sim_runner import SimulatedRunner
+
+BS = 4
+
+
+def _req(rid: str, n: int = 8, t: float = 0.0, tenant: str = "", priority: int = 0, seq: int = 0) -> Request:
+    base = 1000 * (hash(rid) % 1000 + 1)
+    r = Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=4), arrival_time=t)
+    r.tenant, r.priority, r.seq_no = tenant, priority, seq
+    return r
+
+
+def _order(q: WaitingQueue) -> list[str]:
+    out = []
+    while (r := q.peek()) is not None:
+        q.remove(r)
+        out.append(r.request_id)
+    return out
+
+
+def test_fcfs_is_arrival_order_and_a_preempted_request_goes_first() -> None:
+    q = WaitingQueue("fcfs")
+    for i, rid in enumerate(["a", "b", "c"]):
+        q.arrived(_req(rid, t=i, priority=-i, tenant=rid))
+    q.add_front(_req("back", t=9))
+    assert len(q) == 4 and _order(q) == ["back", "a", "b", "c"]
+
+
+def test_priority_then_arrival() -> None:
+    q = WaitingQueue("priority")
+    q.arrived(_req("late-urgent", t=3, priority=-1))
+    q.arrived(_req("early", t=1))
+    q.arrived(_req("later", t=2))
+    q.arrived(_req("sheddable", t=0, priority=5))
+    assert _order(q) == ["late-urgent", "early", "later", "sheddable"]
+
+
+def test_fair_serves_the_tenant_served_least_first() -> None:
+    q = WaitingQueue("fair", tolerance=100)
+    heavy = [_req(f"h{i}", t=i, tenant="heavy", seq=i) for i in range(3)]
+    for r in heavy:
+        q.arrived(r)
+    q.charge(heavy[0], 1000, 0)  # heavy has been served: 1,000 prompt tokens
+    light = _req("light", t=10, tenant="light", seq=10)
+    q.arrived(light)  # arrives last, with nothing in the engine: lifted below heavy, not to 0
+    assert q.service["light"] == 1000 - 100
+    assert q.peek() is light
+    # priority still comes first
+    q.arrived(_req("urgent", t=11, tenant="heavy", priority=-1, seq=11))
+    assert q.peek().request_id == "urgent"
+
+
+def test_fair_keeps_arrival_order_between_tenants_within_the_tolerance() -> None:
+    q = WaitingQueue("fair", tolerance=1000)
+    a, b = _req("a1", t=1, tenant="a", seq=1), _req("b1", t=2, tenant="b", seq=2)
+    q.arrived(a)
+    q.arrived(b)  # new beside a: one tolerance below it
+    assert q.service["b"] == -1000 and q.peek() is b
+    q.charge(b, 1000, 0)  # level
+    assert q.peek() is a
+    q.charge(a, 600, 0)  # a is 600 ahead: within one tolerance, so still arrival order
+    assert q.peek() is a
+    q.charge(a, 600, 0)  # 1,200 ahead: b first
+    assert q.peek() is b
+
+
+def test_fair_counts_output_tokens_twice_and_forgets_idle_tenants_beyond_a_bound(monkeypatch) -> None:
+    import kvgate.engine.core.waiting_queue as wq
+
+    monkeypatch.setattr(wq, "MAX_IDLE_TENANTS", 2)
+    q = WaitingQueue("fair")
+    r = _req("x", tenant="t0")
+    q.arrived(r)
+    q.charge(r, 10, 3)
+    assert q.service["t0"] == 16
+    for i in range(5):
+        s = _req(f"r{i}", tenant=f"t{i + 1}", seq=i + 1)
+        q.arrived(s)
+        q.remove(s)
+        q.departed(s)
+    assert len(q.service) <= 2 + 1  # the idle ones, bounded, and t0 (still in the engine)
+    assert "t0" in q.service
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="fcfs, priority, fair"):
+        WaitingQueue("lifo")
+
+
+def _sched(threshold: int, budget: int = 64, policy: str = "fair") -> tuple[Scheduler, SimulatedRunner]:
+    kv = KVCacheManager(256, BS)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=budget,
+            max_model_len=1024,
+            scheduling_policy=policy,
+            long_prefill_token_threshold=threshold,
+        ),
+        kv,
+    )
+    runner = SimulatedRunner(
+        EngineConfig(block_size=BS, num_kv_blocks=256, simulation=SimulationConfig(time_scale=0))
+    )
+    return sched, runner
+
+
+def _step(sched: Scheduler, runner: SimulatedRunner) -> dict[str, int]:
+    batch = sched.schedule()
+    sched.update(batch, runner.execute(batch) if batch.seqs else [])
+    return {s.request_id: len(s.token_ids) for s in batch.seqs}
+
+
+def test_a_long_prompt_gets_the_threshold_while_short_ones_arrive_and_they_go_before_it() -> None:
+    sched, runner = _sched(threshold=16)
+    sched.add_request(_req("long", n=200, t=0, tenant="a"))
+    sched.add_request(_req("short0", n=8, t=0.5, tenant="b", seq=1))  # short traffic: the cap holds
+    first = _step(sched, runner)
+    assert first == {"short0": 8, "long": 8}  # the long prompt has what the short one left of 16
+    assert _step(sched, runner) == {"short0": 1, "long": 16}
+    sched.add_request(_req("short1", n=12, t=1.0, tenant="b", seq=2))
+    # the new short prompt goes before the long one's next piece, which gets a block
+    assert _step(sched, runner) == {"short0": 1, "short1": 12, "long": BS}
+
+
+def test_long_prompts_alone_use_the_whole_budget() -> None:
+    sched, runner = _sched(threshold=16)
+    sched.add_request(_req("long", n=200, t=0, tenant="a"))
+    assert _step(sched, runner) == {"long": 64}
+    off, runner = _sched(threshold=0)
+    off.add_request(_req("long", n=200, t=0, tenant="a"))
+    off.add_request(_req("short", n=8, t=0, tenant="b", seq=1))
+    assert _step(off, runner) == {"short": 8, "long": 56}  # no cap: the long one takes the rest
+
+
+def test_one_long_prompt_per_tenant_in_prefill_while_the_cap_holds() -> None:
+    sched, runner = _sched(threshold=16, budget=256)
+    for i in range(3):
+        sched.add_request(_req(f"a{i}", n=100, t=i, tenant="a", seq=i))
+    sched.add_request(_req("b0", n=100, t=5, tenant="b", seq=5))
+    sched.add_request(_req("s", n=4, t=6, tenant="c", seq=6))  # short traffic
+    first = _step(sched, runner)
+    # the short prompt in full, then one long prompt per tenant in what is left of 16
+    assert first["s"] == 4 and set(first) <= {"s", "a0", "b0"}
+    second = _step(sched, runner)
+    assert "a1" not in second and "a2" not in second
