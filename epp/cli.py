@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from kvgate.api.cli_args import add_log_level, add_otlp_endpoint, add_request_template_flag, non_negative_int
 from kvgate.api.cli_args import boolean as _bool
+from kvgate.api.cli_args import non_negative_float as _non_negative_float
 from kvgate.api.cli_args import port as _port
 from kvgate.api.cli_args import positive_int as _positive_int
 
@@ -205,6 +206,7 @@ class _FlowDefaults:
     dispatch_prefill_tokens: int = 1024
     short_reserve: int = 0
     short_prompt_tokens: int = 1024
+    fair_share_half_life_s: float = 10.0
 
 
 FLOW_DEFAULTS = _FlowDefaults()
@@ -233,9 +235,21 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         "--flow-dispatch",
         choices=["pool", "endpoint"],
         default=d.dispatch,
-        help="when a held request goes: pool (GIE's): while the pool is not saturated, picked among all "
+        help="when a held request goes: pool (GIE's): while the pool is not saturated, or while its flow "
+        "sent less than its share of the recent work (--flow-fair-share-half-life), picked among all "
         "engines as without flow control; endpoint: while an engine has room for it (the --flow-dispatch-* "
         "limits below), picked among those: tighter isolation between tenants, looser prefix affinity",
+    )
+    t.add_argument(
+        "--flow-fair-share-half-life",
+        type=_non_negative_float,
+        default=d.fair_share_half_life_s,
+        metavar="SECONDS",
+        help="pool dispatch in front of engines that order their queues by tenant (kvgate's, "
+        "--scheduling-policy fair): a saturated pool holds only the flows that sent more than their "
+        "weighted share of the recent work of their priority and below (tokens dispatched, halved every "
+        "SECONDS); the others go, since their engines run them first. 0: saturation holds every flow "
+        "(engines that serve in arrival order)",
     )
     t.add_argument(
         "--flow-max-queued",
@@ -323,6 +337,7 @@ def flow_control_config(args: argparse.Namespace) -> FlowControlConfig:
         dispatch_prefill_tokens=args.flow_dispatch_prefill_tokens,
         short_reserve=args.flow_short_reserve,
         short_prompt_tokens=args.flow_short_prompt_tokens,
+        fair_share_half_life_s=args.flow_fair_share_half_life,
     )
 
 

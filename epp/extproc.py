@@ -28,6 +28,7 @@ from google.protobuf import struct_pb2
 
 from kvgate.api.contracts.admissions import PICKED_BY_HEADER, SERVICE_TOKENS_HEADER
 from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
+from kvgate.api.contracts.queue_order import PRIORITY_HEADER
 from kvgate.api.tracing import TRACEPARENT, Span, Tracer
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.flow_control import FlowGate, Held
@@ -485,6 +486,9 @@ class EndpointPickerHandler:
             # What the EPP decided the request's fairness id is (its tenant, with a tenants file),
             # never the client's own value: the engine sees what the EPP scheduled.
             _header(FAIRNESS_HEADER, (x.request.fairness_id if x.request else None) or DEFAULT_TENANT),
+            # and its priority (GIE's: higher first), by which the engine orders its queue
+            # (kvgate.api.contracts.queue_order); a client's own value is overwritten too
+            _header(PRIORITY_HEADER, str(x.request.priority if x.request else 0)),
         ]
         if has_body:
             set_headers.append(_header("content-length", str(len(payload))))

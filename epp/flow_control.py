@@ -77,6 +77,13 @@ class FlowControlConfig:
     short_reserve: int = 0
     short_prompt_tokens: int = 1024
     short_window_s: float = 5.0
+    # The engines order their own queues by priority and tenant service (kvgate's engines do:
+    # --scheduling-policy fair). Then, with pool dispatch, the pool's saturation holds only the
+    # flows that sent more than their share of the band's recent work (prompt and output
+    # tokens dispatched, decayed with this half-life): a flow under its share is run by its
+    # engine before the queued work that saturates the pool, so holding it here would only add
+    # the wait for a gap. 0: saturation holds every flow (engines that serve in arrival order).
+    fair_share_half_life_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_queued < 0 or self.max_queued_per_flow < 0 or self.max_queued_bytes < 0:
@@ -154,6 +161,25 @@ class _Band:
     flows: dict[str, deque[Held]] = field(default_factory=dict)
 
 
+class _Decaying:
+    """A sum that halves every ``half_life`` seconds."""
+
+    def __init__(self, half_life: float) -> None:
+        self.half_life = half_life
+        self._value = 0.0
+        self._at = 0.0
+
+    def value(self, now: float) -> float:
+        if self._value and now > self._at:
+            self._value *= 0.5 ** ((now - self._at) / self.half_life)
+            self._at = now
+        return self._value
+
+    def add(self, amount: float, now: float) -> None:
+        self._value = self.value(now) + amount
+        self._at = max(self._at, now)
+
+
 class FlowObserver(Protocol):
     """What the metrics are told (kvgate.epp.metrics implements it)."""
 
@@ -179,6 +205,7 @@ class FlowController:
         self._deadlines: list[tuple[float, int, Held]] = []
         self._seq = itertools.count()
         self.counters: dict[str, float] = {}  # tenant -> service received / weight (VTC)
+        self._recent: dict[FlowKey, _Decaying] = {}  # work dispatched lately (fair_share_half_life_s)
         self.queued = 0
         self.queued_bytes = 0
         self.observer: FlowObserver | None = None
@@ -291,6 +318,40 @@ class FlowController:
         kept = {e.address for e in idle}
         return [e for e in roomy if e.address not in kept]
 
+    def _recent_work(self, key: FlowKey, now: float) -> _Decaying:
+        found = self._recent.get(key)
+        if found is None:
+            if len(self._recent) >= MAX_TRACKED_TENANTS:  # forget the flows that did least lately
+                for k in sorted(self._recent, key=lambda k: self._recent[k].value(now))[
+                    : len(self._recent) // 2
+                ]:
+                    del self._recent[k]
+            found = self._recent[key] = _Decaying(self.config.fair_share_half_life_s)
+        return found
+
+    def _under_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
+        """Whether this flow sent less than its weighted share of the recent work of its band
+        and the bands below it (see fair_share_half_life_s; an engine runs lower priorities
+        after it, so their work counts as others' while it is not this flow's). Sheddable work
+        never is: GIE holds it back while saturated."""
+        if not self.config.fair_share_half_life_s or self.config.dispatch != "pool" or key.priority < 0:
+            return False
+        mine = self._recent[key].value(now) if key in self._recent else 0.0
+        total = 0.0
+        peers = {key.fairness_id}  # the flows of its band that share it
+        for k, work in self._recent.items():
+            if k.priority <= key.priority:
+                value = work.value(now)
+                total += value
+                if k.priority == key.priority and value > 0:
+                    peers.add(k.fairness_id)
+        if band is not None:
+            peers.update(t for t, queue in band.flows.items() if queue)
+        if total <= 0:
+            return False
+        share = self.weights.weight(key.fairness_id) / sum(self.weights.weight(t) for t in peers)
+        return mine < share * total
+
     @staticmethod
     def _prefill_ahead(state: EndpointState) -> int:
         pending = state.metrics.prefill_tokens_pending
@@ -363,10 +424,11 @@ class FlowController:
             held.tokens = array("i", request._token_ids)
             request._token_ids = None
         heapq.heappush(self._deadlines, (held.deadline, held.seq, held))
-        if self.queued == 1:
-            # Nothing else was waiting: it may go at once. Otherwise the last round found no
-            # room, and the next one (a scrape, a finished request, the tick) decides; a round
-            # per arrival would cost every arrival a look at every flow while the pool is full.
+        if self.queued == 1 or self._under_share(key, band, now):
+            # Nothing else was waiting, or its flow may pass a saturated pool: it may go at
+            # once. Otherwise the last round found no room, and the next one (a scrape, a
+            # finished request, the tick) decides; a round per arrival would cost every arrival
+            # a look at every flow while the pool is full.
             self.dispatch()
         return held
 
@@ -411,6 +473,8 @@ class FlowController:
                 flow = band.flows[tenant]
                 held = flow[0]
                 roomy = self._roomy(held, now)
+                if roomy is not None and not roomy and self._under_share(held.key, band, now):
+                    roomy = [e for e in self.director.candidates(held.request) if not e.draining]
                 if roomy is not None and not roomy:
                     blocked.add(tenant)
                     ceiling = min(ceiling, self.counters.get(tenant, 0.0) + self._counter_cost(held))
@@ -427,6 +491,7 @@ class FlowController:
                     self._note_prefill(decision.targets[0], held.prompt_tokens)
                     held.charged = self._cost(held.prompt_tokens, held.output_estimate)
                     self.charge(tenant, held.charged)
+                    self._recent_work(held.key, now).add(held.charged, now)
                     if self.observer is not None:
                         self.observer.dispatched(held.key, now - held.enqueued)
                 else:

@@ -453,3 +453,52 @@ def test_service_taken_while_no_one_else_asked_is_not_held_against_a_tenant() ->
     pool.idle()
     assert pool.flow.dispatch()[0] is held_a  # the least served goes first
     assert held_b.state == "queued"
+
+
+def test_a_flow_under_its_share_passes_a_saturated_pool() -> None:
+    """Pool dispatch in front of engines that order their queues by tenant service: saturation
+    holds the flow that sent most of the recent work, not one that sent less than its share
+    (its engine runs it first, so holding it would only add the wait for a gap)."""
+    pool = Pool(engines=2, dispatch="pool")
+    for i in range(3):
+        assert pool.flow.submit(request("heavy", prompt=4000, rid=f"h{i}")).state == "dispatched"
+        pool.idle()
+    pool.set_state(waiting=50)  # saturated, by the heavy tenant's work
+    heavy = pool.flow.submit(request("heavy", prompt=4000, rid="h-held"))
+    assert heavy.state == "queued"
+    light = pool.flow.submit(request("light", prompt=100, rid="light"))
+    assert light.state == "dispatched"
+    # a sheddable flow is never under its share: GIE refuses it while the pool is saturated
+    shed = pool.flow.submit(request("other", prompt=100, priority=-1, rid="shed"))
+    assert shed.decision is not None and shed.decision.status == 429
+    # a higher band's flow counts the work of the bands below it
+    urgent = pool.flow.submit(request("heavy", prompt=100, priority=1, rid="urgent"))
+    assert urgent.state == "dispatched"
+
+
+def test_a_flow_that_catches_up_with_its_share_is_held_again() -> None:
+    pool = Pool(engines=2, dispatch="pool")
+    assert pool.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
+    pool.idle()
+    pool.set_state(waiting=50)
+    assert pool.flow.submit(request("heavy", prompt=1000, rid="h1")).state == "queued"
+    states = [pool.flow.submit(request("light", prompt=400, rid=f"l{i}")).state for i in range(4)]
+    # 1,020 weighted tokens against 420 each: light goes while below half of all the recent
+    # work (0 < 510, 420 < 720, 840 < 930), then waits (1,260 > 1,140)
+    assert states == ["dispatched", "dispatched", "dispatched", "queued"]
+
+
+def test_the_recent_work_fades_and_the_rule_can_be_turned_off() -> None:
+    pool = Pool(engines=1, dispatch="pool")
+    assert pool.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
+    pool.clock.now += 200  # twenty half-lives: the heavy tenant's work is forgotten
+    pool.set_state(waiting=50)
+    assert pool.flow.submit(request("heavy", prompt=1000, rid="h1")).state == "queued"
+    # what little is left of it lets one light request pass, which is then most of the work
+    assert pool.flow.submit(request("light", prompt=1000, rid="l0")).state == "dispatched"
+    assert pool.flow.submit(request("light", prompt=1000, rid="l1")).state == "queued"
+    off = Pool(FlowControlConfig(fair_share_half_life_s=0), engines=1, dispatch="pool")
+    assert off.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
+    off.idle()
+    off.set_state(waiting=50)
+    assert off.flow.submit(request("light", prompt=10, rid="l0")).state == "queued"
