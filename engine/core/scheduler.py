@@ -89,6 +89,8 @@ class Scheduler:
         self._latest_arrival = -math.inf
         self._short_arrival = -math.inf
         self._capping = False  # this step: long prompts get the threshold, not the budget
+        self._short_by_priority: dict[int, float] = {}  # the newest short arrival per priority
+        self._urgent = math.inf  # this step: the most urgent priority with short arrivals
 
     # -- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -103,6 +105,12 @@ class Scheduler:
         self._latest_arrival = max(self._latest_arrival, request.arrival_time)
         if request.num_tokens - request.expected_cached_tokens <= self.config.long_prefill_token_threshold:
             self._short_arrival = max(self._short_arrival, request.arrival_time)
+            seen = self._short_by_priority
+            seen[request.priority] = max(seen.get(request.priority, -math.inf), request.arrival_time)
+            if len(seen) > 64:  # priorities a client may name are many: keep the recent ones
+                horizon = self._latest_arrival - self.config.short_prompt_window_s
+                for old in [p for p, t in seen.items() if t < horizon]:
+                    del seen[old]
         self.requests[request.request_id] = request
         self.waiting.arrived(request)
 
@@ -185,10 +193,15 @@ class Scheduler:
         cap = self.config.long_prefill_token_threshold
         return self._capping and 0 < cap < min(num_new, request.num_prompt_tokens)
 
-    def _long_piece(self, step: _Step) -> int:
+    def _long_piece(self, step: _Step, request: Request) -> int:
         """How much of a long prompt fits this step: what the step's prompt tokens leave of
-        long_prefill_token_threshold."""
-        return self.config.long_prefill_token_threshold - step.prefill
+        long_prefill_token_threshold; for a prompt of lower priority than short ones arriving,
+        one block, as the step's only long piece (so a step in flight holds more urgent short
+        requests up for little more than a decode step)."""
+        piece = self.config.long_prefill_token_threshold - step.prefill
+        if request.priority > self._urgent:
+            return min(piece, self.kv.block_size) if step.long_pieces == 0 else 0
+        return piece
 
     def _continue(self, request: Request, num_new: int, step: _Step) -> None:
         """Schedule up to ``num_new`` more tokens of a running request, preempting (the policy's
@@ -250,6 +263,8 @@ class Scheduler:
             and cfg.long_prefill_token_threshold > 0
             and self._latest_arrival - self._short_arrival <= cfg.short_prompt_window_s
         )
+        horizon = self._latest_arrival - cfg.short_prompt_window_s
+        self._urgent = min((p for p, t in self._short_by_priority.items() if t >= horizon), default=math.inf)
 
         # 1. Running requests, oldest first: decodes and prompts with little left to compute.
         #    A long prompt being prefilled in pieces waits for step 3, so that what is admitted
@@ -297,7 +312,7 @@ class Scheduler:
                 break
             long = self._is_long(request, num_new)
             if long:
-                piece = self._long_piece(step)
+                piece = self._long_piece(step, request)
                 tenant = self.waiting.tenant_of(request)
                 if longs[tenant] >= cfg.max_long_partial_prefills or piece < block_size:
                     self.waiting.remove(request)  # its turn comes; shorter ones go past it
@@ -331,11 +346,11 @@ class Scheduler:
         for request in sorted(long_partials, key=self.waiting.order_key):
             if step.budget <= 0:
                 break
-            piece = self._long_piece(step)
+            piece = self._long_piece(step, request)
             if step.long_pieces == 0:
                 piece = max(piece, block_size)
             if piece < block_size:
-                break
+                continue  # (a lower priority's; a more urgent one may still fit)
             if request.status == RequestStatus.RUNNING:
                 self._continue(request, piece, step)
                 step.long_pieces += 1

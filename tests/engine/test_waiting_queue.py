@@ -157,3 +157,14 @@ def test_one_long_prompt_per_tenant_in_prefill_while_the_cap_holds() -> None:
     assert first["s"] == 4 and set(first) <= {"s", "a0", "b0"}
     second = _step(sched, runner)
     assert "a1" not in second and "a2" not in second
+
+
+def test_a_lower_prioritys_long_prompt_gets_a_block_a_step_while_more_urgent_short_ones_arrive() -> None:
+    sched, runner = _sched(threshold=32, budget=256, policy="priority")
+    sched.add_request(_req("flood", n=400, t=0, priority=1))  # sheddable-like: after priority 0
+    assert _step(sched, runner) == {"flood": 256}  # alone: the whole budget
+    sched.add_request(_req("urgent", n=8, t=1, priority=0, seq=1))
+    assert _step(sched, runner) == {"urgent": 8, "flood": BS}  # one block beside it
+    sched.add_request(_req("peer", n=8, t=2, priority=1, seq=2))
+    # a short one of its own priority does not shrink it further: the urgent one's window holds
+    assert _step(sched, runner)["flood"] == BS
