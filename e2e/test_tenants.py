@@ -33,11 +33,15 @@ class Gateway:
 
     def fairness_ids_seen(self, since: int) -> list[str]:
         """The fairness-id header values of the POSTs the engine got after the first `since`."""
+        return self.header_seen(since, FAIRNESS_HEADER)
+
+    def header_seen(self, since: int, header: str) -> list[str]:
+        """A header's values in the POSTs the engine got after the first `since`."""
         out = []
         for head in self.heads[since:]:
             for line in head.decode("latin-1").split("\r\n")[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == FAIRNESS_HEADER:
+                if name.strip().lower() == header:
                     out.append(value.strip())
         return out
 
@@ -97,6 +101,10 @@ def test_a_tenants_key_is_served_and_the_engine_sees_the_tenant(gateway: Gateway
     reply = client(gateway, ALICE_KEY).completions.create(model="default", prompt="hello", max_tokens=1)
     assert reply.choices[0].text == "ok"
     assert gateway.fairness_ids_seen(before) == ["alice"]
+    # the queue order the engine is told; the tenant's key stays at the gateway
+    assert gateway.header_seen(before, "x-kvgate-priority") == ["0"]
+    assert gateway.header_seen(before, "authorization") == []
+    assert len(gateway.heads) == before + 1 and ALICE_KEY.encode() not in gateway.heads[before]
 
 
 def test_no_key_and_a_wrong_key_are_openais_401(gateway: Gateway) -> None:

@@ -207,6 +207,7 @@ class _FlowDefaults:
     short_reserve: int = 0
     short_prompt_tokens: int = 1024
     fair_share_half_life_s: float = 10.0
+    fair_share_max_queue: float = 20.0
 
 
 FLOW_DEFAULTS = _FlowDefaults()
@@ -250,6 +251,14 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         "weighted share of the recent work of their priority and below (tokens dispatched, halved every "
         "SECONDS); the others go, since their engines run them first. 0: saturation holds every flow "
         "(engines that serve in arrival order)",
+    )
+    t.add_argument(
+        "--flow-fair-share-max-queue",
+        type=_non_negative_float,
+        default=d.fair_share_max_queue,
+        metavar="N",
+        help="... and only while the engines' queues hold fewer than N requests on average: past it "
+        "every flow is held, under --flow-ttl and the queue bounds",
     )
     t.add_argument(
         "--flow-max-queued",
@@ -338,6 +347,7 @@ def flow_control_config(args: argparse.Namespace) -> FlowControlConfig:
         short_reserve=args.flow_short_reserve,
         short_prompt_tokens=args.flow_short_prompt_tokens,
         fair_share_half_life_s=args.flow_fair_share_half_life,
+        fair_share_max_queue=args.flow_fair_share_max_queue,
     )
 
 

@@ -505,6 +505,10 @@ class EndpointPickerHandler:
             set_headers.append(_header(PREFILLER_HEADER, decision.prefill))
         elif PREFILLER_HEADER in x.headers:
             remove_headers.append(PREFILLER_HEADER)
+        if self.tenants is not None and "authorization" in x.headers:
+            # the tenant's key was for the gateway: engines log and may forward headers, and a
+            # key that reached one could be read back out of it
+            remove_headers.append("authorization")
         lb = struct_pb2.Struct()
         lb.fields[DESTINATION_HEADER].string_value = ",".join(decision.targets)
         dyn = struct_pb2.Struct()

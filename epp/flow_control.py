@@ -84,6 +84,10 @@ class FlowControlConfig:
     # engine before the queued work that saturates the pool, so holding it here would only add
     # the wait for a gap. 0: saturation holds every flow (engines that serve in arrival order).
     fair_share_half_life_s: float = 10.0
+    # ... while the engines' queues stay shorter than this on average (this replica's picks not
+    # yet scraped included): past it every flow is held, so the EPP's bounds and TTL, not the
+    # engines' unbounded queues, take an overload that the tenants share evenly.
+    fair_share_max_queue: float = 20.0
 
     def __post_init__(self) -> None:
         if self.max_queued < 0 or self.max_queued_per_flow < 0 or self.max_queued_bytes < 0:
@@ -329,6 +333,16 @@ class FlowController:
             found = self._recent[key] = _Decaying(self.config.fair_share_half_life_s)
         return found
 
+    def _past_saturation(self, held: Held) -> list[EndpointState]:
+        """Where an under-share flow's request may go while the pool is saturated: any candidate,
+        unless the engines' queues are past fair_share_max_queue."""
+        candidates = [e for e in self.director.candidates(held.request) if not e.draining]
+        if not candidates:
+            return []
+        if sum(e.queue() for e in candidates) / len(candidates) >= self.config.fair_share_max_queue:
+            return []
+        return candidates
+
     def _under_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
         """Whether this flow sent less than its weighted share of the recent work of its band
         and the bands below it (see fair_share_half_life_s; an engine runs lower priorities
@@ -474,7 +488,7 @@ class FlowController:
                 held = flow[0]
                 roomy = self._roomy(held, now)
                 if roomy is not None and not roomy and self._under_share(held.key, band, now):
-                    roomy = [e for e in self.director.candidates(held.request) if not e.draining]
+                    roomy = self._past_saturation(held)
                 if roomy is not None and not roomy:
                     blocked.add(tenant)
                     ceiling = min(ceiling, self.counters.get(tenant, 0.0) + self._counter_cost(held))
@@ -491,7 +505,8 @@ class FlowController:
                     self._note_prefill(decision.targets[0], held.prompt_tokens)
                     held.charged = self._cost(held.prompt_tokens, held.output_estimate)
                     self.charge(tenant, held.charged)
-                    self._recent_work(held.key, now).add(held.charged, now)
+                    if self.config.fair_share_half_life_s:
+                        self._recent_work(held.key, now).add(held.charged, now)
                     if self.observer is not None:
                         self.observer.dispatched(held.key, now - held.enqueued)
                 else:

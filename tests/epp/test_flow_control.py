@@ -463,7 +463,7 @@ def test_a_flow_under_its_share_passes_a_saturated_pool() -> None:
     for i in range(3):
         assert pool.flow.submit(request("heavy", prompt=4000, rid=f"h{i}")).state == "dispatched"
         pool.idle()
-    pool.set_state(waiting=50)  # saturated, by the heavy tenant's work
+    pool.set_state(waiting=10)  # saturated (mean queue 10 >= 5), by the heavy tenant's work
     heavy = pool.flow.submit(request("heavy", prompt=4000, rid="h-held"))
     assert heavy.state == "queued"
     light = pool.flow.submit(request("light", prompt=100, rid="light"))
@@ -474,13 +474,16 @@ def test_a_flow_under_its_share_passes_a_saturated_pool() -> None:
     # a higher band's flow counts the work of the bands below it
     urgent = pool.flow.submit(request("heavy", prompt=100, priority=1, rid="urgent"))
     assert urgent.state == "dispatched"
+    # past fair_share_max_queue (20 waiting per engine) everyone waits, under the EPP's TTL
+    pool.set_state(waiting=20)
+    assert pool.flow.submit(request("light2", prompt=100, rid="light2")).state == "queued"
 
 
 def test_a_flow_that_catches_up_with_its_share_is_held_again() -> None:
     pool = Pool(engines=2, dispatch="pool")
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
     pool.idle()
-    pool.set_state(waiting=50)
+    pool.set_state(waiting=10)
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h1")).state == "queued"
     states = [pool.flow.submit(request("light", prompt=400, rid=f"l{i}")).state for i in range(4)]
     # 1,020 weighted tokens against 420 each: light goes while below half of all the recent
@@ -492,7 +495,7 @@ def test_the_recent_work_fades_and_the_rule_can_be_turned_off() -> None:
     pool = Pool(engines=1, dispatch="pool")
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
     pool.clock.now += 200  # twenty half-lives: the heavy tenant's work is forgotten
-    pool.set_state(waiting=50)
+    pool.set_state(waiting=10)
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h1")).state == "queued"
     # what little is left of it lets one light request pass, which is then most of the work
     assert pool.flow.submit(request("light", prompt=1000, rid="l0")).state == "dispatched"
@@ -500,5 +503,7 @@ def test_the_recent_work_fades_and_the_rule_can_be_turned_off() -> None:
     off = Pool(FlowControlConfig(fair_share_half_life_s=0), engines=1, dispatch="pool")
     assert off.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
     off.idle()
-    off.set_state(waiting=50)
+    off.set_state(waiting=10)
     assert off.flow.submit(request("light", prompt=10, rid="l0")).state == "queued"
+    off.idle()  # and dispatching with the rule off keeps no record (a half-life of 0)
+    assert off.flow.dispatch() and not off.flow._recent
