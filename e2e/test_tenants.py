@@ -8,14 +8,17 @@ what the gateway lets through and what it tells the engine).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from kvgate.local.stack import kvgate_argv
+from kvgate.testing import eventually
 from kvgate.testing import processes as harness
 from kvgate.testing.upstream_stub import stub_handler, stub_in_thread, vllm_metrics
 
@@ -30,6 +33,7 @@ FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 class Gateway:
     url: str
     heads: list[bytes]  # every POST the engine stub received, request line and headers
+    tenants: Path  # the EPP's tenants file
 
     def fairness_ids_seen(self, since: int) -> list[str]:
         """The fairness-id header values of the POSTs the engine got after the first `since`."""
@@ -87,7 +91,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, engine_stub) -> Iterator[G
         envoy = harness.start_envoy(log_dir, grpc, health, failure_mode="FailClose")
         procs.append(envoy.proc)
         harness.wait_gateway(epp, envoy)
-        yield Gateway(envoy.url, heads)
+        yield Gateway(envoy.url, heads, tenants)
     finally:
         harness.stop_all(*procs)
 
@@ -142,3 +146,31 @@ def test_a_forged_fairness_header_does_not_change_the_tenant(gateway: Gateway) -
         model="default", prompt="still bob", max_tokens=1, extra_headers={FAIRNESS_HEADER: "default"}
     )
     assert gateway.fairness_ids_seen(before) == ["bob", "bob"]
+
+
+def test_keys_rotate_without_a_restart(gateway: Gateway) -> None:
+    """The EPP reads its tenants file again when it changes (kvgate.epp.tenants.TenantsReloader,
+    every 2 s): a key added is served, a key removed gets 401 from then on, and a broken edit
+    leaves the keys in force."""
+    carol = "sk-carol-e2e-0123456789abcdef"
+    original = gateway.tenants.read_text()
+
+    def status(key: str) -> int:
+        return httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": "default", "prompt": "hi", "max_tokens": 1},
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        ).status_code
+
+    assert status(carol) == 401
+    try:
+        gateway.tenants.write_text(original + f"- {{name: carol, key: {carol}}}\n")
+        eventually(lambda: status(carol) == 200, 15, "the added key served")
+        gateway.tenants.write_text("- {name: [not, a, name], key: short}\n")  # a bad edit
+        time.sleep(3)  # past a reload interval: it was read, refused, and the keys stay
+        assert status(carol) == 200 and status(ALICE_KEY) == 200
+    finally:
+        gateway.tenants.write_text(original)
+    eventually(lambda: status(carol) == 401, 15, "the removed key refused")
+    assert status(ALICE_KEY) == 200

@@ -30,7 +30,7 @@ from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, s
 from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
 from kvgate.epp.scheduling.filters import HeaderBasedTestingFilter
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
-from kvgate.epp.tenants import load_tenants
+from kvgate.epp.tenants import TenantsReloader, load_tenants
 
 log = logging.getLogger("kvgate.epp")
 
@@ -209,6 +209,13 @@ class EppServer:
         else:
             self.datastore.set_endpoints(s.endpoints)
         self._tasks.append(loop.create_task(self.health.watch(), name="health"))
+        if self.tenants is not None and s.tenants_file:
+            reloader = TenantsReloader(
+                s.tenants_file,
+                self.tenants,
+                on_reload=lambda reg: self.metrics.fairness_label.configure(reg.tenants),
+            )
+            self._tasks.append(loop.create_task(reloader.run(), name="tenants reload"))
         log.info(
             "EPP serving",
             extra={

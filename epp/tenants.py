@@ -10,15 +10,20 @@ fairness id its header names, as GIE does), and no key is asked for.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 MAX_FILE_BYTES = 1 << 20
@@ -114,6 +119,11 @@ class TenantRegistry:
         tenant = self.tenants.get(name)
         return tenant.weight if tenant is not None else 1.0
 
+    def replace_with(self, other: TenantRegistry) -> None:
+        """Take another registry's tenants and keys (a reloaded file). One assignment each, on
+        the event loop's thread: a request is checked against the old keys or the new ones."""
+        self._by_digest, self.tenants = other._by_digest, other.tenants
+
 
 def parse_tenants(raw: Any, source: str = "tenants file") -> TenantRegistry:
     if isinstance(raw, dict) and "tenants" in raw:
@@ -156,6 +166,63 @@ def load_tenants(path: str | Path) -> TenantRegistry:
         problem = getattr(exc, "problem", None) or type(exc).__name__
         raise TenantsFileError(f"{p}: not valid YAML{where}: {problem}") from None
     return parse_tenants(raw, str(p))
+
+
+RELOAD_INTERVAL_S = 2.0
+
+
+class TenantsReloader:
+    """Keeps a registry in step with its file, so keys rotate without a restart: the file is
+    looked at every ``interval`` seconds and read again when its size, mtime or inode changed
+    (a Kubernetes Secret volume swaps a symlink; the kubelet itself syncs it within its own
+    period, about a minute). A file that no longer loads is reported and the keys in force
+    stay: a bad edit neither opens the pool nor locks every tenant out."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        registry: TenantRegistry,
+        interval: float = RELOAD_INTERVAL_S,
+        on_reload: Callable[[TenantRegistry], None] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.registry = registry
+        self.interval = interval
+        self.on_reload = on_reload
+        self._seen = self._stamp()
+        self.reloads = 0
+        self.failures = 0
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def check(self) -> bool:
+        """Reload if the file changed; True when new keys are in force."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return False
+        self._seen = stamp
+        try:
+            fresh = load_tenants(self.path)
+        except TenantsFileError as exc:
+            self.failures += 1
+            log.error("tenants file not reloaded, the keys in force stay: %s", exc)
+            return False
+        self.registry.replace_with(fresh)
+        self.reloads += 1
+        log.info("tenants file reloaded", extra={"tenants": len(fresh)})
+        if self.on_reload is not None:
+            self.on_reload(self.registry)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.check()
 
 
 def first_key(path: str | Path) -> str:

@@ -46,7 +46,7 @@ from kvgate.epp.extproc import (
 )
 from kvgate.epp.http_get import KeepAliveGetter, ScrapeError, get_request
 from kvgate.epp.request import BadRequest, parse_body
-from kvgate.epp.tenants import TenantRegistry, load_tenants
+from kvgate.epp.tenants import TenantRegistry, TenantsReloader, load_tenants
 
 log = logging.getLogger("kvgate.gateway.model_router")
 
@@ -402,10 +402,15 @@ class ModelRouterServer:
         self.table = ModelTable(settings.pools, api_key=settings.api_key)
         tenants = load_tenants(settings.tenants_file) if settings.tenants_file else None
         self.handler = ModelRouterHandler(self.table, settings.max_request_body_bytes, tenants)
+        # keys rotate without a restart, as in the EPP
+        self.reloader = (
+            TenantsReloader(settings.tenants_file, tenants) if tenants and settings.tenants_file else None
+        )
         self.grpc_port = settings.grpc_port
         self.health_port = settings.grpc_health_port
         self._servers: list[grpc.aio.Server] = []
         self._task: asyncio.Task[None] | None = None
+        self._reload_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -427,6 +432,10 @@ class ModelRouterServer:
         for service in ("", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self._task = asyncio.get_running_loop().create_task(self._refresh(), name="model table")
+        if self.reloader is not None:
+            self._reload_task = asyncio.get_running_loop().create_task(
+                self.reloader.run(), name="tenants reload"
+            )
         log.info(
             "model router serving %d pool(s): %s",
             len(s.pools),
@@ -440,9 +449,10 @@ class ModelRouterServer:
             await self.table.refresh()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._reload_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.health.enter_graceful_shutdown()
         for server in self._servers:
             await server.stop(grace=1.0)

@@ -429,3 +429,25 @@ def test_up_probes_its_gateway_with_a_tenants_key(tenants_file: Path, tmp_path: 
     with httpx.Client(transport=httpx.MockTransport(gateway)) as client:
         stack._wait_gateway(client, time.monotonic() + 5, None)
     assert seen == [f"Bearer {ALICE_KEY}"]
+
+
+def test_the_reloader_rotates_keys_and_keeps_them_through_a_bad_edit(tmp_path) -> None:
+    from kvgate.epp.tenants import TenantsReloader, load_tenants
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"- {{name: alice, key: {ALICE_KEY}}}\n")
+    registry = load_tenants(path)
+    seen: list[int] = []
+    reloader = TenantsReloader(path, registry, interval=0.01, on_reload=lambda reg: seen.append(len(reg)))
+    assert not reloader.check()  # unchanged
+    rotated = "sk-alice-rotated-0123456789"
+    path.write_text(f"- {{name: alice, key: {rotated}, weight: 3}}\n- {{name: bob, key: {BOB_KEY}}}\n")
+    assert reloader.check() and seen == [2]
+    assert registry.authenticate(f"Bearer {ALICE_KEY}") is None  # the old key: 401 from now on
+    assert registry.authenticate(f"Bearer {rotated}") == Tenant("alice", 3.0)
+    assert registry.weight("alice") == 3.0 and registry.authenticate(f"Bearer {BOB_KEY}") == Tenant("bob")
+    path.write_text("- {name: x, key: short}\n")  # refused: the keys in force stay
+    assert not reloader.check() and reloader.failures == 1
+    assert registry.authenticate(f"Bearer {rotated}") is not None
+    path.unlink()  # gone: the same
+    assert not reloader.check() and registry.authenticate(f"Bearer {BOB_KEY}") is not None
