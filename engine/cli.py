@@ -113,8 +113,15 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold",
         type=_non_negative_int,
         default=EngineConfig.long_prefill_token_threshold,
-        help="prompt tokens one step gives prompts longer than this, all of them together, so a "
-        "short request arriving meanwhile waits for a short step; 0: the whole step budget",
+        help="a prompt with more than this many tokens to compute is long (vLLM's meaning): while "
+        "shorter ones arrive, long prompts share --long-prefill-step-tokens a step; 0: no prompt is long",
+    )
+    s.add_argument(
+        "--long-prefill-step-tokens",
+        type=_non_negative_int,
+        default=EngineConfig.long_prefill_step_tokens,
+        help="prompt tokens one step gives the long prompts, all of them together, while short ones "
+        "arrive (within 10 s), so a short request waits for a short step; 0: the whole step budget",
     )
     s.add_argument(
         "--max-long-partial-prefills",
@@ -401,6 +408,7 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_step_tokens=args.long_prefill_step_tokens,
         max_long_partial_prefills=args.max_long_partial_prefills,
         enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -75,10 +75,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fair"  # fcfs | priority | fair (core/waiting_queue.py)
-    # Prompt tokens a step gives long prompts (more than this still to compute), all together:
-    # a short request arriving meanwhile waits for a step that short (vLLM's
-    # --long-prefill-token-threshold caps each prompt alone). 0: the whole step budget.
-    long_prefill_token_threshold: int = 256
+    # A prompt with more than this still to compute is long (vLLM's meaning); 0: none is. While
+    # short ones arrive, long prompts share long_prefill_step_tokens prompt tokens a step, all
+    # together: a short request arriving meanwhile waits for a step that short.
+    long_prefill_token_threshold: int = 1024
+    long_prefill_step_tokens: int = 256
     max_long_partial_prefills: int = 1  # long prompts in prefill at once, per tenant
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes for the KV pool on CPU; None: a default budget

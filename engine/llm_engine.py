@@ -150,6 +150,7 @@ class LLMEngine:
                 max_loras=config.max_loras if config.enable_lora else 0,
                 scheduling_policy=config.scheduling_policy,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                long_prefill_step_tokens=config.long_prefill_step_tokens,
                 max_long_partial_prefills=config.max_long_partial_prefills,
             ),
             self.kv,
@@ -207,11 +208,13 @@ class LLMEngine:
         lora_id: int | None = None,
         priority: int = 0,
         tenant: str = "",
+        over_share: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError with a message fit to show the user.
 
         ``priority``: lower is admitted first (vLLM's convention); ``tenant``: whose request it
-        is, for the fair policy's service counters."""
+        is; ``over_share``: the EPP found its tenant over its share (the fair policy runs it
+        after the others of its priority)."""
         params.validate()
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan out n > 1 above it")
@@ -239,6 +242,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             priority=priority,
             tenant=tenant,
+            over_share=over_share,
         )
         if params.structured_outputs is not None:
             request.grammar = self.structured.matcher(params.structured_outputs)

@@ -28,7 +28,7 @@ from google.protobuf import struct_pb2
 
 from kvgate.api.contracts.admissions import PICKED_BY_HEADER, SERVICE_TOKENS_HEADER
 from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
-from kvgate.api.contracts.queue_order import PRIORITY_HEADER
+from kvgate.api.contracts.queue_order import OVER_SHARE_HEADER, PRIORITY_HEADER
 from kvgate.api.tracing import TRACEPARENT, Span, Tracer
 from kvgate.epp.director import Decision, Director
 from kvgate.epp.flow_control import FlowGate, Held
@@ -490,6 +490,11 @@ class EndpointPickerHandler:
             # (kvgate.api.contracts.queue_order); a client's own value is overwritten too
             _header(PRIORITY_HEADER, str(x.request.priority if x.request else 0)),
         ]
+        remove_headers: list[str] = []
+        if x.request is not None and x.request.over_share:
+            set_headers.append(_header(OVER_SHARE_HEADER, "1"))
+        elif OVER_SHARE_HEADER in x.headers:
+            remove_headers.append(OVER_SHARE_HEADER)
         if has_body:
             set_headers.append(_header("content-length", str(len(payload))))
         if x.generated_id:
@@ -500,7 +505,6 @@ class EndpointPickerHandler:
             set_headers.append(_header(SERVICE_TOKENS_HEADER, f"{x.held.charged:.1f}"))
         # The prefill engine the decode engine pulls the prompt's KV from. A client's own value
         # never reaches the engine: it would make the engine call any address the client names.
-        remove_headers: list[str] = []
         if decision.prefill:
             set_headers.append(_header(PREFILLER_HEADER, decision.prefill))
         elif PREFILLER_HEADER in x.headers:

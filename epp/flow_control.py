@@ -88,6 +88,9 @@ class FlowControlConfig:
     # yet scraped included): past it every flow is held, so the EPP's bounds and TTL, not the
     # engines' unbounded queues, take an overload that the tenants share evenly.
     fair_share_max_queue: float = 20.0
+    # A request whose flow sent more than this many times its weighted share of that recent
+    # work is marked over its share: the engines run it after the others of its priority.
+    over_share_factor: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_queued < 0 or self.max_queued_per_flow < 0 or self.max_queued_bytes < 0:
@@ -343,13 +346,10 @@ class FlowController:
             return []
         return candidates
 
-    def _under_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
-        """Whether this flow sent less than its weighted share of the recent work of its band
-        and the bands below it (see fair_share_half_life_s; an engine runs lower priorities
-        after it, so their work counts as others' while it is not this flow's). Sheddable work
-        never is: GIE holds it back while saturated."""
-        if not self.config.fair_share_half_life_s or self.config.dispatch != "pool" or key.priority < 0:
-            return False
+    def _share_of_recent_work(self, key: FlowKey, band: _Band | None, now: float) -> tuple[float, float]:
+        """This flow's recent work, and its weighted share of the recent work of its band and
+        the bands below it (an engine runs lower priorities after it, so their work counts as
+        others' while it is not this flow's)."""
         mine = self._recent[key].value(now) if key in self._recent else 0.0
         total = 0.0
         peers = {key.fairness_id}  # the flows of its band that share it
@@ -361,10 +361,24 @@ class FlowController:
                     peers.add(k.fairness_id)
         if band is not None:
             peers.update(t for t, queue in band.flows.items() if queue)
-        if total <= 0:
-            return False
         share = self.weights.weight(key.fairness_id) / sum(self.weights.weight(t) for t in peers)
-        return mine < share * total
+        return mine, share * total
+
+    def _over_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
+        """Whether this flow sent more than over_share_factor times its share of the recent work."""
+        if not self.config.fair_share_half_life_s:
+            return False
+        mine, fair = self._share_of_recent_work(key, band, now)
+        return fair > 0 and mine > self.config.over_share_factor * fair
+
+    def _under_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
+        """Whether this flow sent less than its weighted share of the recent work of its band
+        and the bands below it (see fair_share_half_life_s). Sheddable work never is: GIE holds
+        it back while saturated."""
+        if not self.config.fair_share_half_life_s or self.config.dispatch != "pool" or key.priority < 0:
+            return False
+        mine, fair = self._share_of_recent_work(key, band, now)
+        return fair > 0 and mine < fair
 
     @staticmethod
     def _prefill_ahead(state: EndpointState) -> int:
@@ -494,6 +508,7 @@ class FlowController:
                     ceiling = min(ceiling, self.counters.get(tenant, 0.0) + self._counter_cost(held))
                     continue
                 self._remove(held)
+                held.request.over_share = self._over_share(held.key, band, now)
                 try:
                     decision = self.director.pick(held.request, among=roomy)
                 except Exception:

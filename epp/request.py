@@ -55,6 +55,9 @@ class InferenceRequest:
     objective: str | None = None
     priority: int = 0
     fairness_id: str | None = None
+    # flow control found its flow over its share of the recent work: engines run it after the
+    # others of its priority (kvgate.api.contracts.queue_order)
+    over_share: bool = False
     slo_ttft_s: float | None = None  # x-slo-ttft-ms: the client's time-to-first-token objective
     slo_tpot_s: float | None = None  # x-slo-tpot-ms: its time-per-output-token objective
     path: str = ""

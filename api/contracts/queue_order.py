@@ -7,7 +7,9 @@ overwriting whatever a client sent:
 - the tenant: GIE's ``x-gateway-inference-fairness-id`` (kvgate.api.contracts.admissions), the
   tenant its API key named with a tenants file;
 - the priority: ``x-kvgate-priority``, the objective's priority as GIE counts it (higher is more
-  important; sheddable work is negative).
+  important; sheddable work is negative);
+- ``x-kvgate-over-share: 1`` when flow control found the tenant over its share of the pool's
+  recent work: the engine runs it after the other requests of its priority.
 
 A request without the header (a direct client) may set vLLM's body field ``priority``, where
 lower goes first. Both sides import only this module.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from kvgate.api.contracts.admissions import FAIRNESS_ID_HEADER, valid_fairness_id
 
 PRIORITY_HEADER = "x-kvgate-priority"
+OVER_SHARE_HEADER = "x-kvgate-over-share"
 # GIE priorities are small integers; anything else in the header is ignored, not trusted.
 _PRIORITY = re.compile(r"^-?[0-9]{1,6}$")
 
@@ -32,6 +35,7 @@ class QueueOrder:
 
     priority: int = 0
     tenant: str = ""
+    over_share: bool = False
 
 
 def order_from_headers(headers: Mapping[str, str], body_priority: int = 0) -> QueueOrder:
@@ -39,4 +43,8 @@ def order_from_headers(headers: Mapping[str, str], body_priority: int = 0) -> Qu
     none (a malformed header counts as none)."""
     raw = headers.get(PRIORITY_HEADER)
     priority = -int(raw) if raw is not None and _PRIORITY.fullmatch(raw) else body_priority
-    return QueueOrder(priority, valid_fairness_id(headers.get(FAIRNESS_ID_HEADER)) or "")
+    return QueueOrder(
+        priority,
+        valid_fairness_id(headers.get(FAIRNESS_ID_HEADER)) or "",
+        headers.get(OVER_SHARE_HEADER) == "1",
+    )

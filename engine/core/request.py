@@ -54,10 +54,11 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     # Admission order among requests with equal arrival times (keeps ordering total).
     seq_no: int = 0
-    # The waiting order (waiting_queue.py): lower first (vLLM's convention), then the tenant
-    # served least; "" is traffic nobody tagged.
+    # The waiting order (waiting_queue.py): lower first (vLLM's convention), then requests the
+    # EPP did not mark as over their tenant's share; "" is traffic nobody tagged.
     priority: int = 0
     tenant: str = ""
+    over_share: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

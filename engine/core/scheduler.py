@@ -4,16 +4,16 @@ One token budget per step, filled in three passes:
 
 1. running requests: decode tokens and prompts with little left to compute;
 2. waiting requests in the policy's order (waiting_queue.py: by default priority, then the
-   tenant served least, then arrival);
+   requests within their tenant's share, then arrival);
 3. the next pieces of long prompts being prefilled.
 
 While short prompts keep arriving (no more than `long_prefill_token_threshold` tokens to
-compute, within `short_prompt_window_s`), the long ones share that many prompt tokens a step,
-less what the step's short prompts take, and at most `max_long_partial_prefills` of a tenant's
+compute, within `short_prompt_window_s`), the long ones share `long_prefill_step_tokens` prompt
+tokens a step, less what the step's short prompts take, and at most `max_long_partial_prefills` of a tenant's
 are in prefill at once: a short request then waits for a short step, not for a 2,048-token
 chunk of someone's long prompt. Without short arrivals long prompts take the whole budget.
 
-When the pool runs dry the policy's last running request (lowest priority, most served tenant,
+When the pool runs dry the policy's last running request (lowest priority, over its tenant's share,
 newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
 (prefix hits make that cheap when its blocks have not been evicted meanwhile).
 """
@@ -46,6 +46,8 @@ class SchedulerConfig:
     # Most prompt tokens one request computes per step (vLLM's --long-prefill-token-threshold);
     # 0: up to the whole budget.
     long_prefill_token_threshold: int = 0
+    # ... and long prompts share this many prompt tokens a step while short ones arrive
+    long_prefill_step_tokens: int = 256
     # Prompts with more than that still to compute that get prefill tokens in one step (vLLM's
     # --max-long-partial-prefills): the rest wait their turn, short prompts go past them.
     max_long_partial_prefills: int = 1
@@ -71,8 +73,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if config.long_prefill_token_threshold < 0 or config.max_long_partial_prefills < 1:
-            raise ValueError("long_prefill_token_threshold must be >= 0, max_long_partial_prefills >= 1")
+        if (
+            config.long_prefill_token_threshold < 0
+            or config.long_prefill_step_tokens < 0
+            or config.max_long_partial_prefills < 1
+        ):
+            raise ValueError(
+                "long_prefill_token_threshold and long_prefill_step_tokens must be >= 0, "
+                "max_long_partial_prefills >= 1"
+            )
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -112,7 +121,7 @@ class Scheduler:
                 for old in [p for p, t in seen.items() if t < horizon]:
                     del seen[old]
         self.requests[request.request_id] = request
-        self.waiting.arrived(request)
+        self.waiting.add(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -134,7 +143,6 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.finished_time = time.time()
-        self.waiting.departed(request)
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
@@ -182,23 +190,29 @@ class Scheduler:
     def _victim(self, scheduled: set[str]) -> Request:
         """Who gives its blocks back when the pool runs dry, among the running requests not in
         this step's batch yet: the newest arrival; under a priority order the newest of the
-        lowest priority; under the fair one, of those, the tenant served most."""
+        lowest priority; under the fair one, of those, one over its tenant's share."""
         candidates = [r for r in self.running if r.request_id not in scheduled]
         return max(candidates, key=self.waiting.order_key)
 
     def _is_long(self, request: Request, num_new: int) -> bool:
-        """A prompt with more than long_prefill_token_threshold still to compute, while the cap
-        holds. Only a long prompt: a short one computed again after a preemption (prompt and
-        output) is not."""
-        cap = self.config.long_prefill_token_threshold
-        return self._capping and 0 < cap < min(num_new, request.num_prompt_tokens)
+        """While the cap holds: a prompt whose uncached part is longer than
+        long_prefill_token_threshold, with more than a step's allowance still to compute (the
+        whole of it: its last tokens are as long a step as its first). A short prompt computed
+        again after a preemption (prompt and output) is not long."""
+        cfg = self.config
+        cached = max(request.num_cached_tokens, request.expected_cached_tokens, 0)
+        return (
+            self._capping
+            and num_new > cfg.long_prefill_step_tokens
+            and request.num_prompt_tokens - cached > cfg.long_prefill_token_threshold
+        )
 
     def _long_piece(self, step: _Step, request: Request) -> int:
         """How much of a long prompt fits this step: what the step's prompt tokens leave of
-        long_prefill_token_threshold; for a prompt of lower priority than short ones arriving,
+        long_prefill_step_tokens; for a prompt of lower priority than short ones arriving,
         one block, as the step's only long piece (so a step in flight holds more urgent short
         requests up for little more than a decode step)."""
-        piece = self.config.long_prefill_token_threshold - step.prefill
+        piece = self.config.long_prefill_step_tokens - step.prefill
         if request.priority > self._urgent:
             return min(piece, self.kv.block_size) if step.long_pieces == 0 else 0
         return piece
@@ -235,10 +249,6 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         self._in_flight_prefill_tokens += max(0, min(end, len(request.prompt_token_ids)) - start)
-        if num_new == 1 and start >= request.num_prompt_tokens:
-            self.waiting.charge(request, 0, 1)  # a decode step
-        else:
-            self.waiting.charge(request, num_new, int(end == request.num_tokens))
         seq = ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end],
@@ -261,6 +271,7 @@ class Scheduler:
         self._capping = (
             cfg.enable_chunked_prefill
             and cfg.long_prefill_token_threshold > 0
+            and cfg.long_prefill_step_tokens > 0
             and self._latest_arrival - self._short_arrival <= cfg.short_prompt_window_s
         )
         horizon = self._latest_arrival - cfg.short_prompt_window_s
@@ -341,7 +352,7 @@ class Scheduler:
             self.waiting.add_front(request)
 
         # 3. The long prompts' next pieces, in the policy's order, in what is left of the
-        #    step's prefill allowance (long_prefill_token_threshold less the prompt tokens
+        #    step's prefill allowance (long_prefill_step_tokens less the prompt tokens
         #    already in it); the first always gets a block, so long prompts never stall.
         for request in sorted(long_partials, key=self.waiting.order_key):
             if step.budget <= 0:

@@ -411,6 +411,7 @@ class AsyncEngine:
                 lora_id=add.lora_id,
                 priority=add.order.priority,
                 tenant=add.order.tenant,
+                over_share=add.order.over_share,
             )
         except LoRANotLoaded:
             # the server checked the name before an unload reached the engine: an unknown model,

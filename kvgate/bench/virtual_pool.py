@@ -407,6 +407,7 @@ class VirtualPool:
             # as the EPP forwards them (GIE's priority: higher first; the engine's: lower first)
             priority=-req.priority,
             tenant=req.tenant or "",
+            over_share=request.over_share,
         )
         if not eng.busy:
             eng.busy = True

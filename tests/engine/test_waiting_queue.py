@@ -34,65 +34,46 @@ def _order(q: WaitingQueue) -> list[str]:
 def test_fcfs_is_arrival_order_and_a_preempted_request_goes_first() -> None:
     q = WaitingQueue("fcfs")
     for i, rid in enumerate(["a", "b", "c"]):
-        q.arrived(_req(rid, t=i, priority=-i, tenant=rid))
+        q.add(_req(rid, t=i, priority=-i, tenant=rid))
     q.add_front(_req("back", t=9))
     assert len(q) == 4 and _order(q) == ["back", "a", "b", "c"]
 
 
 def test_priority_then_arrival() -> None:
     q = WaitingQueue("priority")
-    q.arrived(_req("late-urgent", t=3, priority=-1))
-    q.arrived(_req("early", t=1))
-    q.arrived(_req("later", t=2))
-    q.arrived(_req("sheddable", t=0, priority=5))
+    q.add(_req("late-urgent", t=3, priority=-1))
+    q.add(_req("early", t=1))
+    q.add(_req("later", t=2))
+    q.add(_req("sheddable", t=0, priority=5))
     assert _order(q) == ["late-urgent", "early", "later", "sheddable"]
 
 
-def test_fair_serves_the_tenant_served_least_first() -> None:
-    q = WaitingQueue("fair", tolerance=100)
-    heavy = [_req(f"h{i}", t=i, tenant="heavy", seq=i) for i in range(3)]
-    for r in heavy:
-        q.arrived(r)
-    q.charge(heavy[0], 1000, 0)  # heavy has been served: 1,000 prompt tokens
-    light = _req("light", t=10, tenant="light", seq=10)
-    q.arrived(light)  # arrives last, with nothing in the engine: lifted below heavy, not to 0
-    assert q.service["light"] == 1000 - 100
-    assert q.peek() is light
-    # priority still comes first
-    q.arrived(_req("urgent", t=11, tenant="heavy", priority=-1, seq=11))
-    assert q.peek().request_id == "urgent"
-
-
-def test_fair_keeps_arrival_order_between_tenants_within_the_tolerance() -> None:
-    q = WaitingQueue("fair", tolerance=1000)
-    a, b = _req("a1", t=1, tenant="a", seq=1), _req("b1", t=2, tenant="b", seq=2)
-    q.arrived(a)
-    q.arrived(b)  # new beside a: one tolerance below it
-    assert q.service["b"] == -1000 and q.peek() is b
-    q.charge(b, 1000, 0)  # level
-    assert q.peek() is a
-    q.charge(a, 600, 0)  # a is 600 ahead: within one tolerance, so still arrival order
-    assert q.peek() is a
-    q.charge(a, 600, 0)  # 1,200 ahead: b first
-    assert q.peek() is b
-
-
-def test_fair_counts_output_tokens_twice_and_forgets_idle_tenants_beyond_a_bound(monkeypatch) -> None:
-    import kvgate.engine.core.waiting_queue as wq
-
-    monkeypatch.setattr(wq, "MAX_IDLE_TENANTS", 2)
+def test_fair_runs_requests_over_their_tenants_share_after_the_others_of_their_priority() -> None:
     q = WaitingQueue("fair")
-    r = _req("x", tenant="t0")
-    q.arrived(r)
-    q.charge(r, 10, 3)
-    assert q.service["t0"] == 16
-    for i in range(5):
-        s = _req(f"r{i}", tenant=f"t{i + 1}", seq=i + 1)
-        q.arrived(s)
-        q.remove(s)
-        q.departed(s)
-    assert len(q.service) <= 2 + 1  # the idle ones, bounded, and t0 (still in the engine)
-    assert "t0" in q.service
+    heavy = [_req(f"h{i}", t=i, tenant="heavy", seq=i) for i in range(3)]
+    for r in heavy[1:]:
+        r.over_share = True  # the EPP's mark: its tenant sent more than its share lately
+    for r in heavy:
+        q.add(r)
+    q.add(_req("light", t=10, tenant="light", seq=10))
+    q.add(_req("urgent", t=11, tenant="heavy", priority=-1, seq=11))
+    q.add(_req("shed", t=12, tenant="light", priority=1, seq=12))
+    # priority first; within it, the unmarked in arrival order, then the marked
+    assert _order(q) == ["urgent", "h0", "light", "h1", "h2", "shed"]
+
+
+def test_without_marks_fair_and_priority_are_arrival_order_within_a_priority() -> None:
+    for policy in ("fair", "priority"):
+        q = WaitingQueue(policy)
+        for i, tenant in enumerate("abcab"):
+            q.add(_req(f"{tenant}{i}", t=i, tenant=tenant, seq=i))
+        marked = _req("m", t=-1, tenant="a", seq=99)
+        marked.over_share = True
+        q.add(marked)
+        expected = (
+            ["a0", "b1", "c2", "a3", "b4", "m"] if policy == "fair" else ["m", "a0", "b1", "c2", "a3", "b4"]
+        )
+        assert _order(q) == expected, policy
 
 
 def test_unknown_policy_is_refused() -> None:
@@ -109,6 +90,7 @@ def _sched(threshold: int, budget: int = 64, policy: str = "fair") -> tuple[Sche
             max_model_len=1024,
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
+            long_prefill_step_tokens=threshold,
         ),
         kv,
     )
@@ -128,8 +110,7 @@ def test_a_long_prompt_gets_the_threshold_while_short_ones_arrive_and_they_go_be
     sched, runner = _sched(threshold=16)
     sched.add_request(_req("long", n=200, t=0, tenant="a"))
     sched.add_request(_req("short0", n=8, t=0.5, tenant="b", seq=1))  # short traffic: the cap holds
-    first = _step(sched, runner)
-    assert first == {"short0": 8, "long": 8}  # the long prompt has what the short one left of 16
+    assert _step(sched, runner) == {"long": 16, "short0": 8}  # arrival order; the long one capped
     assert _step(sched, runner) == {"short0": 1, "long": 16}
     sched.add_request(_req("short1", n=12, t=1.0, tenant="b", seq=2))
     # the new short prompt goes before the long one's next piece, which gets a block
@@ -143,7 +124,7 @@ def test_long_prompts_alone_use_the_whole_budget() -> None:
     off, runner = _sched(threshold=0)
     off.add_request(_req("long", n=200, t=0, tenant="a"))
     off.add_request(_req("short", n=8, t=0, tenant="b", seq=1))
-    assert _step(off, runner) == {"short": 8, "long": 56}  # no cap: the long one takes the rest
+    assert _step(off, runner) == {"long": 64}  # no cap: the long one takes the budget
 
 
 def test_one_long_prompt_per_tenant_in_prefill_while_the_cap_holds() -> None:

@@ -322,29 +322,37 @@ async def test_the_queue_order_comes_from_the_epps_headers_or_the_body(tokenizer
     """kvgate.api.contracts.queue_order: the EPP's priority (GIE's, higher first) and tenant win;
     a direct client may set vLLM's body priority (lower first); a malformed header counts as none."""
     engine = _engine(tokenizer)
-    seen: list[tuple[int, str]] = []
+    seen: list[tuple[int, str, bool]] = []
     add = engine.add_request
 
-    def recording(*args, priority: int = 0, tenant: str = "", **kw):  # type: ignore[no-untyped-def]
-        seen.append((priority, tenant))
-        return add(*args, priority=priority, tenant=tenant, **kw)
+    def recording(*args, priority: int = 0, tenant: str = "", over_share: bool = False, **kw):  # type: ignore[no-untyped-def]
+        seen.append((priority, tenant, over_share))
+        return add(*args, priority=priority, tenant=tenant, over_share=over_share, **kw)
 
     engine.add_request = recording  # type: ignore[method-assign]
     body = {"prompt": "hello", "max_tokens": 2}
     async for client, _ in _server(engine):
-        stamped = {"x-kvgate-priority": "2", "x-gateway-inference-fairness-id": "team-a"}
+        stamped = {
+            "x-kvgate-priority": "2",
+            "x-gateway-inference-fairness-id": "team-a",
+            "x-kvgate-over-share": "1",
+        }
         r = await client.post("/v1/completions", json={**body, "priority": 7}, headers=stamped)
         assert r.status_code == 200, r.text
         r = await client.post("/v1/completions", json={**body, "priority": 5})
         assert r.status_code == 200, r.text
-        forged = {"x-kvgate-priority": "1e9", "x-gateway-inference-fairness-id": "../etc"}
+        forged = {
+            "x-kvgate-priority": "1e9",
+            "x-gateway-inference-fairness-id": "../etc",
+            "x-kvgate-over-share": "yes",
+        }
         r = await client.post(
             "/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -3},
             headers=forged,
         )
         assert r.status_code == 200, r.text
-    assert seen == [(-2, "team-a"), (5, ""), (-3, "")]
+    assert seen == [(-2, "team-a", True), (5, "", False), (-3, "", False)]
 
 
 async def test_a_body_priority_under_fcfs_is_refused_as_vllm_does(tokenizer) -> None:  # type: ignore[no-untyped-def]

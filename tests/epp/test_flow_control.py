@@ -507,3 +507,17 @@ def test_the_recent_work_fades_and_the_rule_can_be_turned_off() -> None:
     assert off.flow.submit(request("light", prompt=10, rid="l0")).state == "queued"
     off.idle()  # and dispatching with the rule off keeps no record (a half-life of 0)
     assert off.flow.dispatch() and not off.flow._recent
+
+
+def test_dispatch_marks_a_request_whose_flow_is_over_its_share() -> None:
+    """The engines run marked requests after the others of their priority (queue_order)."""
+    pool = Pool(engines=2, dispatch="pool")
+    first = pool.flow.submit(request("heavy", prompt=4000, rid="h0"))
+    assert first.state == "dispatched" and not first.request.over_share  # nobody else yet: at share
+    light = pool.flow.submit(request("light", prompt=100, rid="l0"))
+    assert not light.request.over_share
+    pool.idle()
+    again = pool.flow.submit(request("heavy", prompt=4000, rid="h1"))
+    # 4,020 of 4,230 weighted tokens against a share of half: over 1.5x of it
+    assert again.state == "dispatched" and again.request.over_share
+    assert not pool.flow.submit(request("light", prompt=100, rid="l1")).request.over_share

@@ -13,7 +13,12 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from kvgate.api.contracts.queue_order import PRIORITY_HEADER, QueueOrder, order_from_headers
+from kvgate.api.contracts.queue_order import (
+    OVER_SHARE_HEADER,
+    PRIORITY_HEADER,
+    QueueOrder,
+    order_from_headers,
+)
 from kvgate.cli import build_parser
 from kvgate.epp.cli import FLOW_DEFAULTS, flow_control_config
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
@@ -260,11 +265,13 @@ def test_the_tenant_priority_applies_unless_an_objective_names_one(handler) -> N
 def test_the_engine_is_told_the_priority_and_a_clients_own_value_is_replaced(handler) -> None:
     """The engine orders its queue by it (kvgate.api.contracts.queue_order)."""
     x = _Exchange()
-    forged = {"authorization": f"Bearer {ALICE_KEY}", PRIORITY_HEADER: "1000"}
+    forged = {"authorization": f"Bearer {ALICE_KEY}", PRIORITY_HEADER: "1000", OVER_SHARE_HEADER: "1"}
     handler.handle(x, headers_msg({**forged, "x-gateway-inference-objective": "batch"}))
     out = handler.handle(x, BODY)
     sent = sent_headers(out[0])
     assert sent[PRIORITY_HEADER] == "-1" and sent[FAIRNESS_HEADER] == "alice"
+    removed = set(out[0].request_headers.response.header_mutation.remove_headers)
+    assert {OVER_SHARE_HEADER, "authorization"} <= removed and OVER_SHARE_HEADER not in sent
     assert order_from_headers(sent) == QueueOrder(1, "alice")  # what the engine makes of it
 
 
