@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from kvgate.bench.noisy_neighbor import virtual_capacity
 from kvgate.bench.virtual_pool import PoolSpec, RunResult, VirtualPool, word_token
 from kvgate.bench.workloads import BenchRequest
-from kvgate.engine.config import SimulationConfig
+from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.epp.flow_control import FlowControlConfig
 
 OUTPUT_TOKENS = 128
@@ -83,6 +83,11 @@ def _pool(args: argparse.Namespace, flow: FlowControlConfig | None, replicas: in
         kv_blocks=args.kv_blocks,
         max_num_batched_tokens=2048,
         sim=SimulationConfig(prefill_time_per_token=0.0004, itl_base=0.025, itl_per_seq=0.0005),
+        # (the engines' defaults unless the arguments say otherwise)
+        scheduling_policy=getattr(args, "scheduling_policy", EngineConfig.scheduling_policy),
+        long_prefill_token_threshold=getattr(
+            args, "long_prefill_token_threshold", EngineConfig.long_prefill_token_threshold
+        ),
         epp_replicas=replicas,
         flow_control=flow,
     )
@@ -141,12 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--long-tokens", type=int, default=4000)
     ap.add_argument("--short-tokens", type=int, default=256)
-    ap.add_argument("--dispatch-prefill-tokens", type=int, default=1024)
-    ap.add_argument("--dispatch-queue-depth", type=int, default=1)
-    ap.add_argument("--dispatch", choices=["pool", "endpoint"], default="endpoint")
-    ap.add_argument("--max-unconfirmed-picks", type=int, default=1)
-    ap.add_argument("--short-reserve", type=int, default=2, help="engines kept free of long prompts")
-    ap.add_argument("--ttl", type=float, default=30.0)
+    # the product's defaults (FlowControlConfig, EngineConfig) unless given
+    fc, ec = FlowControlConfig(), EngineConfig()
+    ap.add_argument("--dispatch-prefill-tokens", type=int, default=fc.dispatch_prefill_tokens)
+    ap.add_argument("--dispatch-queue-depth", type=int, default=fc.dispatch_queue_depth)
+    ap.add_argument("--dispatch", choices=["pool", "endpoint"], default=fc.dispatch)
+    ap.add_argument("--max-unconfirmed-picks", type=int, default=fc.max_unconfirmed_picks)
+    ap.add_argument(
+        "--short-reserve", type=int, default=fc.short_reserve, help="engines kept free of long prompts"
+    )
+    ap.add_argument("--ttl", type=float, default=fc.ttl_s)
+    ap.add_argument("--scheduling-policy", choices=["fcfs", "priority", "fair"], default=ec.scheduling_policy)
+    ap.add_argument("--long-prefill-token-threshold", type=int, default=ec.long_prefill_token_threshold)
     ap.add_argument("--only", default="1,2,3,4", help="which runs (comma-separated)")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]

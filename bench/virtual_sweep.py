@@ -37,7 +37,8 @@ from kvgate.bench.cli import workload_spec
 from kvgate.bench.presets import PRESETS
 from kvgate.bench.stats import ideal_prefix_hit_rate
 from kvgate.bench.virtual_pool import PoolSpec, poisson_requests, simulate, simulate_sweep
-from kvgate.engine.config import SimulationConfig
+from kvgate.engine.config import EngineConfig, SimulationConfig
+from kvgate.engine.core.waiting_queue import POLICIES
 from kvgate.epp.flow_control import FlowControlConfig
 
 METRICS = (
@@ -134,6 +135,16 @@ def main() -> None:
         help="the EPP's flow control (on by default in `kvgate epp serve`) at its default settings: "
         "requests held while no engine has room, picked then among those that have",
     )
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="deal the requests round-robin to this many tenants (fairness ids; the engines' tenants too)",
+    )
+    ap.add_argument("--scheduling-policy", choices=POLICIES, default=EngineConfig.scheduling_policy)
+    ap.add_argument(
+        "--long-prefill-token-threshold", type=int, default=EngineConfig.long_prefill_token_threshold
+    )
     args = ap.parse_args()
 
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -164,6 +175,9 @@ def main() -> None:
         adapters=tuple(workload_spec(first).lora.names()) if first.workload == "lora" else (),
         max_loras=first.max_loras,
         flow_control=FlowControlConfig() if args.flow_control else None,
+        tenants=args.tenants,
+        scheduling_policy=args.scheduling_policy,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     count, warmup = first.num_requests, first.warmup_requests or 0
     print(

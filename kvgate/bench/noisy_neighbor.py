@@ -15,8 +15,8 @@ timing before any stack starts: the virtual-clock pool (kvgate.bench.virtual_poo
 engine scheduler, KV cache and step timing as the stack's engines, no processes) is flooded with
 each shape alone, without flow control, as bench/noisy_neighbor.py does.
 
-Two stacks: one with flow control (its EPP gets --flow-dispatch endpoint
---flow-max-unconfirmed-picks 1 --flow-short-reserve 2, then the bench's --epp-arg flags) runs the
+Two stacks: one with flow control (its EPP at the defaults a user gets, then the bench's
+--epp-arg flags) runs the
 alone runs, the noisy-neighbour run and the priority run in turn; one with --no-flow-control
 runs the noisy-neighbour and the priority runs. Every run sends for --duration seconds and then
 waits for its requests to end (without flow control the flood's backlog drains at the pool's
@@ -53,8 +53,8 @@ LONG_MULTIPLE = 3.0  # the flooding tenant's rate, in multiples of the pool's ca
 SHORT_MULTIPLE = 0.15  # each light tenant's
 # Throughput is counted over the arrival window less its first fifth (queues filling up).
 WINDOW_START = 0.2
-# The flow-control stack's EPP flags (bench/noisy_neighbor.py's settings); --epp-arg adds to them.
-FLOW_ARGS = ("--flow-dispatch", "endpoint", "--flow-max-unconfirmed-picks", "1", "--flow-short-reserve", "2")
+# The flow-control stack's EPP flags: none, the defaults a user gets; --epp-arg adds to them.
+FLOW_ARGS: tuple[str, ...] = ()
 
 ALONE = "alone"
 FLOW = "flow control"
@@ -358,10 +358,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def flow_args(cap: Capacity, extra: Sequence[str]) -> list[str]:
-    """The flow-control stack's EPP flags: the preset's, the light prompts' bound, then --epp-arg."""
-    # a light prompt plus its chat template is short; a flooding one is not
-    short = min(cap.short_tokens + 64, (cap.short_tokens + cap.long_tokens) // 2)
-    return [*FLOW_ARGS, "--flow-short-prompt-tokens", str(short), *extra]
+    """The flow-control stack's EPP flags: the preset's (none: the defaults), then --epp-arg."""
+    return [*FLOW_ARGS, *extra]
 
 
 @dataclass
