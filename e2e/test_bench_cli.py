@@ -188,7 +188,7 @@ def test_noisy_neighbor_preset_reports_every_tenant_of_every_run(tmp_path: Path)
         if tenant not in ("A", "flood"):
             assert r["requests_ok"] == r["requests_sent"] and r["ttft_p90_s"] > 0
     assert doc["capacity"]["long_req_s"] > 0 and len(doc["ratios"]) == 6
-    assert "--flow-dispatch" in doc["settings"]["flow_control_epp_args"]
+    assert doc["settings"]["flow_control_epp_args"] == []  # the defaults a user gets
     tenants = tmp_path / "logs" / "tenants.yaml"
     assert tenants.stat().st_mode & 0o077 == 0  # the keys are readable by their owner only
     assert (tmp_path / "logs" / "flow-control" / "epp.log").exists()

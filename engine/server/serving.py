@@ -108,7 +108,7 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_options = tool_options or ToolOptions()
         # the waiting order (a body priority with fcfs is refused, as vLLM does)
-        config = getattr(engine.engine, "config", None)
+        config = getattr(getattr(engine, "engine", None), "config", None)
         self.scheduling_policy: str = getattr(config, "scheduling_policy", "fair")
         # Unique ids without a getrandom syscall per request (a GIL hand-off while the engine
         # thread is busy): a random per-process prefix plus a counter.
