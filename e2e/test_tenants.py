@@ -174,3 +174,23 @@ def test_keys_rotate_without_a_restart(gateway: Gateway) -> None:
         gateway.tenants.write_text(original)
     eventually(lambda: status(carol) == 401, 15, "the removed key refused")
     assert status(ALICE_KEY) == 200
+
+
+def test_a_bypass_header_from_a_client_skips_nothing(gateway: Gateway) -> None:
+    """`x-kvgate-route: direct` (the latency bench's route around the EPP) exists only where a
+    gateway is built with --direct-upstream, which no tenant stack is: from a client it routes
+    through the EPP like any request, and without a key that is OpenAI's 401."""
+    before = len(gateway.heads)
+    for headers in (
+        {"x-kvgate-route": "direct"},
+        {"x-kvgate-route": "direct", "authorization": "Bearer nope"},
+    ):
+        r = httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": "default", "prompt": "hi", "max_tokens": 1},
+            headers=headers,
+            timeout=30,
+        )
+        assert r.status_code == 401, r.text
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert len(gateway.heads) == before  # nothing reached the engine
