@@ -77,12 +77,13 @@ class FlowControlConfig:
     short_reserve: int = 0
     short_prompt_tokens: int = 1024
     short_window_s: float = 5.0
-    # The engines order their own queues by priority and tenant service (kvgate's engines do:
-    # --scheduling-policy fair). Then, with pool dispatch, the pool's saturation holds only the
-    # flows that sent more than their share of the band's recent work (prompt and output
-    # tokens dispatched, decayed with this half-life): a flow under its share is run by its
-    # engine before the queued work that saturates the pool, so holding it here would only add
-    # the wait for a gap. 0: saturation holds every flow (engines that serve in arrival order).
+    # The engines run requests marked over their share after the others of their priority
+    # (kvgate's engines do: --scheduling-policy fair). Then, with pool dispatch, the pool's
+    # saturation holds only the flows that sent more than their share of the band's recent work
+    # (prompt and output tokens dispatched, decayed with this half-life): a flow under its
+    # share is run by its engine before the queued work that saturates the pool, so holding it
+    # here would only add the wait for a gap. 0: saturation holds every flow, nothing is marked
+    # (engines that serve in arrival order).
     fair_share_half_life_s: float = 10.0
     # ... while the engines' queues stay shorter than this on average (this replica's picks not
     # yet scraped included): past it every flow is held, so the EPP's bounds and TTL, not the
@@ -346,10 +347,12 @@ class FlowController:
             return []
         return candidates
 
-    def _share_of_recent_work(self, key: FlowKey, band: _Band | None, now: float) -> tuple[float, float]:
-        """This flow's recent work, and its weighted share of the recent work of its band and
+    def _share_ratio(self, key: FlowKey, band: _Band | None, now: float) -> float | None:
+        """This flow's recent work over its weighted share of the recent work of its band and
         the bands below it (an engine runs lower priorities after it, so their work counts as
-        others' while it is not this flow's)."""
+        others' while it is not this flow's); None while the rule is off or nothing was sent."""
+        if not self.config.fair_share_half_life_s:
+            return None
         mine = self._recent[key].value(now) if key in self._recent else 0.0
         total = 0.0
         peers = {key.fairness_id}  # the flows of its band that share it
@@ -362,23 +365,13 @@ class FlowController:
         if band is not None:
             peers.update(t for t, queue in band.flows.items() if queue)
         share = self.weights.weight(key.fairness_id) / sum(self.weights.weight(t) for t in peers)
-        return mine, share * total
+        fair = share * total
+        return mine / fair if fair > 0 else None
 
-    def _over_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
-        """Whether this flow sent more than over_share_factor times its share of the recent work."""
-        if not self.config.fair_share_half_life_s:
-            return False
-        mine, fair = self._share_of_recent_work(key, band, now)
-        return fair > 0 and mine > self.config.over_share_factor * fair
-
-    def _under_share(self, key: FlowKey, band: _Band | None, now: float) -> bool:
-        """Whether this flow sent less than its weighted share of the recent work of its band
-        and the bands below it (see fair_share_half_life_s). Sheddable work never is: GIE holds
-        it back while saturated."""
-        if not self.config.fair_share_half_life_s or self.config.dispatch != "pool" or key.priority < 0:
-            return False
-        mine, fair = self._share_of_recent_work(key, band, now)
-        return fair > 0 and mine < fair
+    def _passes_saturation(self, key: FlowKey, ratio: float | None) -> bool:
+        """Whether a flow at this share ratio goes past a saturated pool (pool dispatch, under
+        its share). Sheddable work never does: GIE holds it back while saturated."""
+        return ratio is not None and ratio < 1 and self.config.dispatch == "pool" and key.priority >= 0
 
     @staticmethod
     def _prefill_ahead(state: EndpointState) -> int:
@@ -452,7 +445,7 @@ class FlowController:
             held.tokens = array("i", request._token_ids)
             request._token_ids = None
         heapq.heappush(self._deadlines, (held.deadline, held.seq, held))
-        if self.queued == 1 or self._under_share(key, band, now):
+        if self.queued == 1 or self._passes_saturation(key, self._share_ratio(key, band, now)):
             # Nothing else was waiting, or its flow may pass a saturated pool: it may go at
             # once. Otherwise the last round found no room, and the next one (a scrape, a
             # finished request, the tick) decides; a round per arrival would cost every arrival
@@ -501,14 +494,15 @@ class FlowController:
                 flow = band.flows[tenant]
                 held = flow[0]
                 roomy = self._roomy(held, now)
-                if roomy is not None and not roomy and self._under_share(held.key, band, now):
+                ratio = self._share_ratio(held.key, band, now)
+                if roomy is not None and not roomy and self._passes_saturation(held.key, ratio):
                     roomy = self._past_saturation(held)
                 if roomy is not None and not roomy:
                     blocked.add(tenant)
                     ceiling = min(ceiling, self.counters.get(tenant, 0.0) + self._counter_cost(held))
                     continue
                 self._remove(held)
-                held.request.over_share = self._over_share(held.key, band, now)
+                held.request.over_share = ratio is not None and ratio > self.config.over_share_factor
                 try:
                     decision = self.director.pick(held.request, among=roomy)
                 except Exception:

@@ -8,13 +8,14 @@ One token budget per step, filled in three passes:
 3. the next pieces of long prompts being prefilled.
 
 While short prompts keep arriving (no more than `long_prefill_token_threshold` tokens to
-compute, within `short_prompt_window_s`), the long ones share `long_prefill_step_tokens` prompt
-tokens a step, less what the step's short prompts take, and at most `max_long_partial_prefills` of a tenant's
-are in prefill at once: a short request then waits for a short step, not for a 2,048-token
-chunk of someone's long prompt. Without short arrivals long prompts take the whole budget.
+compute, within `short_prompt_window_s`), the long ones share `long_prefill_step_tokens`
+prompt tokens a step, less what the step's short prompts take, and at most
+`max_long_partial_prefills` of a tenant's are in prefill at once: a short request then waits
+for a short step, not for a 2,048-token chunk of someone's long prompt. Without short arrivals
+long prompts take the whole budget.
 
-When the pool runs dry the policy's last running request (lowest priority, over its tenant's share,
-newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
+When the pool runs dry the policy's last running request (lowest priority, over its tenant's
+share, newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
 (prefix hits make that cheap when its blocks have not been evicted meanwhile).
 """
 
@@ -43,13 +44,13 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 0  # distinct LoRA adapters among running requests; 0: no limit
     scheduling_policy: str = "fair"  # fcfs | priority | fair (waiting_queue.py)
-    # Most prompt tokens one request computes per step (vLLM's --long-prefill-token-threshold);
-    # 0: up to the whole budget.
+    # A prompt with more uncached tokens than this is long (vLLM's
+    # --long-prefill-token-threshold); 0: none is, and nothing below applies.
     long_prefill_token_threshold: int = 0
     # ... and long prompts share this many prompt tokens a step while short ones arrive
     long_prefill_step_tokens: int = 256
-    # Prompts with more than that still to compute that get prefill tokens in one step (vLLM's
-    # --max-long-partial-prefills): the rest wait their turn, short prompts go past them.
+    # Long prompts of one tenant (of all, except under the fair policy) in prefill at once
+    # (vLLM's --max-long-partial-prefills): the rest wait their turn, short prompts go past.
     max_long_partial_prefills: int = 1
     # The cap holds only while short prompts (no more than the threshold to compute) keep
     # arriving: within this many seconds of the newest arrival. Long prompts alone are
@@ -94,11 +95,11 @@ class Scheduler:
         # are computed already in our accounting (num_computed_tokens moves at scheduling), but
         # a request arriving now still waits for that step.
         self._in_flight_prefill_tokens = 0
-        # When the newest request and the newest short one arrived (short_prompt_window_s).
+        # When the newest request arrived, and the newest short one of each priority
+        # (short_prompt_window_s).
         self._latest_arrival = -math.inf
-        self._short_arrival = -math.inf
-        self._capping = False  # this step: long prompts get the threshold, not the budget
-        self._short_by_priority: dict[int, float] = {}  # the newest short arrival per priority
+        self._short_by_priority: dict[int, float] = {}
+        self._capping = False  # this step: long prompts get long_prefill_step_tokens, not the budget
         self._urgent = math.inf  # this step: the most urgent priority with short arrivals
 
     # -- admission and removal -----------------------------------------------------------
@@ -113,7 +114,6 @@ class Scheduler:
         request.expected_cached_tokens = self.kv.get_computed_blocks(request).num_tokens
         self._latest_arrival = max(self._latest_arrival, request.arrival_time)
         if request.num_tokens - request.expected_cached_tokens <= self.config.long_prefill_token_threshold:
-            self._short_arrival = max(self._short_arrival, request.arrival_time)
             seen = self._short_by_priority
             seen[request.priority] = max(seen.get(request.priority, -math.inf), request.arrival_time)
             if len(seen) > 64:  # priorities a client may name are many: keep the recent ones
@@ -268,14 +268,14 @@ class Scheduler:
         step = _Step(budget=cfg.max_num_batched_tokens)
         self._in_flight_prefill_tokens = 0  # counted as each seq is built (_seq)
         self.kv.begin_step()
+        horizon = self._latest_arrival - cfg.short_prompt_window_s
+        self._urgent = min((p for p, t in self._short_by_priority.items() if t >= horizon), default=math.inf)
         self._capping = (
             cfg.enable_chunked_prefill
             and cfg.long_prefill_token_threshold > 0
             and cfg.long_prefill_step_tokens > 0
-            and self._latest_arrival - self._short_arrival <= cfg.short_prompt_window_s
+            and self._urgent < math.inf  # some short prompt arrived within the window
         )
-        horizon = self._latest_arrival - cfg.short_prompt_window_s
-        self._urgent = min((p for p, t in self._short_by_priority.items() if t >= horizon), default=math.inf)
 
         # 1. Running requests, oldest first: decodes and prompts with little left to compute.
         #    A long prompt being prefilled in pieces waits for step 3, so that what is admitted

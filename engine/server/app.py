@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvgate.api.contracts.admissions import Pick, pick_from_headers
 from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
-from kvgate.api.contracts.queue_order import QueueOrder, order_from_headers
+from kvgate.api.contracts.queue_order import order_from_headers
 from kvgate.api.tracing import NO_SPAN, Span, Tracer
 from kvgate.engine.server.async_engine import AsyncEngine
 from kvgate.engine.server.errors import APIError, bad_request, error_response
@@ -79,12 +79,6 @@ def _pick(request: Request) -> Pick | None:
     announcement, with the tenant and the service it charged when it said them
     (kvgate.api.contracts.admissions); a malformed replica id asks for nothing."""
     return pick_from_headers(request.headers)
-
-
-def _order(request: Request, body_priority: int) -> QueueOrder:
-    """Its place in the waiting queue: the priority and tenant the EPP stamped, or the body's
-    vLLM priority (kvgate.api.contracts.queue_order)."""
-    return order_from_headers(request.headers, body_priority)
 
 
 def _trace_result(request: Request, result: dict[str, Any]) -> None:
@@ -379,7 +373,11 @@ class Handlers:
         raw = await self.read_body(request)
         req = parse_body(CompletionRequest, raw)
         result = await self.serving_completion.completions(
-            req, request.receive, _pick(request), _handoff(request, raw), _order(request, req.priority)
+            req,
+            request.receive,
+            _pick(request),
+            _handoff(request, raw),
+            order_from_headers(request.headers, req.priority),
         )
         return _generation_response(request, result)
 
@@ -387,7 +385,11 @@ class Handlers:
         raw = await self.read_body(request)
         req = parse_body(ChatCompletionRequest, raw)
         result = await self.serving_chat.chat(
-            req, request.receive, _pick(request), _handoff(request, raw), _order(request, req.priority)
+            req,
+            request.receive,
+            _pick(request),
+            _handoff(request, raw),
+            order_from_headers(request.headers, req.priority),
         )
         return _generation_response(request, result)
 
