@@ -141,7 +141,18 @@ def test_router_command_line_parses_and_pool_with_pools_is_refused() -> None:
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.pool == [("a", ("a-engines.ns.svc:8000",))] and args.grpc_port == 9004
     assert container["env"][0]["valueFrom"]["secretKeyRef"] == {"name": "k", "key": "key"}
-    assert "--tenants" not in container["args"] and len(container["volumeMounts"]) == 1
+    assert "--tenants" not in container["args"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["tmp", "engine-keys"]
+    assert args.engine_keys == "/etc/kvgate/engine-keys"
+    pod = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"].endswith("model-router")
+    )
+    # each pool's file from the Secret the operator makes for a ModelDeployment with tenants;
+    # optional: a pool without one is asked with the key above, or none
+    keys = next(v for v in pod["spec"]["template"]["spec"]["volumes"] if v["name"] == "engine-keys")
+    assert keys["projected"]["sources"] == [
+        {"secret": {"name": "a-engine-key", "optional": True, "items": [{"key": "api-key", "path": "a"}]}}
+    ]
 
     docs = helm_docs("envoyGateway.pools[0].name=a", "envoyGateway.modelRouter.tenantsSecret.name=keys")
     container = router_container(docs)

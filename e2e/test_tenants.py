@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 
 ALICE_KEY = "sk-alice-e2e-0123456789abcdef"
 BOB_KEY = "sk-bob-e2e-0123456789abcdef00"
+ENGINE_KEY = "engine-e2e-0123456789abcdef0123"  # the engines' --api-key, which the EPP knows
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
 
@@ -84,7 +85,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, engine_stub) -> Iterator[G
         "--tenants",
         str(tenants),
     )
-    epp_proc = harness.Process(f"epp-{grpc}", argv, log_dir / f"epp-{grpc}.log").start()
+    epp_proc = harness.Process(
+        f"epp-{grpc}", argv, log_dir / f"epp-{grpc}.log", env={"KVGATE_API_KEY": ENGINE_KEY}
+    ).start()
     procs = [epp_proc]
     try:
         epp = harness.Epp(epp_proc, grpc, health, metrics, secure=False)
@@ -105,9 +108,10 @@ def test_a_tenants_key_is_served_and_the_engine_sees_the_tenant(gateway: Gateway
     reply = client(gateway, ALICE_KEY).completions.create(model="default", prompt="hello", max_tokens=1)
     assert reply.choices[0].text == "ok"
     assert gateway.fairness_ids_seen(before) == ["alice"]
-    # the queue order the engine is told; the tenant's key stays at the gateway
+    # the queue order the engine is told; the tenant's key stays at the gateway and the engines'
+    # own key takes its place (engines that require it serve only what the EPP picked)
     assert gateway.header_seen(before, "x-kvgate-priority") == ["0"]
-    assert gateway.header_seen(before, "authorization") == []
+    assert gateway.header_seen(before, "authorization") == [f"Bearer {ENGINE_KEY}"]
     assert len(gateway.heads) == before + 1 and ALICE_KEY.encode() not in gateway.heads[before]
 
 

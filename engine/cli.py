@@ -23,6 +23,7 @@ from kvgate.api.tracing import endpoint_from_env
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.core.waiting_queue import POLICIES
 from kvgate.engine.server.tools.parsers import PARSERS as TOOL_PARSERS
+from kvgate.engine.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 
 if TYPE_CHECKING:  # the launcher imports uvicorn: only when serving
     from kvgate.engine.server.launcher import ServerOptions
@@ -53,6 +54,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     _add_cache_args(p)
     _add_lora_args(p)
+    _add_spec_args(p)
     _add_pd_args(p)
     _add_server_args(p)
     _add_tool_args(p)
@@ -216,6 +218,21 @@ def _add_lora_args(p: argparse.ArgumentParser) -> None:
         "sending) but is still served this long, so requests routed before they noticed succeed; then "
         "new ones get 404 and running ones finish under it. A load of the name meanwhile cancels the "
         "unload (0: refuse at once)",
+    )
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (vLLM's flag; the ngram and draft_model methods)."""
+    sp = p.add_argument_group("speculative decoding (vLLM's flag)")
+    sp.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"prompt_lookup_min": 1}\': draft tokens copied from earlier in the sequence, verified in '
+        'one step (greedy output unchanged); or \'{"method": "draft_model", "model": PATH_OR_ID, '
+        '"num_speculative_tokens": 4}\' (kvgate\'s "draft_num_layers": N: only the first N '
+        "layers; no model: the target's own); unset: off",
     )
 
 
@@ -422,6 +439,9 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]:
         kv_offloading_size=args.kv_offloading_size,
         kv_offloading_backend=args.kv_offloading_backend,
         kv_offload_on=args.kv_offload_on,
+        speculative_config=(
+            SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else None
+        ),
         simulate=args.simulate,
         simulation=SimulationConfig().with_timing(SimTiming.from_args(args)),
     )
@@ -469,7 +489,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvgate.engine.server.launcher import ServeError, serve
 
-    config, options = _configs(args)
+    try:
+        config, options = _configs(args)
+    except SpeculativeConfigError as exc:
+        print(f"kvgate engine serve: {exc}", file=sys.stderr)
+        return 2
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model" and config.simulate:
+        print(
+            "kvgate engine serve: speculative method 'draft_model' needs a model, not --simulate",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return serve(config, options)
     except ServeError as exc:

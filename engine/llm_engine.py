@@ -76,6 +76,12 @@ class EngineStats:
     host_kv_stores_total: int = 0  # blocks copied to the tier
     host_kv_loads_total: int = 0  # blocks copied back from it
     host_kv_copy_seconds_total: float = 0.0  # steps' time spent copying to and from it
+    # Speculative decoding (vllm:spec_decode_*): 0 and () while it is off
+    num_speculative_tokens: int = 0
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos_total: tuple[int, ...] = ()
 
 
 def _load_tokenizer(config: EngineConfig) -> Any:
@@ -152,8 +158,10 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 long_prefill_step_tokens=config.long_prefill_step_tokens,
                 max_long_partial_prefills=config.max_long_partial_prefills,
+                speculative=config.speculative_config,
             ),
             self.kv,
+            proposer=self._draft_proposer(),
         )
         eos = getattr(self.tokenizer, "eos_token_ids", None)
         if not eos:
@@ -173,6 +181,23 @@ class LLMEngine:
         # id -> path of the adapter weights its cached KV blocks were computed with; kept after
         # an unload, as its blocks stay cached until evicted
         self._lora_paths: dict[int, str] = {}
+
+    def _draft_proposer(self) -> Any:
+        """--speculative-config's draft_model: the draft, loaded beside the target (real runner
+        only). None for n-gram speculation or none."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from kvgate.engine.model_runner import TorchModelRunner
+
+        if not isinstance(self.runner, TorchModelRunner):
+            raise ValueError(
+                "speculative method 'draft_model' needs the real model runner (not --simulate): "
+                "the simulated one has no model to draft with"
+            )
+        from kvgate.engine.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer.build(self.runner, spec)
 
     def _resolve_max_model_len(self, num_blocks: int) -> int:
         cfg = self.config
@@ -334,6 +359,7 @@ class LLMEngine:
         """One engine step. `on_scheduled` runs between scheduling and the model's forward pass:
         the blocks this step will fill are already findable then (and announced as KV events),
         so a server can publish them before a long prefill step rather than after it."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -345,6 +371,12 @@ class LLMEngine:
             self._gather_prompt_logprobs(batch.prompt_logprobs)
         by_id = {s.request_id: s for s in sampled}
         touched = self.scheduler.update(batch, sampled)
+        if self.scheduler.adaptive is not None:
+            # the step's cost for adaptive speculation: the simulated runner's configured
+            # timing, else the wall time of the whole step (proposing and verifying included)
+            duration = getattr(self.runner, "step_duration", None)
+            seconds = duration(batch) if duration is not None else time.perf_counter() - started
+            self.scheduler.observe_step(batch, seconds)
         outputs = [self._output(req, by_id[req.request_id]) for req in touched]
         self._finish_unloads()
         return outputs
@@ -352,27 +384,43 @@ class LLMEngine:
     def _output(self, request: Request, sampled: SampledToken) -> RequestOutput:
         rid = request.request_id
         params = request.sampling_params
-        token = sampled.token_id
-        self.generation_tokens_total += 1
-        if request.num_output_tokens == 1:
+        # The tokens the scheduler appended this step: one, or several when speculating (it
+        # stopped at the first stop token or limit); a stop string may end them sooner.
+        new_tokens = request.output_token_ids[request.num_output_tokens - request.num_new_tokens :]
+        if request.num_output_tokens == request.num_new_tokens:
             self.prompt_tokens_total += request.num_prompt_tokens
+
+        detok = self._detok[rid]
+        delta = ""
+        for i, token in enumerate(new_tokens):
+            # Stopped already, before any text: by EOS or a stop token id, which stay out of the
+            # text (a completed grammar also stops the request, and its last token is text).
+            ended_by_token = (
+                i == len(new_tokens) - 1
+                and request.status == RequestStatus.FINISHED_STOPPED
+                and (token in request.eos_token_ids or token in params.stop_token_ids)
+            )
+            if not (ended_by_token and not params.include_stop_str_in_output):
+                delta += detok.add_token(token)
+            if detok.stop_string is not None:
+                if not request.is_finished:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, detok.stop_string)
+                # tokens after the one completing the stop string were never made
+                drop = len(new_tokens) - i - 1
+                if drop:
+                    del request.output_token_ids[-drop:]
+                    del request.all_token_ids[-drop:]
+                    new_tokens = new_tokens[: i + 1]
+                break
+        self.generation_tokens_total += len(new_tokens)
 
         new_logprobs: list[PositionLogprobs] | None = None
         if request.logprobs is not None:
-            position = self._position_logprobs(sampled)
-            request.logprobs.append(position)
-            request.cumulative_logprob += position.sampled.logprob
-            new_logprobs = [position]
-
-        detok = self._detok[rid]
-        # Stopped already, before any text: by EOS or a stop token id, which stay out of the text
-        # (a completed grammar also stops the request, and its last token is text).
-        ended_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
-            token in request.eos_token_ids or token in params.stop_token_ids
-        )
-        delta = "" if ended_by_token and not params.include_stop_str_in_output else detok.add_token(token)
-        if detok.stop_string is not None and not request.is_finished:
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED, detok.stop_string)
+            # one position per token kept (a speculative step's tokens, less those a stop cut)
+            new_logprobs = self._position_logprobs(sampled)[: len(new_tokens)]
+            request.logprobs.extend(new_logprobs)
+            for position in new_logprobs:  # one at a time: the same sum as plain decoding's
+                request.cumulative_logprob += position.sampled.logprob
         if request.is_finished:
             delta += detok.flush()
             del self._detok[rid]
@@ -382,6 +430,7 @@ class LLMEngine:
             request.prompt_logprobs_sent = True  # with the first output only, never again
             prompt_logprobs = [None, *request.prompt_logprobs]
 
+        speculating = self.config.speculative_config is not None
         return RequestOutput(
             prompt_logprobs=prompt_logprobs,
             request_id=rid,
@@ -390,7 +439,7 @@ class LLMEngine:
             num_host_cached_tokens=request.num_host_cached_tokens,
             token_ids=list(request.output_token_ids),
             text=detok.emitted_text,
-            new_token_ids=[token],
+            new_token_ids=new_tokens,
             delta_text=delta,
             logprobs=list(request.logprobs) if request.logprobs is not None else None,
             new_logprobs=new_logprobs,
@@ -403,6 +452,9 @@ class LLMEngine:
             finished_time=request.finished_time,
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
             num_recomputed_tokens=request.num_recomputed_tokens,
+            spec_num_drafts=request.spec_num_drafts if speculating else None,
+            spec_num_draft_tokens=request.spec_num_draft_tokens if speculating else None,
+            spec_num_accepted_tokens=request.spec_num_accepted_tokens if speculating else None,
         )
 
     def _gather_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
@@ -436,12 +488,17 @@ class LLMEngine:
                 self._token_text[token_id] = text
         return text
 
-    def _position_logprobs(self, sampled: SampledToken) -> PositionLogprobs:
-        lp = sampled.logprob if sampled.logprob is not None else 0.0
-        return PositionLogprobs(
-            sampled=TokenLogprob(sampled.token_id, lp, self._decoded(sampled.token_id)),
-            top=[TokenLogprob(t, p, self._decoded(t)) for t, p in (sampled.top_logprobs or [])],
-        )
+    def _position_logprobs(self, sampled: SampledToken) -> list[PositionLogprobs]:
+        """The logprobs of each token a step made for a seq (several when speculating)."""
+        d = self._decoded
+        positions = [(sampled.logprob, sampled.top_logprobs), *sampled.more_logprobs]
+        return [
+            PositionLogprobs(
+                sampled=TokenLogprob(token, lp if lp is not None else 0.0, d(token)),
+                top=[TokenLogprob(t, p, d(t)) for t, p in (top or [])],
+            )
+            for token, (lp, top) in zip(sampled.token_ids, positions, strict=False)
+        ]
 
     # -- introspection -------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -462,7 +519,21 @@ class LLMEngine:
             waiting_loras=self._lora_names(self.scheduler.waiting_lora_ids()),
             lora_loads_total=self.lora_runner.lora_loads_total if self.lora_runner is not None else 0,
             **self._host_stats(),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.config.speculative_config
+        if spec is None:
+            return {}
+        stats = self.scheduler.spec_stats
+        return {
+            "num_speculative_tokens": spec.num_speculative_tokens,
+            "spec_num_drafts_total": stats.num_drafts,
+            "spec_num_draft_tokens_total": stats.num_draft_tokens,
+            "spec_num_accepted_tokens_total": stats.num_accepted_tokens,
+            "spec_accepted_per_pos_total": tuple(stats.accepted_per_pos),
+        }
 
     def _host_stats(self) -> dict[str, Any]:
         host = self.kv.host

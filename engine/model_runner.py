@@ -416,22 +416,57 @@ class TorchModelRunner:
                 self.kv_copy_seconds_total += time.perf_counter() - started
             if any(s.prompt_logprob_targets for s in seqs):
                 self._prompt_logprobs(batch, seqs, hidden, last_token_rows)
-            sampled_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.sample]
-            if not sampled_seqs:
-                return []
-            rows = torch.tensor([row for _, row in sampled_seqs], device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            if any(s.sampling_params.min_tokens > s.num_generated for s, _ in sampled_seqs):
-                self._ensure_eos()
-            requests = [
-                SampleRequest(
-                    s.request_id, s.sampling_params, s.num_generated, batch.bitmask_rows.get(s.request_id)
-                )
-                for s, _ in sampled_seqs
+            sampled_seqs = [
+                (s, row)
+                for s, row in zip(seqs, last_token_rows, strict=True)
+                if s.sample and not s.draft_token_ids
             ]
-            tokens = self.sampler(logits, requests, batch.token_bitmask)
+            spec_seqs = [(s, row) for s, row in zip(seqs, last_token_rows, strict=True) if s.draft_token_ids]
+            if not sampled_seqs and not spec_seqs:
+                return []
+            if any(s.sampling_params.min_tokens > s.num_generated for s, _ in sampled_seqs + spec_seqs):
+                self._ensure_eos()
+            tokens: list[SampledToken] = []
+            if sampled_seqs:
+                rows = torch.tensor([row for _, row in sampled_seqs], device=self.device)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
+                requests = [
+                    SampleRequest(
+                        s.request_id, s.sampling_params, s.num_generated, batch.bitmask_rows.get(s.request_id)
+                    )
+                    for s, _ in sampled_seqs
+                ]
+                tokens += self.sampler(logits, requests, batch.token_bitmask)
+            if spec_seqs:
+                tokens += self._verify(hidden, spec_seqs, batch)
         by_id = {t.request_id: t for t in tokens}
         return [by_id[s.request_id] for s in batch.seqs if s.sample]
+
+    def _verify(
+        self, hidden: torch.Tensor, spec_seqs: list[tuple[ScheduledSeq, int]], batch: ScheduledBatch
+    ) -> list[SampledToken]:
+        """Speculative decoding: the logits at each seq's last len(drafts) + 1 rows (its last
+        token and its drafts), verified by the sampler (a constrained seq under one grammar
+        mask per position)."""
+        index = [
+            row - len(s.draft_token_ids) + i
+            for s, row in spec_seqs
+            for i in range(len(s.draft_token_ids) + 1)
+        ]
+        logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(index, device=self.device)))
+        return self.sampler.verify(
+            logits.float(),
+            [
+                (
+                    SampleRequest(
+                        s.request_id, s.sampling_params, s.num_generated, batch.bitmask_rows.get(s.request_id)
+                    ),
+                    s.draft_token_ids,
+                )
+                for s, _ in spec_seqs
+            ],
+            batch.token_bitmask,
+        )
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, seqs: list[ScheduledSeq], hidden: torch.Tensor, last_rows: list[int]

@@ -58,6 +58,11 @@ class RequestOutput:
     # block-aligned prompt recomputes its last block so the model has a position to sample from).
     num_recomputed_tokens: int = 0
     num_host_cached_tokens: int = 0  # of num_cached_tokens, those loaded from the host KV tier
+    # Speculative decoding, so far: verification steps with drafts, draft tokens verified, and
+    # of those accepted (before a stop truncated a step). None: the engine does not speculate.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int | None = None
+    spec_num_accepted_tokens: int | None = None
     # Prompt logprobs (first output only, when asked): None for the first prompt token, then one
     # entry per later prompt token, as vLLM returns them.
     prompt_logprobs: list[PromptTokenLogprobs | None] | None = None

@@ -9,6 +9,11 @@ drawn from ordinary word pieces of the vocabulary so the text reads like (nonsen
 Structured outputs are honoured: a constrained request only gets tokens its grammar allows
 (the natural word when allowed, and once its natural length is reached the tokens that close
 the output: EOS, then a quote, brace or bracket), so simulated JSON is valid JSON.
+
+Speculative decoding: a seq with drafts is verified by the greedy rule against this fake model
+(accept drafts while each equals its token at that position, under the grammar's mask for that
+position when constrained, then one of its own; logprobs per token as plain decoding gives
+them), and costs a decode step plus its drafts at the prefill cost per token.
 Never imports torch (a step's token bitmask is read through `tolist()`).
 """
 
@@ -33,6 +38,7 @@ from kvgate.engine.core.runner_api import (
     SupportsKVTransfer,
     SupportsLoRA,
 )
+from kvgate.engine.sampling_params import SamplingParams
 
 _MASK = 0xFFFFFFFFFFFFFFFF
 _WORD = re.compile(r"^[Ġ▁ ][a-z]{2,9}$")
@@ -186,8 +192,10 @@ class SimulatedRunner:
         prefill_tokens = 0
         decode_seqs = 0
         for seq in batch.seqs:
-            if seq.num_generated > 0 and len(seq.token_ids) == 1:
+            drafts = len(seq.draft_token_ids)
+            if seq.num_generated > 0 and len(seq.token_ids) == 1 + drafts:
                 decode_seqs += 1
+                prefill_tokens += drafts  # verifying drafts: a small prefill chunk after the token
             else:
                 prefill_tokens += len(seq.token_ids)
         if not batch.seqs:
@@ -217,7 +225,6 @@ class SimulatedRunner:
             self._sleep(delay)
             self.simulated_seconds += delay
         out: list[SampledToken] = []
-        words = self._words
         for seq in batch.seqs:
             if seq.prompt_logprob_targets:
                 batch.prompt_logprobs[seq.request_id] = self._fake_prompt_logprobs(seq)
@@ -225,24 +232,63 @@ class SimulatedRunner:
                 continue
             params = seq.sampling_params
             key = self._request_key(seq.request_id, params.seed)
-            pos = seq.num_generated
-            r = _mix(key ^ _mix(pos))
-            token = words[r % len(words)]
-            if (
-                self.eos_token_id is not None
-                and params.max_tokens is None
-                and not params.ignore_eos
-                and pos + 1 >= 8 + key % _MAX_NATURAL_LEN
-            ):
-                token = self.eos_token_id
-            row = batch.bitmask_rows.get(seq.request_id)
-            if row is not None and batch.token_bitmask is not None:
-                token = self._constrained(batch.token_bitmask[row].tolist(), token, r, pos >= 4 + key % 12)
+            if seq.draft_token_ids:
+                out.append(self._verify(seq, key, batch))
+                continue
+            token, r = self._position(seq, key, batch, 0)
             sampled = SampledToken(request_id=seq.request_id, token_id=token)
             if params.logprobs is not None:
                 self._fake_logprobs(sampled, r, params.logprobs)
             out.append(sampled)
         return out
+
+    def _position(self, seq: ScheduledSeq, key: int, batch: ScheduledBatch, i: int) -> tuple[int, int]:
+        """The token at the seq's i-th sampled position this step (i > 0: after its drafts
+        0..i-1), under its grammar's mask for that position when it is constrained."""
+        pos = seq.num_generated + i
+        token, r = self._token(seq.sampling_params, key, pos)
+        row = batch.bitmask_rows.get(seq.request_id)
+        if row is not None and batch.token_bitmask is not None:
+            token = self._constrained(batch.token_bitmask[row + i].tolist(), token, r, pos >= 4 + key % 12)
+        return token, r
+
+    def _token(self, params: SamplingParams, key: int, pos: int) -> tuple[int, int]:
+        """The fake model's token at output position `pos`, and the hash it came from."""
+        words = self._words
+        r = _mix(key ^ _mix(pos))
+        token = words[r % len(words)]
+        if (
+            self.eos_token_id is not None
+            and params.max_tokens is None
+            and not params.ignore_eos
+            and pos + 1 >= 8 + key % _MAX_NATURAL_LEN
+        ):
+            token = self.eos_token_id
+        return token, r
+
+    def _verify(self, seq: ScheduledSeq, key: int, batch: ScheduledBatch) -> SampledToken:
+        """The greedy rule against the fake model: accept drafts while each is the token plain
+        decoding makes at that position (under the grammar's mask there), then one of its own;
+        each with the logprobs plain decoding would report."""
+        tokens: list[int] = []
+        hashes: list[int] = []
+        for i in range(len(seq.draft_token_ids) + 1):
+            token, r = self._position(seq, key, batch, i)
+            tokens.append(token)
+            hashes.append(r)
+            if i == len(seq.draft_token_ids) or seq.draft_token_ids[i] != token:
+                break
+        sampled = SampledToken.of(seq.request_id, tokens)
+        n = seq.sampling_params.logprobs
+        if n is not None:
+            for i, (token, r) in enumerate(zip(tokens, hashes, strict=True)):
+                one = SampledToken(seq.request_id, token)
+                self._fake_logprobs(one, r, n)
+                if i == 0:
+                    sampled.logprob, sampled.top_logprobs = one.logprob, one.top_logprobs
+                else:
+                    sampled.more_logprobs.append((one.logprob or 0.0, one.top_logprobs or []))
+        return sampled
 
     def _constrained(self, mask: list[int], natural: int | None, r: int, closing: bool) -> int:
         """An allowed token: a closer once the answer has run its natural length, else the

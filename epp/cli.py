@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -223,7 +224,8 @@ def _add_tenant_args(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML list of tenants {name, key, weight, priority}: every request must carry one's key "
         "(Authorization: Bearer KEY; else 401) and is scheduled as that tenant, whatever "
-        "x-gateway-inference-fairness-id says; unset: no key asked for",
+        "x-gateway-inference-fairness-id says; the key never reaches an engine (with $KVGATE_API_KEY, the "
+        "engines' --api-key, set: that key goes in its place); unset: no key asked for",
     )
     t.add_argument(
         "--flow-control",
@@ -492,6 +494,7 @@ def run(args: argparse.Namespace) -> int:
         grpc_server=args.grpc_server,
         grpc_max_message_bytes=args.grpc_max_message_bytes,
         tenants_file=args.tenants or None,
+        engine_api_key=os.environ.get("KVGATE_API_KEY") or None,
         flow_control=flow_control,
     )
     try:

@@ -44,6 +44,7 @@ class EndpointMetrics:
     # engine does not say (vLLM): estimated from its waiting count instead.
     prefill_tokens_pending: int | None = None
     kv_blocks_total: int | None = None  # the engine's KV pool (vllm:cache_config_info num_gpu_blocks)
+    max_num_seqs: int = 0  # the engine's batch slots (kvgate:max_num_seqs); 0: not exported
     # Counters the latency model learns engine speed from (None: not exported).
     prompt_tokens_total: float | None = None  # vllm:prompt_tokens_total
     prefix_hits_total: float | None = None  # vllm:prefix_cache_hits_total (tokens)
@@ -170,6 +171,18 @@ class EndpointState:
     def queue(self) -> int:
         """Waiting requests: the engine's queue plus our picks it cannot show yet."""
         return self.metrics.waiting + len(self.pending_picks)
+
+    def waiting_after_picks(self) -> int:
+        """The requests that will wait there once our not-yet-visible picks arrive: those picks
+        take the engine's free batch slots first (kvgate:max_num_seqs less what runs and
+        waits), and only the rest wait. An engine that does not say its slots (vLLM): every
+        such pick counts as waiting, as queue() does. What saturation judges by: a burst of
+        short requests to an engine with free slots runs at once, it does not queue."""
+        m = self.metrics
+        if not m.max_num_seqs:
+            return self.queue()
+        free = max(0, m.max_num_seqs - m.running - m.waiting)
+        return m.waiting + max(0, len(self.pending_picks) - free)
 
     def load(self, inflight_tracked: bool = False) -> int:
         """Requests on the endpoint: scraped running + waiting plus our not-yet-visible picks,

@@ -13,8 +13,8 @@ from kvgate.epp.datastore import Datastore, Endpoint, EndpointState
 from kvgate.epp.prefix_index import block_keys
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.saturation import SaturationDetector
-from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext, SchedulingProfile
+from kvgate.epp.scheduling.plugins.pd_profile_handler import PrefillDecodeHandler
 
 log = logging.getLogger("kvgate.epp.director")
 

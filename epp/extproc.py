@@ -1,4 +1,5 @@
-"""Envoy ext_proc (GIE endpoint-picker protocol) ↔ ``Director.pick``: a thin translator.
+"""Envoy ext_proc (GIE endpoint-picker protocol) ↔ request control (kvgate.epp.requestcontrol:
+tenancy, flow admission, the pick, usage accounting): the protocol handler, a thin translator.
 
 Per HTTP request Envoy opens one gRPC stream and, with ``FULL_DUPLEX_STREAMED`` body modes,
 forwards headers, body chunks, trailers, then the response's headers/chunks/trailers. The
@@ -13,11 +14,9 @@ import asyncio
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -31,10 +30,11 @@ from kvgate.api.contracts.disaggregation import PREFILLER_HEADER
 from kvgate.api.contracts.queue_order import OVER_SHARE_HEADER, PRIORITY_HEADER
 from kvgate.api.tracing import TRACEPARENT, Span, Tracer
 from kvgate.epp.director import Decision, Director
-from kvgate.epp.flow_control import FlowGate, Held
+from kvgate.epp.flow_control import FlowGate
 from kvgate.epp.metrics import EppMetrics
-from kvgate.epp.request import BadRequest, InferenceRequest, PromptPolicy, Tokenizer, parse_body
-from kvgate.epp.tenants import DEFAULT_TENANT, Tenant, TenantRegistry, valid_fairness_id
+from kvgate.epp.request import BadRequest, PromptPolicy, Tokenizer, parse_body
+from kvgate.epp.requestcontrol import FAIRNESS_HEADER, MODEL_REWRITE_HEADER, Exchange, RequestControl
+from kvgate.epp.tenants import DEFAULT_TENANT, TenantRegistry
 
 log = logging.getLogger("kvgate.epp.extproc")
 
@@ -46,16 +46,7 @@ SUBSET_HINT_KEY = "x-gateway-destination-endpoint-subset"
 # the conformance profile echoes it to the client in its test header
 SERVED_ENDPOINT_KEY = "x-gateway-destination-endpoint-served"
 SERVED_ENDPOINT_TEST_HEADER = "x-conformance-test-served-endpoint"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-# llm-d's per-request latency objectives (milliseconds), read by the predicted-latency scorer.
-SLO_TTFT_HEADER = "x-slo-ttft-ms"
-SLO_TPOT_HEADER = "x-slo-tpot-ms"
-MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 REQUEST_ID_HEADER = "x-request-id"
-# The response's last bytes kept to read its token usage from (flow control's correction).
-USAGE_TAIL_BYTES = 4096
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,9})')
 MAX_CHUNK = 62_000  # Envoy's ext_proc keeps streamed body messages under its 64 KiB gRPC frame
 # A client's x-request-id is kept only when it looks like an id; anything else (8,000 forged
 # characters, odd bytes) is replaced, so logs and echoes never carry it.
@@ -191,33 +182,19 @@ class ModelRewriter:
 
 
 @dataclass
-class _Exchange:
-    """State of one HTTP request/response pair."""
+class _Exchange(Exchange):
+    """One HTTP request/response pair: request control's state plus the protocol's own."""
 
-    started: float = field(default_factory=time.perf_counter)
-    headers: dict[str, str] = field(default_factory=dict)
-    request_id: str = ""
     generated_id: bool = False
-    traceparent: str | None = None  # the pick's span, sent on to the engine when tracing
-    subset: list[str] | None = None
-    tenant: Tenant | None = None  # who the request's API key says sent it (with a tenants file)
     body: bytearray = field(default_factory=bytearray)
     body_done: bool = False
-    request: InferenceRequest | None = None
-    decision: Decision | None = None
     rewriter: ModelRewriter | None = None
-    finished: bool = False
-    running_label: str = ""  # the model label its running-requests gauge was raised under
     awaiting_route: bool = False  # complete, waiting for flow control to dispatch it
-    held: Held | None = None  # its place in flow control, once dispatched
-    response_tail: bytes = b""  # the end of the response body, where the usage block is
 
 
 class EndpointPickerHandler:
-    """The protocol logic, callable without gRPC (tests drive it message by message)."""
-
-    # Flow control (kvgate.epp.flow_control); None: every request is picked as it completes.
-    flow: FlowGate | None = None
+    """The ext_proc protocol, callable without gRPC (tests drive it message by message); what
+    it does with each request is request control's (kvgate.epp.requestcontrol)."""
 
     def __init__(
         self,
@@ -230,18 +207,35 @@ class EndpointPickerHandler:
         tracer: Tracer | None = None,
         tenants: TenantRegistry | None = None,
         report_served_endpoint: bool = False,
+        engine_api_key: str | None = None,
     ) -> None:
-        self.director = director
-        self.metrics = metrics
-        self.tokenizer = tokenizer
-        self.objectives = objectives or {}
-        self.policy = policy or PromptPolicy()
+        self.control = RequestControl(director, metrics, tokenizer, objectives, policy, tracer, tenants)
         self.max_body_bytes = max_body_bytes
-        self.tracer = tracer or Tracer(None, "kvgate-epp")
-        # Tenants (a tenants file): every request must carry one's API key; None: no key asked for.
-        self.tenants = tenants
+        # With tenants, what the engines get in the client's key's place (their --api-key)
+        self.engine_api_key = engine_api_key
         # GIE's conformance EPP: the served endpoint (response metadata) as a response header
         self.report_served_endpoint = report_served_endpoint
+
+    @property
+    def director(self) -> Director:
+        return self.control.director
+
+    @property
+    def metrics(self) -> EppMetrics | None:
+        return self.control.metrics
+
+    @property
+    def tenants(self) -> TenantRegistry | None:
+        return self.control.tenants
+
+    @property
+    def flow(self) -> FlowGate | None:
+        """Flow control (kvgate.epp.flow_control); None: every request is picked as it completes."""
+        return self.control.flow
+
+    @flow.setter
+    def flow(self, gate: FlowGate | None) -> None:
+        self.control.flow = gate
 
     # -- request phase ----------------------------------------------------------------------
     def on_request_headers(
@@ -255,13 +249,8 @@ class EndpointPickerHandler:
             rid = str(uuid.uuid4())
             x.generated_id = True
         x.request_id = rid
-        if self.tenants is not None:
-            # The key is checked before the body is read: a stranger's request costs no buffering.
-            auth = headers.get("authorization", "")
-            x.tenant = self.tenants.authenticate(auth)
-            if x.tenant is None:
-                self._count_error(x, "", "", 401)
-                return [unauthorized(auth, x.request_id)]
+        if not self.control.authenticate(x):
+            return [unauthorized(headers.get("authorization", ""), x.request_id)]
         if SUBSET_HINT_NAMESPACE in metadata.filter_metadata:
             hint = metadata.filter_metadata[SUBSET_HINT_NAMESPACE].fields.get(SUBSET_HINT_KEY)
             if hint is None:
@@ -272,7 +261,7 @@ class EndpointPickerHandler:
                 x.subset = [s.strip() for s in hint.string_value.split(",") if s.strip()]
         if msg.end_of_stream:  # no body (e.g. GET /v1/models): pick right away
             x.body_done = True
-            x.request = self._request(x, None)
+            x.request = self.control.request(x, None)
             return self.route(x)
         return []
 
@@ -289,7 +278,7 @@ class EndpointPickerHandler:
     def append_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
         """Buffer a body chunk; refuse (413) as soon as the body outgrows the limit."""
         if len(x.body) + len(msg.body) > self.max_body_bytes:
-            self._count_error(x, "", "", 413)
+            self.control.count_error(x, "", "", 413)
             return [body_too_large(self.max_body_bytes, x.request_id)]
         x.body += msg.body
         return []
@@ -298,10 +287,10 @@ class EndpointPickerHandler:
         """Parse the body and tokenize its prompt (the costly part, safe in a worker thread);
         an immediate 400 for what no engine could serve, else [] and the route is next."""
         try:
-            x.request = self._request(x, parse_body(bytes(x.body)))
+            x.request = self.control.request(x, parse_body(bytes(x.body)))
             x.request.prepare()
         except BadRequest as exc:
-            self._count_error(x, "", "", 400)
+            self.control.count_error(x, "", "", 400)
             log.info("request %s rejected: %s", x.request_id, exc)
             return [immediate(400, str(exc), request_id=x.request_id, param=exc.param, code=exc.code)]
         return []
@@ -315,52 +304,15 @@ class EndpointPickerHandler:
         out.append(ep.ProcessingResponse(request_trailers=ep.TrailersResponse()))
         return out
 
-    def _request(self, x: _Exchange, body: dict[str, Any] | None) -> InferenceRequest:
-        headers = x.headers
-        model = body["model"] if body else ""
-        objective = headers.get(OBJECTIVE_HEADER) or None
-        if objective and objective in self.objectives:
-            priority = self.objectives[objective]
-        else:  # no objective names a priority: the tenant's own (0 without tenants)
-            priority = x.tenant.priority if x.tenant is not None else 0
-        if self.tenants is not None:
-            # The API key named the tenant; a client's own fairness header is never believed.
-            fairness_id = x.tenant.name if x.tenant is not None else None
-        else:  # GIE: the client's fairness header, if it could be a tenant's name
-            fairness_id = valid_fairness_id(headers.get(FAIRNESS_HEADER))
-        return InferenceRequest(
-            request_id=x.request_id,
-            model=model,
-            target_model=headers.get(MODEL_REWRITE_HEADER) or model,
-            body=body,
-            objective=objective,
-            priority=priority,
-            fairness_id=fairness_id,
-            slo_ttft_s=_milliseconds(headers.get(SLO_TTFT_HEADER)),
-            slo_tpot_s=_milliseconds(headers.get(SLO_TPOT_HEADER)),
-            path=headers.get(":path", ""),
-            subset=x.subset,
-            headers=headers,
-            tokenizer=self.tokenizer,
-            policy=self._policy(),
-        )
-
-    def _policy(self) -> PromptPolicy:
-        """The configured policy; the context length, unless configured, is what the pool's
-        engines report (GET /v1/models)."""
-        if self.policy.max_model_len:
-            return self.policy
-        return PromptPolicy(self.policy.trust_request_chat_template, self.director.datastore.context_limit())
-
     def route(self, x: _Exchange) -> list[ep.ProcessingResponse]:
         """Pick an endpoint for the prepared request and answer Envoy. Under flow control the
         pick waits for a dispatch: this marks the exchange and `route_async` does it."""
-        if self.flow is not None and x.request is not None and x.request.body is not None:
-            x.awaiting_route = True  # (a request without a body, GET /v1/models, is never held)
+        if self.control.held_back(x):
+            x.awaiting_route = True
             return []
-        span = self._begin_route(x)
+        span = self.control.begin(x, len(x.body))
         try:
-            decision = self.director.pick(x.request)  # type: ignore[arg-type]
+            decision = self.control.pick(x)
         except Exception:
             return self._pick_failed(x, span)
         return self._answer(x, decision, span)
@@ -370,46 +322,18 @@ class EndpointPickerHandler:
         x.awaiting_route = False
         if self.flow is None:
             return self.route(x)
-        span = self._begin_route(x)
+        span = self.control.begin(x, len(x.body))
         try:
-            held = await self.flow.admit(x.request, len(x.body))  # type: ignore[arg-type]
+            decision = await self.control.admit(x, span, len(x.body))
         except asyncio.CancelledError:
             span.end()
             raise
         except Exception:
             return self._pick_failed(x, span)
-        assert held.decision is not None
-        span.set_attribute("kvgate.flow.queued_ms", 1000 * held.queued_seconds)
-        span.set_attribute("kvgate.flow.fairness_id", held.key.fairness_id)
-        if held.decision.routed:
-            x.held = held
-        return self._answer(x, held.decision, span)
-
-    def _begin_route(self, x: _Exchange) -> Span:
-        req = x.request
-        assert req is not None
-        model, target = req.model, req.target_model
-        if self.metrics is not None:
-            label = self.metrics.model_label
-            self.metrics.requests.labels(label(model), label(target)).inc()
-            self.metrics.request_sizes.labels(label(model), label(target)).observe(len(x.body))
-        return self.tracer.start(
-            "kvgate.epp.pick",
-            x.headers,
-            {
-                "kvgate.request_id": x.request_id,
-                "gen_ai.request.model": model,
-                "kvgate.profile": self.director.profile.name,
-            },
-        )
+        return self._answer(x, decision, span)
 
     def _pick_failed(self, x: _Exchange, span: Span) -> list[ep.ProcessingResponse]:
-        req = x.request
-        assert req is not None
-        log.exception("request %s: scheduler failed", x.request_id)
-        self._count_error(x, req.model, req.target_model, 500)
-        span.set_attribute("kvgate.pick.status", 500)
-        span.end()
+        self.control.failed(x, span)
         return [
             immediate(500, "the endpoint picker failed to schedule this request", request_id=x.request_id)
         ]
@@ -419,29 +343,10 @@ class EndpointPickerHandler:
         req = x.request
         assert req is not None
         body = req.body
-        model, target = req.model, req.target_model
+        model = req.model
         rewrite = x.headers.get(MODEL_REWRITE_HEADER) or ""
-        span.set_attributes(
-            {
-                "kvgate.pick.status": decision.status,
-                "kvgate.pick.reason": decision.reason,
-                "kvgate.pick.candidates": decision.candidates,
-                "kvgate.pick.scheduler_ms": decision.scheduler_seconds * 1000,
-                "kvgate.pick.prompt_tokens": len(req.token_ids) if req.body else 0,
-            }
-        )
-        if decision.pd_decision:
-            span.set_attribute("kvgate.pick.pd", decision.pd_decision)
-        if decision.routed:
-            span.set_attribute("kvgate.pick.endpoint", decision.targets[0])
-            if decision.prefill:
-                span.set_attribute("kvgate.pick.prefill_endpoint", decision.prefill)
-            # the engine's span becomes this pick's child: client -> pick -> engine
-            x.traceparent = span.traceparent()
-        span.end()
+        self.control.decided(x, decision, span)
         if not decision.routed:
-            self._count_error(x, model, target, decision.status)
-            log.info("request %s answered %d: %s", x.request_id, decision.status, decision.reason)
             return [
                 immediate(
                     decision.status,
@@ -451,23 +356,6 @@ class EndpointPickerHandler:
                     retry_after=decision.retry_after,
                 )
             ]
-        x.decision = decision
-        if self.metrics is not None:
-            self.metrics.scheduler.observe(decision.scheduler_seconds)
-            for name, secs in decision.plugin_seconds.items():
-                self.metrics.observe_plugin(name, secs)
-            x.running_label = self.metrics.model_label(model)
-            self.metrics.running.labels(x.running_label).inc()
-            if decision.pd_decision:
-                self.metrics.pd_decisions.labels(decision.pd_decision, decision.pd_reason).inc()
-        log.debug(
-            "request %s model=%s -> %s (%s)",
-            x.request_id,
-            target,
-            decision.targets[0],
-            decision.reason,
-            extra={"request_id": x.request_id, "endpoint": decision.targets[0]},
-        )
         payload = bytes(x.body)
         if body is not None and rewrite and rewrite != model:
             body["model"] = rewrite
@@ -509,10 +397,14 @@ class EndpointPickerHandler:
             set_headers.append(_header(PREFILLER_HEADER, decision.prefill))
         elif PREFILLER_HEADER in x.headers:
             remove_headers.append(PREFILLER_HEADER)
-        if self.tenants is not None and "authorization" in x.headers:
-            # the tenant's key was for the gateway: engines log and may forward headers, and a
-            # key that reached one could be read back out of it
-            remove_headers.append("authorization")
+        if self.tenants is not None:
+            # The tenant's key was for the gateway: engines log and may forward headers, and a
+            # key that reached one could be read back out of it. The engines' own key takes its
+            # place: engines that require it serve nothing that skipped the picker.
+            if self.engine_api_key:
+                set_headers.append(_header("authorization", f"Bearer {self.engine_api_key}"))
+            elif "authorization" in x.headers:
+                remove_headers.append("authorization")
         lb = struct_pb2.Struct()
         lb.fields[DESTINATION_HEADER].string_value = ",".join(decision.targets)
         dyn = struct_pb2.Struct()
@@ -545,10 +437,7 @@ class EndpointPickerHandler:
             if h.key == ":status":
                 status = h.raw_value.decode() if h.raw_value else h.value
                 break
-        if status != "200" and x.decision is not None and self.metrics is not None:
-            self.metrics.endpoint_errors.labels(self.metrics.pool_name, x.decision.targets[0]).inc()
-            req = x.request
-            self._count_error(x, req.model if req else "", req.target_model if req else "", int(status or 0))
+        self.control.response_status(x, status)
         mutation = ep.HeaderMutation()
         if x.rewriter is not None:
             mutation.remove_headers.append("content-length")  # the rewritten body may change length
@@ -562,10 +451,8 @@ class EndpointPickerHandler:
         return [resp]
 
     def on_response_body(self, x: _Exchange, msg: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        self.director.response_seen()
         chunk = msg.body
-        if x.held is not None:  # the usage block closes the body (or the last SSE event)
-            x.response_tail = (x.response_tail + chunk)[-USAGE_TAIL_BYTES:]
+        self.control.response_chunk(x, chunk)
         if x.rewriter is not None:
             chunk = x.rewriter.feed(chunk, msg.end_of_stream)
         if msg.end_of_stream:
@@ -585,34 +472,13 @@ class EndpointPickerHandler:
         ]
 
     def on_response_trailers(self, x: _Exchange) -> list[ep.ProcessingResponse]:
-        self.director.response_seen()
+        self.director.response_seen()  # the in-flight counts are exact from now on
         self.finish(x)
         return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
 
     def finish(self, x: _Exchange) -> None:
         """The exchange is over (normally or not): release the endpoint's in-flight slot once."""
-        if x.finished:
-            return
-        x.finished = True
-        if x.decision is None:
-            return
-        self.director.finished(x.decision.targets[0])
-        if self.flow is not None:
-            if x.held is not None:
-                self.flow.controller.completed(x.held, completion_tokens(x.response_tail))
-            self.flow.poke()  # a slot may have opened
-        if self.metrics is not None and x.request is not None:
-            req = x.request
-            label = self.metrics.model_label
-            self.metrics.running.labels(x.running_label).dec()
-            self.metrics.duration.labels(label(req.model), label(req.target_model)).observe(
-                time.perf_counter() - x.started
-            )
-
-    def _count_error(self, x: _Exchange, model: str, target: str, code: int) -> None:
-        if self.metrics is not None:
-            label = self.metrics.model_label
-            self.metrics.errors.labels(label(model), label(target), str(code)).inc()
+        self.control.finish(x)
 
     async def finish_body_async(self, x: _Exchange, msg: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """The last chunk of a large body: parse and tokenize it in a worker thread (the
@@ -717,22 +583,3 @@ def served_endpoint(metadata: base_pb2.Metadata | None) -> str:
     if value is None or not value.HasField("string_value"):
         return "fail: missing destination endpoint served metadata"
     return value.string_value
-
-
-def completion_tokens(tail: bytes) -> int | None:
-    """The output token count of the response's usage block, when its tail carries one
-    (non-streamed bodies always; streams with stream_options.include_usage)."""
-    found = _COMPLETION_TOKENS.findall(tail)
-    return int(found[-1]) if found else None
-
-
-def _milliseconds(value: str | None) -> float | None:
-    """A header's millisecond count as seconds; anything else (absent, junk, <= 0, inf) is None:
-    an objective a client garbles must not change routing."""
-    if not value:
-        return None
-    try:
-        ms = float(value)
-    except ValueError:
-        return None
-    return ms / 1000 if 0 < ms < 1e9 else None

@@ -32,6 +32,7 @@ from typing import Protocol
 
 from kvgate.epp.datastore import EndpointState
 from kvgate.epp.director import Decision, Director
+from kvgate.epp.recent_work import RecentWork
 from kvgate.epp.request import InferenceRequest
 
 log = logging.getLogger("kvgate.epp.flow_control")
@@ -169,25 +170,6 @@ class _Band:
     flows: dict[str, deque[Held]] = field(default_factory=dict)
 
 
-class _Decaying:
-    """A sum that halves every ``half_life`` seconds."""
-
-    def __init__(self, half_life: float) -> None:
-        self.half_life = half_life
-        self._value = 0.0
-        self._at = 0.0
-
-    def value(self, now: float) -> float:
-        if self._value and now > self._at:
-            self._value *= 0.5 ** ((now - self._at) / self.half_life)
-            self._at = now
-        return self._value
-
-    def add(self, amount: float, now: float) -> None:
-        self._value = self.value(now) + amount
-        self._at = max(self._at, now)
-
-
 class FlowObserver(Protocol):
     """What the metrics are told (kvgate.epp.metrics implements it)."""
 
@@ -213,7 +195,8 @@ class FlowController:
         self._deadlines: list[tuple[float, int, Held]] = []
         self._seq = itertools.count()
         self.counters: dict[str, float] = {}  # tenant -> service received / weight (VTC)
-        self._recent: dict[FlowKey, _Decaying] = {}  # work dispatched lately (fair_share_half_life_s)
+        # work dispatched lately, per flow and band (fair_share_half_life_s)
+        self._recent = RecentWork(self.config.fair_share_half_life_s or 1.0, self.weights)
         self.queued = 0
         self.queued_bytes = 0
         self.observer: FlowObserver | None = None
@@ -326,47 +309,24 @@ class FlowController:
         kept = {e.address for e in idle}
         return [e for e in roomy if e.address not in kept]
 
-    def _recent_work(self, key: FlowKey, now: float) -> _Decaying:
-        found = self._recent.get(key)
-        if found is None:
-            if len(self._recent) >= MAX_TRACKED_TENANTS:  # forget the flows that did least lately
-                for k in sorted(self._recent, key=lambda k: self._recent[k].value(now))[
-                    : len(self._recent) // 2
-                ]:
-                    del self._recent[k]
-            found = self._recent[key] = _Decaying(self.config.fair_share_half_life_s)
-        return found
-
     def _past_saturation(self, held: Held) -> list[EndpointState]:
         """Where an under-share flow's request may go while the pool is saturated: any candidate,
         unless the engines' queues are past fair_share_max_queue."""
         candidates = [e for e in self.director.candidates(held.request) if not e.draining]
         if not candidates:
             return []
-        if sum(e.queue() for e in candidates) / len(candidates) >= self.config.fair_share_max_queue:
+        waiting = sum(e.waiting_after_picks() for e in candidates)
+        if waiting / len(candidates) >= self.config.fair_share_max_queue:
             return []
         return candidates
 
     def _share_ratio(self, key: FlowKey, band: _Band | None, now: float) -> float | None:
-        """This flow's recent work over its weighted share of the recent work of its band and
-        the bands below it (an engine runs lower priorities after it, so their work counts as
-        others' while it is not this flow's); None while the rule is off or nothing was sent."""
+        """This flow's recent work over its weighted share of its band's and the bands' below
+        (kvgate.epp.recent_work); None while the rule is off or nothing was sent."""
         if not self.config.fair_share_half_life_s:
             return None
-        mine = self._recent[key].value(now) if key in self._recent else 0.0
-        total = 0.0
-        peers = {key.fairness_id}  # the flows of its band that share it
-        for k, work in self._recent.items():
-            if k.priority <= key.priority:
-                value = work.value(now)
-                total += value
-                if k.priority == key.priority and value > 0:
-                    peers.add(k.fairness_id)
-        if band is not None:
-            peers.update(t for t, queue in band.flows.items() if queue)
-        share = self.weights.weight(key.fairness_id) / sum(self.weights.weight(t) for t in peers)
-        fair = share * total
-        return mine / fair if fair > 0 else None
+        queued = (t for t, queue in band.flows.items() if queue) if band is not None else ()
+        return self._recent.ratio(key.priority, key.fairness_id, queued, now)
 
     def _passes_saturation(self, key: FlowKey, ratio: float | None) -> bool:
         """Whether a flow at this share ratio goes past a saturated pool (pool dispatch, under
@@ -515,7 +475,7 @@ class FlowController:
                     held.charged = self._cost(held.prompt_tokens, held.output_estimate)
                     self.charge(tenant, held.charged)
                     if self.config.fair_share_half_life_s:
-                        self._recent_work(held.key, now).add(held.charged, now)
+                        self._recent.add(held.key.priority, tenant, held.charged, now)
                     if self.observer is not None:
                         self.observer.dispatched(held.key, now - held.enqueued)
                 else:
@@ -587,7 +547,11 @@ class FlowController:
             reason=message,
             error_type="rate_limit_exceeded" if status == 429 else "service_unavailable",
         )
-        held.decision.retry_after = max(1, math.ceil(self.config.ttl_s / 10))
+        # Saturation is judged again on every scrape (tens of ms), so a sheddable request refused
+        # for it may come back after the shortest Retry-After there is; a full queue or a TTL
+        # spent says the overload lasts, and asks for a tenth of the TTL.
+        wait = 1 if reason == "saturated" else math.ceil(self.config.ttl_s / 10)
+        held.decision.retry_after = max(1, wait)
         if self.observer is not None:
             self.observer.rejected(held.key, reason)
         self._done(held)

@@ -21,7 +21,10 @@ class SaturationDetector:
         if state.age(now) > self.metrics_staleness_threshold:
             return 1.0
         return saturation(
-            state.queue(), state.metrics.kv_usage, self.queue_depth_threshold, self.kv_cache_util_threshold
+            state.waiting_after_picks(),
+            state.metrics.kv_usage,
+            self.queue_depth_threshold,
+            self.kv_cache_util_threshold,
         )
 
     def pool_saturation(self, endpoints: list[EndpointState], now: float) -> float:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from kvgate.api.contracts import metrics as vllm
+from kvgate.api.contracts import prometheus_text
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.endpoint_tasks import EndpointTasks
 from kvgate.epp.http_get import EndpointRefused, KeepAliveGetter, ScrapeError, get_request
@@ -87,8 +88,8 @@ _COUNTERS = (
 _HTTP_REQUESTS = "http_requests_total"
 _ADAPTER_HANDLERS = ('handler="/v1/load_lora_adapter"', 'handler="/v1/unload_lora_adapter"')
 
-_LINE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+MAX_BATCH_SLOTS = 1 << 20  # no engine runs more sequences at once
 
 
 def _sum_present(counters: dict[str, float], *names: str) -> float | None:
@@ -104,6 +105,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         mapping.kv_usage.name,
         vllm.KVGATE_DRAINING,
         vllm.KVGATE_PREFILL_TOKENS_PENDING,
+        vllm.KVGATE_MAX_NUM_SEQS,
         *_COUNTERS,
     }
     if mapping.lora_info:
@@ -115,37 +117,24 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
     found_kv = False
     draining = False
     prefill_pending: float | None = None
+    max_num_seqs = 0.0
     counters: dict[str, float] = {}
     blocks_total: int | None = None
     host_blocks_total: int | None = None
     adapter_changes: float | None = None
     prefixes = (*wanted, vllm.CACHE_CONFIG_INFO, _HTTP_REQUESTS)
-    for line in text.splitlines():
-        if not line.startswith(prefixes):
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        if m.group(1) == vllm.CACHE_CONFIG_INFO:
-            found = re.search(r'num_gpu_blocks="(\d+)"', m.group(2) or "")
+    for name, raw_labels, value in prometheus_text.samples(text, prefixes=prefixes):
+        if name == vllm.CACHE_CONFIG_INFO:
+            found = re.search(r'num_gpu_blocks="(\d+)"', raw_labels)
             blocks_total = int(found.group(1)) if found else blocks_total
-            found = re.search(r'num_cpu_blocks="(\d+)"', m.group(2) or "")
+            found = re.search(r'num_cpu_blocks="(\d+)"', raw_labels)
             host_blocks_total = int(found.group(1)) if found else host_blocks_total
             continue
-        if m.group(1) == _HTTP_REQUESTS:
-            raw = m.group(2) or ""
-            if any(h in raw for h in _ADAPTER_HANDLERS) and 'status="2' in raw:
-                try:
-                    adapter_changes = (adapter_changes or 0.0) + float(m.group(3))
-                except ValueError:
-                    pass
+        if name == _HTTP_REQUESTS:
+            if any(h in raw_labels for h in _ADAPTER_HANDLERS) and 'status="2' in raw_labels:
+                adapter_changes = (adapter_changes or 0.0) + value
             continue
-        if m.group(1) not in wanted:
-            continue
-        name, raw_labels, raw_value = m.groups()
-        try:
-            value = float(raw_value)
-        except ValueError:
+        if name not in wanted:
             continue
         if name == vllm.KVGATE_DRAINING:
             draining = draining or value > 0
@@ -153,10 +142,14 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         if name == vllm.KVGATE_PREFILL_TOKENS_PENDING:
             prefill_pending = (prefill_pending or 0.0) + max(0.0, value)
             continue
+        if name == vllm.KVGATE_MAX_NUM_SEQS:
+            # one series per engine index: their slots add up; a forged huge or NaN value is capped
+            max_num_seqs = min(float(MAX_BATCH_SLOTS), max_num_seqs + max(0.0, value))
+            continue
         if name in _COUNTERS:
             counters[name] = counters.get(name, 0.0) + value
             continue
-        labels = dict(_LABEL.findall(raw_labels or ""))
+        labels = prometheus_text.labels(raw_labels)
         for spec, kind in ((mapping.waiting, "w"), (mapping.running, "r"), (mapping.kv_usage, "k")):
             if name == spec.name and all(labels.get(k) == v for k, v in spec.labels):
                 if kind == "w":
@@ -194,6 +187,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         sent_at=sent_at,
         prefill_tokens_pending=None if prefill_pending is None else int(prefill_pending),
         kv_blocks_total=blocks_total,
+        max_num_seqs=int(max_num_seqs),
         prompt_tokens_total=counters.get(vllm.PROMPT_TOKENS_TOTAL),
         prefix_hits_total=counters.get(vllm.PREFIX_CACHE_HITS_TOTAL),
         external_hits_total=counters.get(vllm.EXTERNAL_PREFIX_CACHE_HITS_TOTAL),

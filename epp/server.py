@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +26,9 @@ from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.metrics import EppMetrics
 from kvgate.epp.request import PromptPolicy, Tokenizer
 from kvgate.epp.scheduling.config import EndpointPickerConfig, build_profiles, saturation_detector
-from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
-from kvgate.epp.scheduling.filters import HeaderBasedTestingFilter
+from kvgate.epp.scheduling.plugins.header_based_testing_filter import HeaderBasedTestingFilter
+from kvgate.epp.scheduling.plugins.pd_profile_handler import PrefillDecodeHandler
+from kvgate.epp.scheduling.registry import Consumes
 from kvgate.epp.scraper import MetricMapping, MetricsScraper
 from kvgate.epp.tenants import TenantsReloader, load_tenants
 
@@ -66,16 +66,37 @@ class ServerSettings:
     # A tenants file (kvgate.epp.tenants): every request needs one tenant's API key, and the
     # tenant becomes its fairness id. None: no key asked for.
     tenants_file: str | None = None
+    # The engines' API key (their --api-key; $KVGATE_API_KEY): sent on the EPP's scrapes and, with
+    # tenants, in place of the client's key on every request it forwards, so an engine that
+    # requires it serves only what came through the picker. None: the engines ask for none.
+    engine_api_key: str | None = None
     # Requests held and dispatched by priority and fairness when the pool has room.
     flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
 
-def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
-    """Whether any plugin keys on prompt tokens (`UsesTokens`), or P/D is on (it counts
-    uncached prompt tokens)."""
+# What the EPP itself reads whatever its plugins: the saturation detector an endpoint's queue
+# (scraped, plus picks not yet scraped, other replicas' among them: admissions), the metrics
+# exporter the prefix index's size, the prompt check each engine's context (GET /v1/models).
+# So the scraper, the model lists and the KV-event subscriptions (events and admissions) are
+# always built; a plugin's declaration adds the tokenizer (Consumes.TOKENS).
+CORE_CONSUMES = frozenset({Consumes.METRICS, Consumes.ADMISSIONS, Consumes.KV_INDEX, Consumes.ADAPTERS})
+
+
+def data_sources(config: EndpointPickerConfig, pd_threshold: int | None = None) -> frozenset[Consumes]:
+    """What the configured plugins declare they consume (every profile of the config, and the
+    P/D handler when P/D is on), with what the EPP itself reads: the data sources to build."""
+    out = CORE_CONSUMES
+    for profile in build_profiles(config):
+        out |= profile.consumes()
     if pd_threshold is not None or config.pd_threshold is not None:
-        return True
-    return any(p.uses_tokens() for p in build_profiles(config))
+        out |= PrefillDecodeHandler.consumes
+    return out
+
+
+def needs_tokenizer(config: EndpointPickerConfig, pd_threshold: int | None = None) -> bool:
+    """Whether a configured plugin keys on prompt tokens (declares Consumes.TOKENS), or P/D is
+    on (it counts uncached prompt tokens)."""
+    return Consumes.TOKENS in data_sources(config, pd_threshold)
 
 
 class EppServer:
@@ -121,6 +142,7 @@ class EppServer:
             max_body_bytes=settings.max_request_body_bytes,
             tracer=self.tracer,
             tenants=self.tenants,
+            engine_api_key=settings.engine_api_key,
             # with GIE's conformance filter the suite also wants the served endpoint echoed
             report_served_endpoint=any(
                 f.type_name == HeaderBasedTestingFilter.type_name for f in profile.filters
@@ -190,7 +212,7 @@ class EppServer:
             self.datastore,
             s.metric_mapping or MAPPINGS["vllm"],
             s.refresh_metrics_interval,
-            api_key=os.environ.get("KVGATE_API_KEY") or None,  # engines may require it on /metrics
+            api_key=s.engine_api_key,  # engines may require it on /metrics
         )
         self.kv = KVEventSubscribers(self.datastore)
         loop = asyncio.get_running_loop()

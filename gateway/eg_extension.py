@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -295,20 +296,39 @@ def pools_of(resources: list[Any]) -> list[Pool | None]:
     return out
 
 
-def split_of(cluster: cluster_pb2.Cluster, pools: list[Pool | None]) -> list[tuple[Pool, int]]:
-    """A rule's backendRefs to several pools, with their weights: Envoy Gateway makes one cluster
-    for the rule, a locality per backendRef (region ``<rule>/backend/<index>``, its weight),
-    and passes the rule's custom backends in backendRef order. [] unless that maps cleanly
-    (every backendRef of the rule a pool) onto two or more pools."""
+# The rule's cluster Envoy Gateway names after the route: httproute/<namespace>/<name>/rule/<index>
+RULE_CLUSTER = re.compile(r"^httproute/(?P<namespace>[^/]+)/(?P<name>[^/]+)/rule/(?P<rule>\d+)$")
+# (namespace, HTTPRoute name, rule index) -> that rule's backendRefs as the API server has them
+# (None: unknown)
+RuleBackendRefs = Callable[[str, str, int], "list[dict[str, Any]] | None"]
+
+
+def split_of(
+    cluster_name: str, pools: list[Pool | None], backend_refs: RuleBackendRefs
+) -> list[tuple[Pool, int]]:
+    """A rule's backendRefs to several pools, with their weights. Envoy Gateway makes one cluster
+    for the rule and hands the hook the rule's custom backends (the pools) but not their weights,
+    which live only in its EDS localities (v1.9: internal/xds/translator/cluster.go), a resource
+    this hook never sees; so they are read from the HTTPRoute itself. [] unless every backendRef
+    of the rule with a weight is one of the pools given, and there are two or more."""
+    match = RULE_CLUSTER.match(cluster_name)
+    given = {p.key: p for p in pools if p is not None}
+    if match is None or len(given) < 2:
+        return []
+    namespace = match["namespace"]
+    refs = backend_refs(namespace, match["name"], int(match["rule"]))
+    if not refs:
+        return []
     found: list[tuple[Pool, int]] = []
-    for locality in cluster.load_assignment.endpoints:
-        head, _, index = locality.locality.region.rpartition("/backend/")
-        if not head or not index.isdigit() or int(index) >= len(pools):
+    for ref in refs:
+        weight = int(ref.get("weight", 1))
+        if weight == 0:  # Gateway API: no traffic (and Envoy Gateway leaves it out)
+            continue
+        if ref.get("kind") != POOL_KIND or ref.get("group") != POOL_GROUP:
             return []
-        pool = pools[int(index)]
+        pool = given.get(f"{ref.get('namespace') or namespace}/{ref.get('name')}")
         if pool is None:
             return []
-        weight = locality.load_balancing_weight.value if locality.HasField("load_balancing_weight") else 1
         found.append((pool, weight))
     return found if len({p.key for p, _ in found}) > 1 else []
 
@@ -532,8 +552,16 @@ def _with_routes(
     return out
 
 
+def _no_routes(namespace: str, name: str, rule: int) -> list[dict[str, Any]] | None:
+    return None
+
+
 class Extension:
-    """The gRPC methods; a hook this server does not change answers with what it was given."""
+    """The gRPC methods; a hook this server does not change answers with what it was given.
+    ``backend_refs`` reads a rule's backendRefs (their weights) from the API server."""
+
+    def __init__(self, backend_refs: RuleBackendRefs = _no_routes) -> None:
+        self.backend_refs = backend_refs
 
     def post_cluster_modify(self, req: Any, ctx: grpc.ServicerContext) -> Any:
         resp = MESSAGES["PostClusterModifyResponse"]()
@@ -542,7 +570,7 @@ class Extension:
         if pool is None:
             resp.cluster.CopyFrom(req.cluster)
         else:
-            split = split_of(req.cluster, found)
+            split = split_of(req.cluster.name, found, self.backend_refs)
             if split:
                 log.info(
                     "cluster %s: split %s", req.cluster.name, ", ".join(f"{p.key}={w}" for p, w in split)
@@ -721,6 +749,24 @@ class PoolStatus:
 
     def __init__(self, api: httpx.AsyncClient, period: float = 2.0) -> None:
         self.api, self.period = api, period
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def rule_backend_refs(self, namespace: str, name: str, rule: int) -> list[dict[str, Any]] | None:
+        """An HTTPRoute rule's backendRefs, read now (the extension's hooks run in gRPC threads;
+        the API client lives on this object's loop). None when it cannot be read."""
+        loop = self._loop
+        if loop is None:
+            return None
+        path = f"/apis/gateway.networking.k8s.io/v1/namespaces/{namespace}/httproutes/{name}"
+        try:
+            resp = asyncio.run_coroutine_threadsafe(self.api.get(path), loop).result(timeout=10)
+            if resp.status_code != 200:
+                return None
+            rules = (resp.json().get("spec") or {}).get("rules") or []
+            return list(rules[rule].get("backendRefs") or []) if rule < len(rules) else None
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+            log.warning("HTTPRoute %s/%s not read for its weights: %s", namespace, name, exc)
+            return None
 
     async def _items(self, path: str) -> list[dict[str, Any]]:
         resp = await self.api.get(path)
@@ -773,6 +819,7 @@ class PoolStatus:
                 )
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
         while True:
             try:
                 await self.sync()

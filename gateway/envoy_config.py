@@ -78,6 +78,9 @@ ROUTED_CLUSTER = "original_destination"
 FALLBACK_CLUSTER = "pool_fallback"
 POOL_CLUSTER = "pool"
 DIRECT_CLUSTER = "direct"
+BATCH_CLUSTER = "batch"
+# The OpenAI Files and Batches API, served by `kvgate batch serve` (never an engine's or the EPP's)
+BATCH_PATH_PREFIXES = ["/v1/files", "/v1/batches"]
 LB_METADATA_NAMESPACE = "envoy.lb"
 # Request headers that only kvgate's own components may set: dropped at the gateway.
 INTERNAL_REQUEST_HEADERS = ["x-kvgate-inject-failure"]
@@ -440,6 +443,9 @@ class GatewaySpec:
     responses; for tests and benchmarks, off for real traffic.
     ``expose_internal_routes``: let /metrics, /tokenize... through (off: 404).
     ``admin_host``: where Envoy's admin interface listens; never a public address.
+    ``batch_upstreams``: the batch service's replicas (ip:port or host:port, ``kvgate batch
+    serve``): /v1/files and /v1/batches (and below) go there round robin, without the EPP, and
+    without the gateway's body limit (an input file may be larger; the service has its own).
     """
 
     pools: list[PoolSpec]
@@ -456,6 +462,7 @@ class GatewaySpec:
     direct_upstream: str | None = None
     limits: GatewayLimits = field(default_factory=GatewayLimits)
     model_router_addresses: list[str] | None = None
+    batch_upstreams: list[str] | None = None
 
     @classmethod
     def one_pool(
@@ -569,6 +576,24 @@ def _routes(spec: GatewaySpec, pools: list[_Pool]) -> list[route_components_pb2.
                     cluster=DIRECT_CLUSTER,
                     timeout=_seconds(limits.route_timeout_s),
                     idle_timeout=_seconds(limits.stream_idle_timeout_s),
+                ),
+                typed_per_filter_config=_no_ext_proc(multi),
+            )
+        )
+    for prefix in BATCH_PATH_PREFIXES if spec.batch_upstreams else []:
+        routes.append(
+            route_components_pb2.Route(
+                name=f"batch {prefix}",
+                # /v1/files and /v1/files/..., not /v1/filesystem
+                match=route_components_pb2.RouteMatch(path_separated_prefix=prefix),
+                route=route_components_pb2.RouteAction(
+                    cluster=BATCH_CLUSTER,
+                    timeout=_seconds(limits.route_timeout_s),
+                    idle_timeout=_seconds(limits.stream_idle_timeout_s),
+                    # a replica that refused the connection: try another
+                    retry_policy=route_components_pb2.RetryPolicy(
+                        retry_on="connect-failure,refused-stream", num_retries=wrap(2)
+                    ),
                 ),
                 typed_per_filter_config=_no_ext_proc(multi),
             )
@@ -728,6 +753,21 @@ def _clusters(spec: GatewaySpec, pools: list[_Pool]) -> list[cluster_pb2.Cluster
         routers = [_split(a) for a in spec.model_router_addresses]
         # one replica: a health check could only fail over to nothing (see the EPP's)
         clusters.append(_grpc_cluster(MODEL_ROUTER_CLUSTER, routers, len(routers) > 1, False))
+    if spec.batch_upstreams:
+        batch = [_split(a) for a in spec.batch_upstreams]
+        clusters.append(
+            cluster_pb2.Cluster(
+                name=BATCH_CLUSTER,
+                type=cluster_pb2.Cluster.STRICT_DNS
+                if any(not _is_ip(h) for h, _ in batch)
+                else cluster_pb2.Cluster.STATIC,
+                connect_timeout=_seconds(5),
+                lb_policy=cluster_pb2.Cluster.ROUND_ROBIN,
+                load_assignment=_load_assignment(BATCH_CLUSTER, batch),
+                # one replica: ejecting it could only fail over to nothing
+                outlier_detection=_eject_on_refused_connection() if len(batch) > 1 else None,
+            )
+        )
     if spec.direct_upstream:
         clusters.append(
             cluster_pb2.Cluster(

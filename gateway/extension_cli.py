@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     server = grpc.server(
         ThreadPoolExecutor(max_workers=4), options=[("grpc.max_receive_message_length", 64 << 20)]
     )
-    server.add_generic_rpc_handlers((Extension().handler(),))
+    status = PoolStatus(api, args.status_period)
+    server.add_generic_rpc_handlers((Extension(status.rule_backend_refs).handler(),))
     where = f"unix:{args.unix}" if args.unix else f"{args.host}:{args.port}"
     if server.add_insecure_port(where) == 0:
         print(f"kvgate gateway extension-server: cannot listen on {where}", file=sys.stderr)
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     logging.getLogger("kvgate.gateway.extension").info("serving on %s", where)
     try:
-        asyncio.run(PoolStatus(api, args.status_period).run())
+        asyncio.run(status.run())
     except KeyboardInterrupt:
         pass
     finally:

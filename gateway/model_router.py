@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -58,6 +59,7 @@ MODELS_PATH = "/v1/models"
 # a miss starts at most this long after the previous one: made-up names cost at most 5 GETs
 # per engine per second, and each such 404 waits up to this long (plus the GETs).
 MISS_REFRESH_GAP_S = 0.2
+MAX_ENGINE_KEY = 4096  # characters: a longer file is not a key (a mount gone wrong)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class ModelTable:
         api_key: str | None = None,
         timeout: float = 2.0,
         miss_gap: float = MISS_REFRESH_GAP_S,
+        engine_keys: Path | None = None,
     ) -> None:
         self.pools = list(pools)
         names = [p.name for p in self.pools]
@@ -90,6 +93,10 @@ class ModelTable:
             raise ValueError(f"pool names must be unique, got {', '.join(names)}")
         self._getters: dict[tuple[str, str], KeepAliveGetter] = {}
         self._api_key = api_key
+        # A folder of per-pool engine keys, one file named after each pool (a projected volume of
+        # the operator's <pool>-engine-key Secrets): read at every poll, so a key made or rotated
+        # after the router started is used from the next refresh on.
+        self._engine_keys = engine_keys
         self._timeout = timeout
         # per (pool, engine): its last good answer; an engine that stops answering keeps its
         # models until it answers differently (a pool does not vanish on one missed poll)
@@ -119,6 +126,18 @@ class ModelTable:
         return known.card if known else None
 
     # -- discovery ---------------------------------------------------------------------------
+    def engine_key(self, pool: str) -> str | None:
+        """The key this pool's engines require: its file in the engine-keys folder, else the one
+        key given for every pool (KVGATE_API_KEY), else none."""
+        if self._engine_keys is not None and pool and "/" not in pool and not pool.startswith("."):
+            try:
+                key = (self._engine_keys / pool).read_text(errors="replace").strip()
+            except OSError:
+                key = ""
+            if key and len(key) <= MAX_ENGINE_KEY and key.isprintable():
+                return key
+        return self._api_key
+
     async def refresh(self, newer_than: float | None = None) -> None:
         """Ask every pool's engines for their models (joining a refresh already under way).
         With ``newer_than`` (a ``time.monotonic()`` instant, a request's arrival): only a
@@ -163,7 +182,7 @@ class ModelTable:
         try:
             # the engines may require their API key on /v1/models
             status, body = await getter.request(
-                get_request(getter.host, getter.port, MODELS_PATH, self._api_key)
+                get_request(getter.host, getter.port, MODELS_PATH, self.engine_key(pool))
             )
             if status != 200:
                 return
@@ -390,6 +409,7 @@ class RouterSettings:
     refresh_interval: float = 2.0
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None  # the engines' API key, if their /v1/models requires it
+    engine_keys: Path | None = None  # per-pool engine keys, a file per pool (ModelTable)
     tenants_file: str | None = None  # the pools' tenants: every request needs one's API key
 
 
@@ -399,7 +419,7 @@ class ModelRouterServer:
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
-        self.table = ModelTable(settings.pools, api_key=settings.api_key)
+        self.table = ModelTable(settings.pools, api_key=settings.api_key, engine_keys=settings.engine_keys)
         tenants = load_tenants(settings.tenants_file) if settings.tenants_file else None
         self.handler = ModelRouterHandler(self.table, settings.max_request_body_bytes, tenants)
         # keys rotate without a restart, as in the EPP

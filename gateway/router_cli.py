@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from kvgate.api.cli_args import add_log_level, positive_float
 from kvgate.api.cli_args import port as _port
@@ -61,6 +62,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="the pools' tenants file (their EPPs' --tenants): every request needs one tenant's API key "
         "(Authorization: Bearer KEY), GET /v1/models included; others get 401",
     )
+    p.add_argument(
+        "--engine-keys",
+        default=None,
+        metavar="DIR",
+        help="a folder with one file per pool, named after it, holding the key that pool's engines "
+        "require on GET /v1/models (a ModelDeployment with tenants: its Secret <name>-engine-key, "
+        "key api-key); read at every refresh; a pool without a file uses $KVGATE_API_KEY",
+    )
     add_log_level(p, default_format="json")
 
 
@@ -91,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         refresh_interval=args.refresh_interval,
         max_request_body_bytes=args.max_request_body_bytes,
         api_key=os.environ.get("KVGATE_API_KEY") or None,
+        engine_keys=Path(args.engine_keys) if args.engine_keys else None,
         tenants_file=args.tenants,
     )
     try:

@@ -25,6 +25,8 @@ COMMANDS: dict[tuple[str, ...], str] = {
     ("operator", "run"): "kvgate.operator.cli",
     ("up",): "kvgate.local.cli",
     ("bench",): "kvgate.bench.cli",
+    ("batch", "serve"): "kvgate.batch.cli",
+    ("batch", "status"): "kvgate.batch.status_cli",
 }
 
 GROUP_HELP = {
@@ -33,6 +35,7 @@ GROUP_HELP = {
     "router": "the model router: one gateway for several pools, chosen by the body's model",
     "gateway": "InferencePool support for a Gateway API implementation (Envoy Gateway)",
     "operator": "the Kubernetes operator (ModelDeployment, InferencePool)",
+    "batch": "the OpenAI Batch API (files, batches) in front of the gateway",
 }
 
 EXIT_USAGE = 2

@@ -8,8 +8,6 @@ path reports (status.py), plus a Disaggregation condition with each role's numbe
 
 from __future__ import annotations
 
-import base64
-import secrets
 from typing import Any
 
 from kvgate.api.k8s.crds import ModelDeploymentSpec
@@ -27,8 +25,9 @@ from kvgate.operator.children.disaggregation import (
 )
 from kvgate.operator.conditions import Cond
 from kvgate.operator.config import OperatorConfig
-from kvgate.operator.kube import ApiError, KubeClient
-from kvgate.operator.resources import DEPLOYMENTS, SECRETS
+from kvgate.operator.kube import KubeClient
+from kvgate.operator.own_secrets import ensure_random_secret
+from kvgate.operator.resources import DEPLOYMENTS
 from kvgate.operator.status import StatusReport, model_deployment_status
 
 
@@ -55,44 +54,15 @@ async def existing_roles(
     )
 
 
-def _new_secret_value() -> str:
-    # Printable (it becomes an environment variable), 256 bits.
-    return base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
-
-
 async def ensure_kv_transfer_secret(
     client: KubeClient, owner: ch.Owner, spec: ModelDeploymentSpec, config: OperatorConfig
 ) -> str:
-    """Creates `<name>-kv-transfer` with a random key if it is missing; a Secret we made keeps its
-    value on every later pass (engines read it at start: a new value would split the pool until
-    they all restart). Returns what was done: created, refilled, unchanged or not-wanted."""
+    """Creates `<name>-kv-transfer` with a random key if it is missing (operator/own_secrets.py).
+    Returns what was done: created, refilled, unchanged or not-wanted."""
     if not own_secret_wanted(spec):
         return "not-wanted"
     name = kv_transfer_secret_name(owner.name)
-    live = await client.get(SECRETS, owner.namespace, name)
-    if live is None:
-        labels = ch.standard_labels(
-            owner.name, "kv-transfer", {ch.LABEL_MD: owner.name, **config.extra_labels}
-        )
-        body = {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "metadata": ch.object_meta(name, owner, labels),
-            "type": "Opaque",
-            "data": {KV_SECRET_KEY: _new_secret_value()},
-        }
-        await client.create(SECRETS, owner.namespace, body)
-        return "created"
-    refs = (live.get("metadata") or {}).get("ownerReferences") or []
-    if not any(r.get("uid") == owner.uid and r.get("controller") for r in refs):
-        raise ApiError(
-            409, "Conflict", f"Secret {owner.namespace}/{name} exists and is not managed by kvgate"
-        )
-    if not (live.get("data") or {}).get(KV_SECRET_KEY):
-        # Someone emptied it: engines started from now on need a value; ones running keep theirs.
-        await client.patch(SECRETS, owner.namespace, name, {"data": {KV_SECRET_KEY: _new_secret_value()}})
-        return "refilled"
-    return "unchanged"
+    return await ensure_random_secret(client, owner, config, name, KV_SECRET_KEY, "kv-transfer")
 
 
 def _ready(dep: dict[str, Any]) -> tuple[int, int]:

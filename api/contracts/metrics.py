@@ -24,6 +24,9 @@ KVGATE_KV_OFFLOAD_LOADS_TOTAL = "kvgate:kv_offload_loads_total"
 KVGATE_KV_OFFLOAD_SECONDS_TOTAL = "kvgate:kv_offload_seconds_total"  # time steps spent copying
 # kvgate's own gauge: prompt tokens still to prefill (queued and running), cache hits excluded
 KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
+# kvgate's own gauge: the engine's batch slots (--max-num-seqs), so a router knows how many of
+# its picks the engine runs at once instead of queueing
+KVGATE_MAX_NUM_SEQS = "kvgate:max_num_seqs"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"
@@ -51,6 +54,14 @@ EXTERNAL_PREFIX_CACHE_HITS_TOTAL = "vllm:external_prefix_cache_hits_total"
 MM_CACHE_QUERIES_TOTAL = "vllm:mm_cache_queries_total"
 MM_CACHE_HITS_TOTAL = "vllm:mm_cache_hits_total"
 ENGINE_SLEEP_STATE = "vllm:engine_sleep_state"  # label `sleep_state`
+
+# vLLM's speculative decoding counters, exported only with --speculative-config
+SPEC_DECODE_NUM_DRAFTS_TOTAL = "vllm:spec_decode_num_drafts_total"
+SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # `position`
+)
 
 LABEL_MODEL_NAME = "model_name"
 LABEL_ENGINE = "engine"

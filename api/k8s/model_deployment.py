@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from kvgate.api.contracts.epp_plugins import TOKEN_SCORERS  # the EPP plugins that key on prompt tokens
 from kvgate.api.k8s.base import (
     DNS_LABEL_PATTERN,
     GROUP_PATTERN,
@@ -36,8 +37,6 @@ TOKENIZER_SOURCE_PATTERN = (
     r"|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|/.+)$"
 )
 PRECISE_PREFIX_SCORER = "precise-prefix-cache-scorer"
-# The EPP plugins that key on prompt tokens: with any of them the picker loads a tokenizer.
-TOKEN_SCORERS = (PRECISE_PREFIX_SCORER, "predicted-latency-scorer")
 
 
 class SourceKind:
@@ -333,6 +332,28 @@ class FlowControlSpec(K8sModel):
             raise ValueError(f"{value!r}: ttl must be above 0 (how long a request may be held), e.g. 30s")
         return value
 
+    fair_share_half_life: str | None = Field(
+        default=None,
+        description=(
+            "pool dispatch: while the pool is saturated, a flow that sent less than its weighted share "
+            "of the recent work of its priority and below still goes (the engines run it first), the "
+            "work halved every this long (`--flow-fair-share-half-life`; default 10s; 0s: saturation "
+            "holds every flow, for engines that serve in arrival order)."
+        ),
+        json_schema_extra={"pattern": DURATION_PATTERN, "maxLength": 32},
+    )
+    fair_share_max_queue: float | None = Field(
+        default=None,
+        ge=0,
+        description=(
+            "pool dispatch: ... while the engines' queues hold fewer requests than this on average "
+            "(`--flow-fair-share-max-queue`; default 20); past it every flow is held."
+        ),
+    )
+
+    def fair_share_half_life_seconds(self) -> float | None:
+        return None if self.fair_share_half_life is None else duration_seconds(self.fair_share_half_life)
+
     def max_queued_byte_count(self) -> int | None:
         return None if self.max_queued_bytes is None else memory_bytes(self.max_queued_bytes)
 
@@ -349,7 +370,9 @@ class TenantsSpec(K8sModel):
         pattern=SECRET_NAME_PATTERN,
         description=(
             "A Secret in the ModelDeployment's namespace; the operator mounts it read-only into the "
-            f"endpoint picker pods at {TENANTS_DIR}."
+            f"endpoint picker pods at {TENANTS_DIR}. With tenants the engines require a key of their own "
+            "that only the picker sends (engine.env KVGATE_API_KEY, else a random one the operator keeps "
+            "in the Secret <name>-engine-key): a pod that reaches an engine directly skips no tenant's key."
         ),
     )
     key: str = Field(
@@ -892,6 +915,27 @@ class ModelDeploymentSpec(K8sModel):
         # The CRD's CEL rule says the same; this says it where the API server did not check.
         if self.tenants is not None and self.routing.failure_mode == "FailOpen":
             raise ValueError(TENANTS_FAIL_OPEN_MESSAGE)
+        return self
+
+    @model_validator(mode="after")
+    def _tenants_engine_key_is_the_pickers(self) -> ModelDeploymentSpec:
+        # With tenants the picker puts the engines' key on every request it forwards: a key given
+        # only as an engine argument is one it cannot know, and every request would get a 401.
+        if self.tenants is None:
+            return self
+        engines = [("engine.args", self.engine.args)]
+        if self.disaggregation is not None:
+            engines += [
+                ("disaggregation.prefill.args", self.disaggregation.prefill.args),
+                ("disaggregation.decode.args", self.disaggregation.decode.args),
+            ]
+        for where, args in engines:
+            if any(a == "--api-key" or a.startswith("--api-key=") for a in args):
+                raise ValueError(
+                    f"{where}: --api-key with spec.tenants: the endpoint picker sends the engines' key in "
+                    "place of the tenant's, so give it as engine.env KVGATE_API_KEY (a secretKeyRef) or "
+                    "leave it out (the operator then makes one, Secret <name>-engine-key)"
+                )
         return self
 
     @model_validator(mode="after")

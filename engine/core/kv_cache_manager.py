@@ -296,6 +296,20 @@ class KVCacheManager:
         if blocks:
             self.pool.release(reversed(blocks))
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past the first `num_tokens` tokens (speculative
+        decoding allocated them for drafts it rejected). They are never findable: only full
+        blocks of computed, accepted tokens are registered, and those lie before."""
+        blocks = self._blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens)
+        if not blocks or len(blocks) <= keep:
+            return
+        assert self._num_registered.get(request.request_id, 0) <= keep
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del request.block_ids[keep:]
+        self.pool.release(reversed(extra))
+
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))
 

@@ -11,6 +11,7 @@ from kvgate.engine.outputs import FinishReason, PositionLogprobs, PromptTokenLog
 from kvgate.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvgate.engine.spec_decode.adaptive import AcceptanceEstimate
     from kvgate.engine.structured.grammar import GrammarMatcher
 
 
@@ -79,6 +80,11 @@ class Request:
     prompt_logprobs: list[PromptTokenLogprobs] | None = None
     prompt_logprobs_sent: bool = False
     grammar: GrammarMatcher | None = None  # structured outputs: where the output is in its grammar
+    num_new_tokens: int = 0  # output tokens the last step appended (several when speculating)
+    spec_acceptance: AcceptanceEstimate | None = None  # adaptive speculation: its draft acceptance
+    spec_num_drafts: int = 0  # its verification steps with drafts
+    spec_num_draft_tokens: int = 0  # speculative draft tokens verified for it, in all
+    spec_num_accepted_tokens: int = 0  # of those, accepted (before a stop truncated a step)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

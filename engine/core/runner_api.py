@@ -2,7 +2,8 @@
 
 The scheduler hands a `ScheduledBatch` to `ModelRunner.execute`; the runner computes the new
 tokens' KV into the listed blocks, runs the model, and samples one token for each sequence
-that reached its sampling point. The real runner (torch/Triton) and the simulated runner
+that reached its sampling point (several with speculative decoding: a seq with
+`draft_token_ids` gets the drafts it accepted plus one token of its own). The real runner (torch/Triton) and the simulated runner
 (`--simulate`) both implement it, so everything above it is shared.
 
 Ordering contract: within each layer, a runner stores the KV of every token in the batch
@@ -37,6 +38,12 @@ class ScheduledSeq:
     prompt_logprob_row: int = 0
     prompt_logprob_targets: list[int] | None = None
     lora_id: int | None = None  # the request's LoRA adapter (None: the base model)
+    # Speculative decoding: token_ids is [last sampled token, *draft_token_ids]; the runner
+    # computes all of them (KV included) and verifies the drafts against the model's
+    # distributions at those len(draft_token_ids) + 1 positions (spec_decode/verify.py); a
+    # constrained seq's bitmask rows are then [row, row + len(draft_token_ids)], one per position.
+    # Only decoding seqs with sample=True get drafts. Empty: a plain step.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -80,9 +87,23 @@ class ScheduledBatch:
 @dataclass
 class SampledToken:
     request_id: str
-    token_id: int
+    token_id: int  # the (first) token this step made for the seq
     logprob: float | None = None  # of the sampled token, when logprobs were requested
     top_logprobs: list[tuple[int, float]] | None = None  # top-N (token_id, logprob), best first
+    # Speculative decoding: the tokens after `token_id`, in order (the rest of the accepted
+    # drafts, then the model's own token); empty for a plain step. When logprobs were
+    # requested, `more_logprobs` holds (logprob, top-N) for each of them, in order.
+    more_token_ids: list[int] = field(default_factory=list)
+    more_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this step made for the seq, in order."""
+        return [self.token_id, *self.more_token_ids]
+
+    @classmethod
+    def of(cls, request_id: str, token_ids: list[int]) -> SampledToken:
+        return cls(request_id, token_ids[0], more_token_ids=token_ids[1:])
 
 
 class ModelRunner(Protocol):
@@ -92,7 +113,8 @@ class ModelRunner(Protocol):
     max_model_len: int
 
     def execute(self, batch: ScheduledBatch) -> list[SampledToken]:
-        """Run one step. Returns one SampledToken per seq with `sample=True`, in batch order."""
+        """Run one step. Returns one SampledToken per seq with `sample=True`, in batch order
+        (one or more tokens each: see `ScheduledSeq.draft_token_ids`)."""
         ...
 
 

@@ -14,6 +14,14 @@ prompt tokens a step, less what the step's short prompts take, and at most
 for a short step, not for a 2,048-token chunk of someone's long prompt. Without short arrivals
 long prompts take the whole budget.
 
+Speculative decoding (`SpeculativeConfig`, off by default): a decoding request with n-gram
+drafts (for structured outputs, those its grammar allows) computes [last token, drafts] in one step, when its budget and blocks allow (else fewer
+or no drafts, never a preemption for them), and `update` appends what the runner accepted. Its
+computed length only moves over accepted tokens at `update`, so the prefix cache and KV events
+only ever see full blocks of accepted tokens; blocks held for rejected drafts are given back.
+Adaptive (the default) cuts each request's drafts to those its acceptance and the measured step
+cost say pay, 0 to k (spec_decode/adaptive.py; the engine reports step times to `observe_step`).
+
 When the pool runs dry the policy's last running request (lowest priority, over its tenant's
 share, newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
 (prefix hits make that cheap when its blocks have not been evicted meanwhile).
@@ -26,12 +34,17 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvgate.engine.core.kv_cache_manager import CacheHit, KVCacheManager
 from kvgate.engine.core.request import Request, RequestStatus
 from kvgate.engine.core.runner_api import SampledToken, ScheduledBatch, ScheduledSeq
 from kvgate.engine.core.waiting_queue import WaitingQueue
+from kvgate.engine.spec_decode.adaptive import AdaptiveSpeculator
+from kvgate.engine.spec_decode.config import SpeculativeConfig
+from kvgate.engine.spec_decode.ngram import propose_ngram_match
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +69,29 @@ class SchedulerConfig:
     # arriving: within this many seconds of the newest arrival. Long prompts alone are
     # computed as fast as the budget allows, since no one waits for their steps.
     short_prompt_window_s: float = 10.0
+    speculative: SpeculativeConfig | None = None  # n-gram speculative decoding; None: off
+
+
+class DraftProposer(Protocol):
+    """A proposer that runs a model (spec_decode/draft_model.py): asked once per step for every
+    decoding request that may speculate, in one batch, and told when a request ends."""
+
+    def propose(self, seqs: Sequence[tuple[str, Sequence[int], int]]) -> dict[str, list[int]]:
+        """Up to k drafts for each (request id, its tokens so far, k); none for some."""
+        ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: verification steps with drafts, draft tokens, accepted
+    drafts (before any stop truncates them), and accepted drafts by position (0 = first)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +100,7 @@ class _Step:
 
     budget: int  # tokens still allowed (max_num_batched_tokens less those scheduled)
     prefill: int = 0  # prompt tokens scheduled (a decode's single token is not)
+    drafts: int = 0  # speculative draft tokens scheduled
     long_pieces: int = 0  # pieces of long prompts scheduled
     preempted: bool = False
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -71,7 +108,9 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, proposer: DraftProposer | None = None
+    ) -> None:
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if (
@@ -100,7 +139,20 @@ class Scheduler:
         self._latest_arrival = -math.inf
         self._short_by_priority: dict[int, float] = {}
         self._capping = False  # this step: long prompts get long_prefill_step_tokens, not the budget
-        self._urgent = math.inf  # this step: the most urgent priority with short arrivals
+        # Unfinished requests that were short at arrival, by priority (and each one's): while a
+        # more urgent one is here, a long prompt's pieces are one block (_long_piece).
+        self._live_short: Counter[int] = Counter()
+        self._short_ids: dict[str, int] = {}
+        self._urgent = math.inf  # this step: the most urgent priority among them
+        spec = config.speculative
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * (spec.num_speculative_tokens if spec else 0))
+        # Adaptive speculation: this engine's (one device's) step-cost model and the k rule
+        self.adaptive = AdaptiveSpeculator() if spec is not None and spec.adaptive else None
+        # draft_model: the proposer (None: n-gram proposals, made inline), and this step's drafts
+        if spec is not None and spec.method != "ngram" and proposer is None:
+            raise ValueError(f"speculative method {spec.method!r} needs a proposer")
+        self.proposer = proposer if spec is not None else None
+        self._proposals: dict[str, list[int]] = {}
 
     # -- admission and removal -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,6 +168,8 @@ class Scheduler:
         if request.num_tokens - request.expected_cached_tokens <= self.config.long_prefill_token_threshold:
             seen = self._short_by_priority
             seen[request.priority] = max(seen.get(request.priority, -math.inf), request.arrival_time)
+            self._short_ids[request.request_id] = request.priority
+            self._live_short[request.priority] += 1
             if len(seen) > 64:  # priorities a client may name are many: keep the recent ones
                 horizon = self._latest_arrival - self.config.short_prompt_window_s
                 for old in [p for p, t in seen.items() if t < horizon]:
@@ -144,7 +198,14 @@ class Scheduler:
         request.stop_reason = stop_reason
         request.finished_time = time.time()
         self.kv.free(request)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         del self.requests[request.request_id]
+        priority = self._short_ids.pop(request.request_id, None)
+        if priority is not None:
+            self._live_short[priority] -= 1
+            if not self._live_short[priority]:
+                del self._live_short[priority]
         self._finished_ids.append(request.request_id)
 
     @property
@@ -209,9 +270,9 @@ class Scheduler:
 
     def _long_piece(self, step: _Step, request: Request) -> int:
         """How much of a long prompt fits this step: what the step's prompt tokens leave of
-        long_prefill_step_tokens; for a prompt of lower priority than short ones arriving,
-        one block, as the step's only long piece (so a step in flight holds more urgent short
-        requests up for little more than a decode step)."""
+        long_prefill_step_tokens; for a prompt of lower priority than a short request still
+        in this engine (waiting or running), one block, as the step's only long piece (so a
+        step in flight holds the next urgent arrival up for little more than a decode step)."""
         piece = self.config.long_prefill_step_tokens - step.prefill
         if request.priority > self._urgent:
             return min(piece, self.kv.block_size) if step.long_pieces == 0 else 0
@@ -225,6 +286,8 @@ class Scheduler:
         if num_new <= 0:
             return
         covered = len(request.block_ids) * self.kv.block_size
+        if num_new == 1 and self._speculate(request, step, covered):
+            return
         # Most decode steps stay inside the last block: no allocation to do.
         while request.num_computed_tokens + num_new > covered and self.kv.allocate(request, num_new) is None:
             victim = self._victim(step.scheduled)
@@ -233,6 +296,96 @@ class Scheduler:
             if victim is request:
                 return
         self._add(request, num_new, step)
+
+    def _speculate(self, request: Request, step: _Step, covered: int) -> bool:
+        """Schedule a decoding request's last token with drafts after it (n-gram, or this step's
+        from the draft model), if it may
+        speculate and some drafts fit the step's budget, its limits and the free blocks."""
+        spec = self.config.speculative
+        if spec is None or not _may_speculate(request):
+            return False
+        k = min(self._max_drafts(request), step.budget - 1)
+        if k < 1:
+            return False
+        if self.proposer is not None:
+            drafts, match_len = self._proposals.get(request.request_id, [])[:k], 0
+        else:
+            drafts, match_len = propose_ngram_match(
+                request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+        if drafts and request.grammar is not None:
+            # Structured outputs: only the drafts the grammar allows in turn (the first one it
+            # forbids, and all after, could never be accepted)
+            del drafts[request.grammar.valid_drafts(drafts) :]
+        if not drafts:
+            return False
+        adaptive = self.adaptive
+        if adaptive is not None:
+            if request.spec_acceptance is None:
+                request.spec_acceptance = adaptive.new_estimate()
+            # the step as it will be: every running request's token, what is scheduled so far
+            num_seqs = len(self.running)
+            keep = adaptive.num_drafts(
+                request.spec_acceptance,
+                len(drafts),
+                match_len,
+                num_seqs,
+                num_seqs + step.prefill + step.drafts,
+            )
+            del drafts[keep:]
+            if not drafts:
+                return False
+        num_new = 1 + len(drafts)
+        if request.num_computed_tokens + num_new > covered:
+            while drafts and self.kv.allocate(request, 1 + len(drafts)) is None:
+                drafts.pop()  # fewer drafts, never a preemption for them
+            if not drafts:
+                return False
+        self._add(request, 1, step)
+        seq = step.seqs[-1]
+        seq.token_ids.extend(drafts)
+        seq.draft_token_ids = drafts
+        step.budget -= len(drafts)
+        step.drafts += len(drafts)
+        return True
+
+    def _max_drafts(self, request: Request) -> int:
+        """The most drafts a decoding request may take, by its limits (not the step's budget)."""
+        spec = self.config.speculative
+        assert spec is not None
+        # drafts sit at positions num_tokens .. num_tokens + k - 1, inside the context
+        k = min(spec.num_speculative_tokens, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:  # the step makes up to k + 1 tokens
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        return k
+
+    def _propose_all(self) -> None:
+        """draft_model: this step's drafts for every running request that may speculate, in one
+        batch (the proposer's forward passes), before any is scheduled."""
+        self._proposals = {}
+        if self.proposer is None:
+            return
+        seqs = [
+            (r.request_id, r.all_token_ids, k)
+            for r in self.running
+            if r.status == RequestStatus.RUNNING and _may_speculate(r) and (k := self._max_drafts(r)) > 0
+        ]
+        if seqs:
+            self._proposals = self.proposer.propose(seqs)
+
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Adaptive speculation: what a step took. Decode-only steps feed the step-cost fit
+        (tokens computed, drafts included, against seconds); steps with prompt tokens are
+        another regime and are left out."""
+        if self.adaptive is None or not batch.seqs:
+            return
+        tokens = 0
+        for seq in batch.seqs:
+            if seq.num_generated == 0 or len(seq.token_ids) != 1 + len(seq.draft_token_ids):
+                return
+            tokens += len(seq.token_ids)
+        self.adaptive.observe_step(tokens, seconds)
 
     def _add(self, request: Request, num_new: int, step: _Step) -> None:
         """Put ``num_new`` tokens of a request (its blocks allocated) into the step."""
@@ -268,14 +421,21 @@ class Scheduler:
         step = _Step(budget=cfg.max_num_batched_tokens)
         self._in_flight_prefill_tokens = 0  # counted as each seq is built (_seq)
         self.kv.begin_step()
+        if self.adaptive is not None:
+            self.adaptive.begin_step()
+        self._propose_all()
         horizon = self._latest_arrival - cfg.short_prompt_window_s
-        self._urgent = min((p for p, t in self._short_by_priority.items() if t >= horizon), default=math.inf)
         self._capping = (
             cfg.enable_chunked_prefill
             and cfg.long_prefill_token_threshold > 0
             and cfg.long_prefill_step_tokens > 0
-            and self._urgent < math.inf  # some short prompt arrived within the window
+            # some short prompt arrived within the window
+            and any(t >= horizon for t in self._short_by_priority.values())
         )
+        # Only while the more urgent short work is still here: an arrival window would keep
+        # every lower-priority long prompt at a block a step for seconds after the last urgent
+        # request, and for ever under sparse urgent traffic (one every few seconds).
+        self._urgent = min(self._live_short, default=math.inf)
 
         # 1. Running requests, oldest first: decodes and prompts with little left to compute.
         #    A long prompt being prefilled in pieces waits for step 3, so that what is admitted
@@ -406,26 +566,62 @@ class Scheduler:
             token = by_id.get(seq.request_id)
             if token is None:
                 raise RuntimeError(f"runner returned no token for {seq.request_id}")
-            request.append_output_token(token.token_id)
-            if request.first_token_time is None:
-                request.first_token_time = now
+            tokens = token.token_ids
+            if len(tokens) > len(seq.draft_token_ids) + 1:
+                raise RuntimeError(f"runner returned {len(tokens)} tokens for {seq.request_id}")
+            if seq.draft_token_ids:
+                self._count_accepted(len(seq.draft_token_ids), len(tokens) - 1)
+                request.spec_num_drafts += 1
+                request.spec_num_draft_tokens += len(seq.draft_token_ids)
+                request.spec_num_accepted_tokens += len(tokens) - 1
+                if self.adaptive is not None and request.spec_acceptance is not None:
+                    self.adaptive.observe_acceptance(
+                        request.spec_acceptance, len(seq.draft_token_ids), len(tokens) - 1
+                    )
             touched.append(request)
-            if request.grammar is not None and not request.grammar.accept(token.token_id):
-                # The sampler draws allowed tokens only, so this is a bug somewhere: end the
-                # request rather than stream output that breaks its constraint.
-                log.error(
-                    "request %s sampled token %d, which its grammar does not allow (%s); stopping it",
-                    request.request_id,
-                    token.token_id,
-                    request.grammar.error,
-                )
-                request.grammar = None
-                self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
-                continue
-            status, reason = self._check_stop(request, token.token_id)
-            if status is not None:
-                self.finish_request(request, status, reason)
+            request.num_new_tokens = 0
+            for token_id in tokens:
+                # One at a time, as plain decoding would: the first stop or limit ends it.
+                if not self._append(request, token_id, now):
+                    break
+            if seq.draft_token_ids and not request.is_finished:
+                # The accepted drafts' KV is computed; the last token's is not (as after any
+                # sampling step). The blocks held for rejected drafts go back.
+                request.num_computed_tokens += len(tokens) - 1
+                self.kv.trim(request, request.num_tokens)
         return touched
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            stats.accepted_per_pos[pos] += 1
+
+    def _append(self, request: Request, token_id: int, now: float) -> bool:
+        """Append one sampled token and stop the request if it ends there. False: stopped."""
+        request.append_output_token(token_id)
+        request.num_new_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        if request.grammar is not None and not request.grammar.accept(token_id):
+            # The sampler draws allowed tokens only, so this is a bug somewhere: end the
+            # request rather than stream output that breaks its constraint.
+            log.error(
+                "request %s sampled token %d, which its grammar does not allow (%s); stopping it",
+                request.request_id,
+                token_id,
+                request.grammar.error,
+            )
+            request.grammar = None
+            self.finish_request(request, RequestStatus.FINISHED_STOPPED, None)
+            return False
+        status, reason = self._check_stop(request, token_id)
+        if status is not None:
+            self.finish_request(request, status, reason)
+            return False
+        return True
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[RequestStatus | None, int | None]:
         params = request.sampling_params
@@ -442,6 +638,16 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+
+def _may_speculate(request: Request) -> bool:
+    """Whether a request may take drafts: one decoding (its prompt computed, a token sampled).
+    Structured outputs speculate with drafts cut at the first token their grammar forbids and
+    each position verified under its own mask; logprobs are reported per verified position;
+    prompt logprobs are all gathered before decoding starts. n > 1 fans out above the engine
+    into requests of their own; the sampler applies no penalties from history. min_tokens and
+    seeds are honoured per position by the verifier."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
 
 
 def _limit_cache_hit(request: Request, hit: CacheHit, block_size: int) -> CacheHit:

@@ -13,6 +13,11 @@ batch mixes and preemption-by-recompute, with no per-request state to leak.
 
 Logprobs follow vLLM: log-softmax of the raw model logits (before temperature or any masking).
 
+Speculative decoding: `verify` takes the k + 1 rows of each seq with drafts and returns the
+tokens it accepts (spec_decode/verify.py), position i drawing as the (num_generated + i)-th
+token would (min_tokens, the seeded generator, the grammar's mask after the drafts before it),
+with logprobs for each token returned when asked.
+
 Structured outputs arrive as a token bitmask per constrained row; it is applied before any
 sampling transform, so temperature, top-k/p and min-p act on the allowed tokens only.
 """
@@ -26,6 +31,7 @@ import torch
 
 from kvgate.engine.core.runner_api import SampledToken
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.spec_decode.verify import accept_greedy, rejection_sample
 from kvgate.engine.structured.bitmask import unpack_bitmask
 
 _GREEDY_EPS = 1e-5  # temperatures below this are treated as greedy (as vLLM does)
@@ -122,7 +128,70 @@ class Sampler:
             sub = torch.where(dead[:, None], grammar_only, sub)
         return logits.index_copy(0, index, sub)
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+    def verify(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[tuple[SampleRequest, list[int]]],
+        token_bitmask: torch.Tensor | None = None,
+    ) -> list[SampledToken]:
+        """logits: len(drafts) + 1 consecutive rows per (seq, drafts), in order: row i predicts
+        the token after draft i - 1. Returns each seq's accepted drafts plus one token.
+
+        Row i of a seq is treated as plain decoding treats its (num_generated + i)-th token:
+        min_tokens, the seeded generator, and for a constrained seq (`bitmask_row` set) the
+        grammar mask at bitmask row `bitmask_row + i` (the state after drafts 0..i-1). Seqs
+        that ask for logprobs get them for every token returned, from the raw logits."""
+        rows = [
+            SampleRequest(
+                r.request_id,
+                r.params,
+                r.num_generated + i,
+                None if r.bitmask_row is None else r.bitmask_row + i,
+            )
+            for r, drafts in seqs
+            for i in range(len(drafts) + 1)
+        ]
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} verified positions")
+        raw = logits
+        logits = self._mask_min_tokens(logits, rows)
+        if token_bitmask is not None:
+            logits = self._mask_grammar(raw, logits, rows, token_bitmask)
+        target = logits.argmax(dim=-1).tolist()
+        out: list[SampledToken] = []
+        first = 0
+        for r, drafts in seqs:
+            n = len(drafts) + 1
+            if _is_greedy(r.params):
+                tokens = accept_greedy(target[first : first + n], drafts)
+            else:
+                probs = self._probs(logits[first : first + n], rows[first : first + n])
+                tokens = rejection_sample(
+                    probs, drafts, [self._generator_for(q) for q in rows[first : first + n]]
+                )
+            sampled = SampledToken.of(r.request_id, tokens)
+            if r.params.logprobs is not None:
+                # row i gave token i: its logprobs as plain decoding reports them
+                chosen = torch.tensor(tokens, device=raw.device)
+                per_token = self._package(
+                    raw[first : first + len(tokens)], chosen, rows[first : first + len(tokens)]
+                )
+                sampled.logprob = per_token[0].logprob
+                sampled.top_logprobs = per_token[0].top_logprobs
+                sampled.more_logprobs = [(t.logprob or 0.0, t.top_logprobs or []) for t in per_token[1:]]
+            out.append(sampled)
+            first += n
+        return out
+
+    def _generator_for(self, row: SampleRequest) -> torch.Generator:
+        if row.params.seed is None:
+            return self._generator
+        g = torch.Generator(device=self.device)
+        g.manual_seed(_mix_seed(row.params.seed, row.num_generated))
+        return g
+
+    def _probs(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, min-p, top-k, top-p."""
         device = logits.device
         vocab = logits.shape[1]
         temperature = torch.tensor([r.params.temperature for r in rows], device=device, dtype=torch.float32)
@@ -141,8 +210,12 @@ class Sampler:
             logits = self._top_k_top_p(logits, top_k, top_p)
         elif any(k < vocab for k in top_k):
             logits = self._top_k(logits, top_k)
+        return logits.softmax(dim=-1)
 
-        probs = logits.softmax(dim=-1)
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SampleRequest]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        probs = self._probs(logits, rows)
         noise = torch.empty_like(probs)
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]

@@ -378,6 +378,7 @@ class Handlers:
             _pick(request),
             _handoff(request, raw),
             order_from_headers(request.headers, req.priority),
+            getattr(request.state, "span", NO_SPAN),
         )
         return _generation_response(request, result)
 
@@ -390,6 +391,7 @@ class Handlers:
             _pick(request),
             _handoff(request, raw),
             order_from_headers(request.headers, req.priority),
+            getattr(request.state, "span", NO_SPAN),
         )
         return _generation_response(request, result)
 

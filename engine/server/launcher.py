@@ -203,7 +203,14 @@ async def _serve(config: EngineConfig, options: ServerOptions, engine: LLMEngine
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_cpu_blocks=stats.num_host_kv_blocks or None,
     )
-    metrics = EngineMetrics(model_name, cache, max_model_len=engine.max_model_len)
+    spec = config.speculative_config
+    metrics = EngineMetrics(
+        model_name,
+        cache,
+        max_model_len=engine.max_model_len,
+        num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+        max_num_seqs=config.max_num_seqs,
+    )
     if config.enable_lora:
         metrics.set_lora_state(max_lora=config.max_loras, running=(), waiting=())
     publisher = _kv_publisher(options, port, model_name)

@@ -194,6 +194,10 @@ class StatsSnapshot:
     host_kv_stores_total: int = 0
     host_kv_loads_total: int = 0
     host_kv_copy_seconds_total: float = 0.0
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos_total: tuple[int, ...] = ()
 
     @classmethod
     def from_engine_stats(cls, stats: object) -> StatsSnapshot:
@@ -216,6 +220,10 @@ class StatsSnapshot:
             host_kv_stores_total=int(getattr(stats, "host_kv_stores_total", 0)),
             host_kv_loads_total=int(getattr(stats, "host_kv_loads_total", 0)),
             host_kv_copy_seconds_total=float(getattr(stats, "host_kv_copy_seconds_total", 0.0)),
+            spec_num_drafts_total=int(getattr(stats, "spec_num_drafts_total", 0)),
+            spec_num_draft_tokens_total=int(getattr(stats, "spec_num_draft_tokens_total", 0)),
+            spec_num_accepted_tokens_total=int(getattr(stats, "spec_num_accepted_tokens_total", 0)),
+            spec_accepted_per_pos_total=tuple(getattr(stats, "spec_accepted_per_pos_total", ())),
         )
 
 
@@ -373,6 +381,13 @@ _ROUTING_SERIES: tuple[_Series, ...] = (
         "gauge",
         "Prompt tokens still to compute, queued and running (prefix-cache hits excluded).",
     ),
+    # constant: the batch slots, so a router can tell a request that runs at once from one that waits
+    (
+        "max_num_seqs",
+        names.KVGATE_MAX_NUM_SEQS,
+        "gauge",
+        "Most sequences the engine runs in one step (--max-num-seqs).",
+    ),
 )
 
 # vLLM's per-request histograms, labelled by model name and engine: (attribute, name, help,
@@ -474,6 +489,7 @@ class EngineMetrics:
     kv_transfer_pinned: _Child
     draining: _Child
     prefill_pending: _Child
+    max_num_seqs: _Child
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
@@ -491,7 +507,13 @@ class EngineMetrics:
     params_max_tokens: Histogram
 
     def __init__(
-        self, model_name: str, cache: CacheConfigInfo, engine_index: str = "0", max_model_len: int = 2048
+        self,
+        model_name: str,
+        cache: CacheConfigInfo,
+        engine_index: str = "0",
+        max_model_len: int = 2048,
+        num_speculative_tokens: int = 0,
+        max_num_seqs: int = 0,
     ) -> None:
         self.lock = threading.Lock()
         base = {names.LABEL_MODEL_NAME: model_name, names.LABEL_ENGINE: engine_index}
@@ -573,6 +595,27 @@ class EngineMetrics:
         info = family(Scalar(names.CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig"))
         info.child({**cache.labels(), "engine": engine_index}).set(1)
         series(_ROUTING_SERIES)
+        self.max_num_seqs.set(max_num_seqs)
+        # vLLM's speculative decoding counters, only when it is on (as vLLM registers them)
+        self._spec: list[_Child] = []
+        self._spec_per_pos: list[_Child] = []
+        if num_speculative_tokens:
+            for name, doc in (
+                (names.SPEC_DECODE_NUM_DRAFTS_TOTAL, "Number of spec decoding drafts."),
+                (names.SPEC_DECODE_NUM_DRAFT_TOKENS_TOTAL, "Number of draft tokens."),
+                (names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_TOTAL, "Number of accepted tokens."),
+            ):
+                self._spec.append(family(Scalar(name, "counter", doc)).child(base))
+            per_pos = family(
+                Scalar(
+                    names.SPEC_DECODE_NUM_ACCEPTED_TOKENS_PER_POS_TOTAL,
+                    "counter",
+                    "Accepted tokens per draft position.",
+                )
+            )
+            self._spec_per_pos = [
+                per_pos.child({**base, "position": str(p)}) for p in range(num_speculative_tokens)
+            ]
         self._lora = family(Scalar(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests."))
         self._lora_labels: dict[str, str] | None = None
         self._max_lora = 0  # --max-loras with --enable-lora; 0: LoRA off
@@ -635,6 +678,30 @@ class EngineMetrics:
         ):
             if new > old:
                 counter.inc(new - old)
+        if self._spec:
+            for counter, new, old in zip(
+                self._spec,
+                (
+                    snap.spec_num_drafts_total,
+                    snap.spec_num_draft_tokens_total,
+                    snap.spec_num_accepted_tokens_total,
+                ),
+                (
+                    last.spec_num_drafts_total,
+                    last.spec_num_draft_tokens_total,
+                    last.spec_num_accepted_tokens_total,
+                ),
+                strict=True,
+            ):
+                if new > old:
+                    counter.inc(new - old)
+            before = last.spec_accepted_per_pos_total
+            for pos, (counter, new) in enumerate(
+                zip(self._spec_per_pos, snap.spec_accepted_per_pos_total, strict=False)
+            ):
+                old = before[pos] if pos < len(before) else 0
+                if new > old:
+                    counter.inc(new - old)
         if snap != last:
             self._version += 1
         self._last = snap

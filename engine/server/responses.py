@@ -7,9 +7,10 @@ Built by hand rather than through pydantic: a streamed token costs one small dic
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvgate.api.tracing import NO_SPAN, Span
 from kvgate.engine.outputs import PositionLogprobs, PromptTokenLogprobs, RequestOutput
 
 
@@ -33,6 +34,22 @@ class ResponseMeta:
     model: str
     n: int
     prompt_lens: list[int]
+    span: Span = field(default=NO_SPAN, repr=False)  # the request's (kvgate.engine.request)
+
+    def trace_finals(self, finals: dict[int, RequestOutput]) -> None:
+        """What the finished sequences say about themselves that only the engine knows, on the
+        request's span: speculative decoding's drafts and acceptance (summed over choices), when
+        the engine speculates."""
+        spec = [o for o in finals.values() if o.spec_num_draft_tokens is not None]
+        if self.span is NO_SPAN or not spec:
+            return
+        self.span.set_attributes(
+            {
+                "kvgate.spec_decode.num_drafts": sum(o.spec_num_drafts or 0 for o in spec),
+                "kvgate.spec_decode.num_draft_tokens": sum(o.spec_num_draft_tokens or 0 for o in spec),
+                "kvgate.spec_decode.num_accepted_tokens": sum(o.spec_num_accepted_tokens or 0 for o in spec),
+            }
+        )
 
     def usage(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
         completion = sum(len(o.token_ids) for o in finals.values())

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvgate.api.contracts.admissions import Pick
 from kvgate.api.contracts.queue_order import QueueOrder
 from kvgate.api.lora import lora_int_id
+from kvgate.api.tracing import NO_SPAN, Span
 from kvgate.engine.outputs import PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import AsyncEngine, EngineDeadError, RequestHandle
@@ -392,6 +393,7 @@ class OpenAIServing:
         handoff: Handoff | None,
         pick: Pick | None,
         order: QueueOrder | None = None,
+        span: Span = NO_SPAN,
     ) -> Submitted:
         """Queue a request's sequences (`items`, from `prompts`) on the engine under a new id.
         A P/D consumer pulls a single prompt's KV first; the pulled blocks go if queuing fails."""
@@ -408,7 +410,7 @@ class OpenAIServing:
                 # its adapter went between check_model and the engine
                 raise _unknown_model(model) from None
             raise
-        meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts])
+        meta = ResponseMeta(rid, int(time.time()), model, req.n, [len(p) for p in prompts], span)
         return Submitted(handle, meta, lora_id, imported, self.pd)
 
 
@@ -428,7 +430,9 @@ class Submitted:
     async def collect(self, receive: Receive) -> dict[int, RequestOutput]:
         """Every choice's final output, by index."""
         try:
-            return await _collect(self.handle, receive)
+            finals = await _collect(self.handle, receive)
+            self.meta.trace_finals(finals)
+            return finals
         finally:
             await self.pd.release(self.imported)
 
@@ -485,6 +489,7 @@ async def sse_stream(
                     parts.append(chunk(c))
             if parts:
                 yield b"".join(parts)
+        meta.trace_finals(finals)
         if include_usage:
             yield sse({**base, "choices": [], "usage": meta.usage(finals)})
         yield SSE_DONE

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvgate.api.contracts.admissions import Pick
 from kvgate.api.contracts.queue_order import QueueOrder
+from kvgate.api.tracing import NO_SPAN, Span
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.server.async_engine import RequestHandle
 from kvgate.engine.server.errors import bad_request
@@ -43,6 +44,7 @@ class OpenAIServingChat:
         pick: Pick | None = None,
         handoff: Handoff | None = None,
         order: QueueOrder | None = None,
+        span: Span = NO_SPAN,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
         model, produce = serving.prologue(req)
@@ -64,7 +66,7 @@ class OpenAIServingChat:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = serving.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, structured)
         items = [(ids, p) for p in params]
-        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, pick, order)
+        sub = await serving.submit("chatcmpl", req, model, [ids], items, handoff, pick, order, span)
         if req.stream:
             return sub.stream(
                 self._stream(sub.handle, sub.meta, include_usage(req), req.logprobs, receive, tool_plan)

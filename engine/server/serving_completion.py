@@ -14,6 +14,7 @@ from typing import Any
 
 from kvgate.api.contracts.admissions import Pick
 from kvgate.api.contracts.queue_order import QueueOrder
+from kvgate.api.tracing import NO_SPAN, Span
 from kvgate.engine.outputs import PositionLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.server.async_engine import RequestHandle
@@ -51,6 +52,7 @@ class OpenAIServingCompletion:
         pick: Pick | None = None,
         handoff: Handoff | None = None,
         order: QueueOrder | None = None,
+        span: Span = NO_SPAN,
     ) -> dict[str, Any] | StreamResult:
         serving = self.serving
         model, produce = serving.prologue(req)
@@ -86,7 +88,7 @@ class OpenAIServingCompletion:
             )
         echo = [serving.tokenizer.decode(ids) for ids in prompts] if req.echo else None
         scoring = _Echo(prompts, echo_only, serving.first_token_text) if req.echo else None
-        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, pick, order)
+        sub = await serving.submit("cmpl", req, model, prompts, items, handoff, pick, order, span)
         if req.stream:
             return sub.stream(
                 self._stream(

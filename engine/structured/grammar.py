@@ -119,6 +119,26 @@ class GrammarMatcher:
         """Advance by one sampled token; False when the grammar does not allow it."""
         return bool(self._m.consume_token(token_id)) and not self._m.is_error()
 
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of `drafts` (speculative tokens) the grammar allows in turn from here, each
+        checked against the same mask sampling uses; stops after a token that completes the
+        grammar (plain decoding would stop there). Leaves the matcher where it was."""
+        m = self._m
+        n = 0
+        for d in drafts:
+            if m.is_stopped() or m.is_error():
+                break
+            mask = m.compute_bitmask()
+            if not (0 <= d < 8 * len(mask) and (mask[d >> 3] >> (d & 7)) & 1):
+                break
+            if not m.consume_token(d) or m.is_error():
+                m.rollback(1)
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
     @property
     def finished(self) -> bool:
         """The output is complete: nothing but EOS may follow."""
@@ -167,11 +187,34 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return matcher
 
-    def fill_bitmask(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """Allowed next tokens of each matcher: int32 [len(matchers), ceil(vocab/32)], bit
-        (t % 32) of word t // 32 set when token t is allowed. Rows are computed in parallel."""
-        bitmask = torch.full(((len(matchers)), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
-        llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(m._m, i) for i, m in enumerate(matchers)], bitmask
-        )
+    def fill_bitmask(
+        self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """Allowed next tokens of each matcher: int32 [rows, ceil(vocab/32)], bit (t % 32) of
+        word t // 32 set when token t is allowed. Rows are computed in parallel.
+
+        With `drafts` (speculative decoding, one list per matcher, each allowed in turn: see
+        `GrammarMatcher.valid_drafts`), matcher j takes 1 + len(drafts[j]) consecutive rows:
+        its mask now, then after each of its drafts; the matchers are left where they were."""
+        words = (self.vocab_size + 31) // 32
+        if drafts is None:
+            bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+            llg_torch.fill_next_token_bitmask_par(
+                self._executor, [(m._m, i) for i, m in enumerate(matchers)], bitmask
+            )
+            return bitmask
+        plain: list[tuple[llguidance.LLMatcher, int]] = []
+        drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
+        row = 0
+        for m, d in zip(matchers, drafts, strict=True):
+            if d:
+                drafted.append((m._m, row, list(d)))
+            else:  # (llguidance's draft variant refuses an empty list)
+                plain.append((m._m, row))
+            row += 1 + len(d)
+        bitmask = torch.full((row, words), -1, dtype=torch.int32)
+        if plain:
+            llg_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if drafted:
+            llg_torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
         return bitmask

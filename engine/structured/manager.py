@@ -4,6 +4,9 @@ constrained request, and each step's token bitmask.
 
 Matchers live on their `Request` and advance in `Scheduler.update` with every sampled token,
 so preemption by recompute keeps them right (the recomputed tokens were accepted already).
+Speculative drafts never advance them: the scheduler keeps the drafts the grammar allows
+(`GrammarMatcher.valid_drafts`), `prepare` gives each draft position its own mask, and only the
+tokens verification emits are accepted into the matcher.
 """
 
 from __future__ import annotations
@@ -49,15 +52,29 @@ class StructuredOutputManager:
         return self.compiler.matcher(spec)
 
     def prepare(self, batch: ScheduledBatch, requests: Mapping[str, Request]) -> None:
-        """Fill the batch's token bitmask for the constrained seqs that sample this step."""
-        constrained: list[tuple[str, GrammarMatcher]] = []
+        """Fill the batch's token bitmask for the constrained seqs that sample this step.
+
+        A seq with speculative drafts (which the scheduler checked against its grammar) gets
+        1 + len(drafts) consecutive rows from its `bitmask_rows` entry: the mask for its next
+        token, then the mask after each draft, so position i is verified exactly as plain
+        decoding would sample it once the drafts before it were accepted."""
+        constrained: list[tuple[str, GrammarMatcher, list[int]]] = []
         for seq in batch.seqs:
             if not seq.sample:
                 continue
             request = requests.get(seq.request_id)
             if request is not None and request.grammar is not None:
-                constrained.append((seq.request_id, request.grammar))
+                constrained.append((seq.request_id, request.grammar, seq.draft_token_ids))
         if not constrained:
             return
-        batch.token_bitmask = self.compiler.fill_bitmask([m for _, m in constrained])
-        batch.bitmask_rows = {rid: row for row, (rid, _) in enumerate(constrained)}
+        matchers = [m for _, m, _ in constrained]
+        if any(d for _, _, d in constrained):
+            batch.token_bitmask = self.compiler.fill_bitmask(matchers, [d for _, _, d in constrained])
+        else:
+            batch.token_bitmask = self.compiler.fill_bitmask(matchers)
+        rows: dict[str, int] = {}
+        row = 0
+        for rid, _, drafts in constrained:
+            rows[rid] = row
+            row += 1 + len(drafts)
+        batch.bitmask_rows = rows

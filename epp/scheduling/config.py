@@ -11,36 +11,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvgate.api.contracts.metrics import SATURATION_KV_CACHE_UTILIZATION, SATURATION_QUEUE_DEPTH
 from kvgate.epp.saturation import METRICS_STALENESS_S, SaturationDetector
-from kvgate.epp.scheduling import filters, latency, pickers, scorers
 from kvgate.epp.scheduling.framework import Filter, Picker, Plugin, SchedulingProfile, Scorer
+from kvgate.epp.scheduling.plugins.max_score_picker import MaxScorePicker
+from kvgate.epp.scheduling.registry import plugin_types
 
 API_VERSION = "inference.networking.x-k8s.io/v1alpha1"
 KIND = "EndpointPickerConfig"
-
-PLUGIN_TYPES: dict[str, type] = {
-    cls.type_name: cls
-    for cls in (
-        filters.FreshMetricsFilter,
-        filters.LowQueueFilter,
-        filters.LeastQueueFilter,
-        filters.BoundedLoadFilter,
-        filters.LeastKVCacheFilter,
-        filters.LoraAffinityFilter,
-        filters.ModelServedFilter,
-        filters.HeaderBasedTestingFilter,
-        scorers.QueueScorer,
-        scorers.KVCacheUtilizationScorer,
-        scorers.LoadAwareScorer,
-        scorers.LoraAffinityScorer,
-        scorers.PrefixCacheScorer,
-        scorers.PrecisePrefixCacheScorer,
-        latency.PredictedLatencyScorer,
-        pickers.MaxScorePicker,
-        pickers.RandomPicker,
-        pickers.WeightedRandomPicker,
-        pickers.RoundRobinPicker,
-    )
-}
 
 
 class ConfigError(ValueError):
@@ -92,7 +68,7 @@ class EndpointPickerConfig(BaseModel):
     # kvgate extension: InferenceObjective name -> priority (negative = sheddable)
     objectives: dict[str, int] = Field(default_factory=dict)
     # kvgate extension: prefill/decode disaggregation above this many uncached prompt tokens
-    # (epp/scheduling/disaggregation.py); unset: off. The EPP's --pd-threshold overrides it.
+    # (epp/scheduling/plugins/pd_profile_handler.py); unset: off. The EPP's --pd-threshold overrides it.
     pd_threshold: int | None = Field(None, alias="pdThreshold", ge=0)
 
     @field_validator("kind")
@@ -141,7 +117,7 @@ BUILTIN_PROFILES: dict[str, dict[str, Any]] = {
     },
     # kvgate's default: the lowest predicted time to first token (the exact prefix each engine
     # holds from its KV events, the prefill work queued there, the pool's learnt speed) plus
-    # what a pick costs the pool (see epp/scheduling/latency.py).
+    # what a pick costs the pool (see epp/scheduling/plugins/predicted_latency_scorer.py).
     "precise-prefix": {
         "plugins": [
             {"type": "model-served-filter"},
@@ -309,11 +285,10 @@ _PARAM_ALIASES = {"maxNumOfEndpoints": "max_num_of_endpoints", "lruCapacityPerSe
 
 
 def _instantiate(spec: PluginSpec, source: str) -> Plugin:
-    cls = PLUGIN_TYPES.get(spec.type)
+    known = plugin_types()
+    cls = known.get(spec.type)
     if cls is None:
-        raise ConfigError(
-            f"{source}: unknown plugin type {spec.type!r}; known: {', '.join(sorted(PLUGIN_TYPES))}"
-        )
+        raise ConfigError(f"{source}: unknown plugin type {spec.type!r}; known: {', '.join(sorted(known))}")
     allowed = {f.name for f in fields(cls) if f.init and f.name not in ("name", "rng")}
     kwargs: dict[str, Any] = {}
     for key, value in spec.parameters.items():
@@ -359,7 +334,7 @@ def build_profiles(cfg: EndpointPickerConfig, source: str = "config") -> list[Sc
                 if pick is not None:
                     raise ConfigError(f"{source}: profile {prof.name!r} has two pickers")
                 pick = found
-        profiles.append(SchedulingProfile(prof.name, flt, scr, pick or pickers.MaxScorePicker()))
+        profiles.append(SchedulingProfile(prof.name, flt, scr, pick or MaxScorePicker()))
     return profiles
 
 

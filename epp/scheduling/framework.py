@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from kvgate.epp.datastore import Datastore, EndpointState
 from kvgate.epp.request import InferenceRequest
+from kvgate.epp.scheduling.registry import Consumes, union
 
 if TYPE_CHECKING:
     from kvgate.epp.prefix_index import PreciseIndex
@@ -29,7 +30,8 @@ class SchedulingContext:
 
 
 class Plugin(Protocol):
-    type_name: ClassVar[str]
+    type_name: ClassVar[str]  # GIE's plugin type, what the config's `type:` names
+    consumes: ClassVar[frozenset[Consumes]]  # the signals it reads (registry.Consumes)
     name: str
 
 
@@ -87,13 +89,6 @@ class AdmissionObserver(Protocol):
         ...
 
 
-@runtime_checkable
-class UsesTokens(Protocol):
-    """A plugin that keys on prompt tokens: the EPP loads the served model's tokenizer for it."""
-
-    uses_tokens: ClassVar[bool]
-
-
 @dataclass
 class ProfileResult:
     targets: list[EndpointState]  # empty: filters left nothing
@@ -119,8 +114,9 @@ class SchedulingProfile:
         self.forgetters = [s for s in scorers if isinstance(s, EndpointForgetter)]
         self.admission_observers = [s for s in scorers if isinstance(s, AdmissionObserver)]
 
-    def uses_tokens(self) -> bool:
-        return any(isinstance(p, UsesTokens) and p.uses_tokens for p in self.plugins())
+    def consumes(self) -> frozenset[Consumes]:
+        """What its plugins declare they consume: the data sources the EPP must build for it."""
+        return union(self.plugins())
 
     def plugins(self) -> list[Plugin]:
         return [*self.filters, *(s for s, _ in self.scorers), self.picker]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvgate.api.contracts import metrics as m
+from kvgate.api.contracts import prometheus_text
 
 # Counters summed over every label set of every engine.
 COUNTERS = (
@@ -39,43 +40,16 @@ _LABELLED: dict[str, tuple[str, str]] = {
 def labelled_sums(text: str) -> dict[str, float]:
     """The P/D transfer counters above, each summed over the samples that carry its label."""
     out = dict.fromkeys(_LABELLED, 0.0)
-    for line in text.splitlines():
-        if not line.startswith("kvgate:kv_transfer_"):
-            continue
-        for key, (name, label) in _LABELLED.items():
-            if line.startswith(name) and line[len(name)] in "{ " and label in line:
-                try:
-                    out[key] += float(line.rsplit(None, 1)[1])
-                except (ValueError, IndexError):
-                    pass
+    for name, raw_labels, value in prometheus_text.samples(text, prefixes=("kvgate:kv_transfer_",)):
+        for key, (wanted, label) in _LABELLED.items():
+            if name == wanted and label in raw_labels:
+                out[key] += value
     return out
 
 
 def parse_samples(text: str) -> dict[str, float]:
-    """Sum each sample name over its label sets in Prometheus text exposition format.
-
-    Deliberately small: the names we read are plain counters and gauges, one sample per line
-    (`name{labels} value [timestamp]`); comments and malformed lines are skipped.
-    """
-    sums: dict[str, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            _, _, rest = rest.rpartition("}")
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            value = float(fields[0])
-        except ValueError:
-            continue
-        sums[name.strip()] = sums.get(name.strip(), 0.0) + value
-    return sums
+    """Each sample name summed over its label sets (kvgate.api.contracts.prometheus_text)."""
+    return prometheus_text.summed(text)
 
 
 @dataclass(frozen=True)

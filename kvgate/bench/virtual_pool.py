@@ -41,7 +41,7 @@ from kvgate.epp.flow_control import FlowControlConfig, FlowController, Held
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.config import build_profiles, load_config, saturation_detector
 from kvgate.epp.scheduling.framework import SchedulingContext
-from kvgate.epp.scheduling.latency import PredictedLatencyScorer
+from kvgate.epp.scheduling.plugins.predicted_latency_scorer import PredictedLatencyScorer
 
 MODEL = "sim"
 # Not a router: a clairvoyant reference that deals each group of the workload (a shared system

@@ -25,7 +25,7 @@ from kvgate.api.cli_args import (
 if TYPE_CHECKING:
     from kvgate.local.stack import LocalStack
 
-HELP = "start a local stack (engines, EPP, Envoy) on loopback and print the gateway URL"
+HELP = "start a local stack (engines, EPP, Envoy, the batch service) on loopback and print the gateway URL"
 
 EXIT_USAGE = 2
 # Uncached prompt tokens above which a P/D stack splits a request: below it the hand-off (a
@@ -192,7 +192,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="tenants file for the EPPs (YAML list of {name, key, weight, priority}): every request "
-        "needs one tenant's API key (Authorization: Bearer KEY, the openai client's api_key), else 401",
+        "needs one tenant's API key (Authorization: Bearer KEY, the openai client's api_key), else 401; "
+        "the engines then require a random key of the stack's own, which only the EPPs send",
     )
     p.add_argument(
         "--flow-control",
@@ -200,6 +201,30 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=True,
         help="the EPPs hold requests while no engine has room and dispatch them by priority, then "
         "fairness between tenants; --no-flow-control: each request is picked as it arrives",
+    )
+    p.add_argument(
+        "--batch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the batch service (`kvgate batch serve`, OpenAI's Files and Batches API) at the gateway's "
+        "address: /v1/files and /v1/batches go to it, and it sends each line through the gateway with "
+        "x-gateway-inference-objective batch, which the EPPs run as sheddable (priority -1: refused "
+        "while the pool is saturated, retried later); restarted like any component if it exits; "
+        "--no-batch: none",
+    )
+    p.add_argument(
+        "--batch-dir",
+        default=None,
+        metavar="DIR",
+        help="the batch service's files and SQLite database (default: LOG_DIR/batch); a batch "
+        "survives a restart of the stack that is given the same folder",
+    )
+    p.add_argument(
+        "--batch-database-url",
+        default=None,
+        metavar="URL",
+        help="the batch service's state in PostgreSQL (postgresql://USER@HOST:PORT/DB) instead of "
+        "SQLite in --batch-dir (files stay in --batch-dir)",
     )
     p.add_argument(
         "--lora-modules",
@@ -342,8 +367,12 @@ def run(args: argparse.Namespace) -> int:
     epp_replicas = args.epp_replicas * max(1, len(pools))
     model = pools[0].model if pools else args.model or "default"
     log_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="kvgate-up-"))
+    if not args.batch and (args.batch_dir or args.batch_database_url):
+        return _fail("--batch-dir and --batch-database-url configure the batch service: leave out --no-batch")
     try:
-        ports = plan_ports(args.port, args.base_port, engines, epp_replicas, model_router=bool(pools))
+        ports = plan_ports(
+            args.port, args.base_port, engines, epp_replicas, model_router=bool(pools), batch=args.batch
+        )
     except ValueError as exc:
         return _fail(str(exc))
     cfg = StackConfig(
@@ -377,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         envoy_bin=args.envoy_bin,
         log_dir=log_dir,
         ready_timeout_s=args.ready_timeout,
+        batch_dir=Path(args.batch_dir).resolve() if args.batch_dir else None,
+        batch_database_url=args.batch_database_url,
     )
 
     stop = threading.Event()
@@ -434,6 +465,11 @@ def run(args: argparse.Namespace) -> int:
             shout(f"ready: gateway {info.gateway_url} (models {', '.join(repr(p.name) for p in pools)})")
         else:
             shout(f"ready: gateway {info.gateway_url} (model {info.model!r}, {engines} engine(s))")
+        if info.batch_pids:
+            say(
+                f"batch API at the same address: {info.gateway_url}/v1/files and /v1/batches "
+                f"(state in {'PostgreSQL' if args.batch_database_url else info.batch_dir})"
+            )
         say("try it:")
         print(info.curl_line(), flush=True)
         if tenants_file:

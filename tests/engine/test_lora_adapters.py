@@ -13,13 +13,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kvgate.api.lora import lora_int_id
-from kvgate.engine.config import EngineConfig, SimulationConfig
-from kvgate.engine.layers.lora import lora_delta
-from kvgate.engine.llm_engine import LLMEngine, LoRANotLoaded
-from kvgate.engine.loader.peft import LoRAAdapterError, load_peft_adapter
-from kvgate.engine.models.config import ModelConfig
-from kvgate.engine.sampling_params import SamplingParams
+from kvgate.testing import triton_mode
+
+# Before anything imports Triton: it fixes interpret-or-compile then (the kernel test below ran
+# only where another module's collection had set it first, and failed when run alone).
+triton_mode.configure()
+
+from kvgate.api.lora import lora_int_id  # noqa: E402
+from kvgate.engine.config import EngineConfig, SimulationConfig  # noqa: E402
+from kvgate.engine.layers.lora import lora_delta  # noqa: E402
+from kvgate.engine.llm_engine import LLMEngine, LoRANotLoaded  # noqa: E402
+from kvgate.engine.loader.peft import LoRAAdapterError, load_peft_adapter  # noqa: E402
+from kvgate.engine.models.config import ModelConfig  # noqa: E402
+from kvgate.engine.sampling_params import SamplingParams  # noqa: E402
 
 CFG = ModelConfig(
     architecture="llama",
@@ -144,13 +150,6 @@ def test_bad_adapters_are_one_clear_error(tmp_path: Path, case: str, message: st
     with pytest.raises(LoRAAdapterError) as err:
         load_peft_adapter("x", str(_bad(tmp_path, case)), CFG, max_rank=8)
     assert message in str(err.value) and "'x'" in str(err.value)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
 
 
 def test_scheduler_runs_at_most_max_loras_adapters_and_base_requests_pass(tok: Any) -> None:
@@ -302,18 +301,17 @@ def test_slot_lru_spares_running_adapters_and_cpu_cache_reloads(tmp_path: Path) 
 
 
 @pytest.mark.triton
-def test_kernel_equals_torch_path_on_manager_slots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_equals_torch_path_on_manager_slots(tmp_path: Path) -> None:
     """The GPU path reads the slot buffers the CPU path reads: under TRITON_INTERPRET=1 the
     Triton kernel, accumulating into a projection's output, equals the torch path on the stacked
     weights LoRAManager builds (fused q|k|v with block-placed B, ranks 4 and 8, base tokens)."""
-    import importlib
-
     pytest.importorskip("triton")
     pytest.importorskip("numpy")
     from kvgate.engine.layers.lora import lora_delta_torch
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernels = importlib.reload(importlib.import_module("kvgate.engine.kernels.lora"))
+    if triton_mode.compiled():
+        pytest.skip("the torch path runs on CPU tensors; the compiled kernel is test_lora_kernel.py's")
+    kernels = triton_mode.kernel_module("kvgate.engine.kernels.lora")
     manager = _tiny_manager(max_loras=2)
     manager.add(1, manager.load("a", str(_adapter(tmp_path / "a", r=4, targets=("q_proj", "k_proj")))))
     manager.add(2, manager.load("b", str(_adapter(tmp_path / "b", r=8, targets=("q_proj", "down_proj")))))

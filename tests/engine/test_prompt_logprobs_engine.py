@@ -5,21 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from kvgate.engine.config import EngineConfig, SimulationConfig
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import PromptTokenLogprobs, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 
 BS = 16
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
 
 
 def _engine(tok: Any, **kw: Any) -> LLMEngine:

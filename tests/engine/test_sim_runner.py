@@ -14,13 +14,6 @@ from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sim_runner import SimulatedRunner
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
-
-
 def _seq(
     rid: str, n_tokens: int, start: int, generated: int, params: SamplingParams | None = None
 ) -> ScheduledSeq:

@@ -35,13 +35,6 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def tok() -> Any:
-    from kvgate.api.tokenizer import load_tokenizer
-
-    return load_tokenizer("default")
-
-
-@pytest.fixture(scope="module")
 def compiler(tok: Any) -> GrammarCompiler:
     return GrammarCompiler(tok, len(tok))
 

@@ -149,3 +149,23 @@ def test_a_lower_prioritys_long_prompt_gets_a_block_a_step_while_more_urgent_sho
     sched.add_request(_req("peer", n=8, t=2, priority=1, seq=2))
     # a short one of its own priority does not shrink it further: the urgent one's window holds
     assert _step(sched, runner)["flood"] == BS
+
+
+def test_the_block_a_step_ends_with_the_last_more_urgent_short_request() -> None:
+    """Not an arrival window: a priority-1 request every few seconds held every lower-priority
+    long prompt at a block a step for good (through the processes, 20% of the pool's output for
+    the 10 s after a priority-1 burst)."""
+    sched, runner = _sched(threshold=32, budget=256, policy="priority")
+    sched.add_request(_req("flood", n=2000, t=0, priority=1))
+    sched.add_request(_req("urgent", n=8, t=1, priority=0, seq=1))  # 4 tokens to answer
+    pieces = []
+    while "urgent" in sched.requests:
+        pieces.append(_step(sched, runner)["flood"])
+    assert pieces and set(pieces) == {BS}  # one block beside it, each step it was here
+    # within the arrival window still (short traffic came 1 s ago): the cap, not a block
+    assert _step(sched, runner)["flood"] == 32
+    sched.add_request(_req("again", n=8, t=1.5, priority=0, seq=2))
+    assert _step(sched, runner)["flood"] == BS
+    sched.abort_request("again")  # an abort ends it too
+    assert _step(sched, runner)["flood"] == 32
+    assert not sched._live_short and not sched._short_ids  # nothing kept for finished requests

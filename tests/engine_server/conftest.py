@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from openai import OpenAI
 
 from kvgate.testing.engine_server import EngineProcess, launch
 
@@ -49,3 +50,9 @@ def sim_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProce
     eng = launch(tmp_path_factory.mktemp("sim-engine"), *SIM_ARGS)
     yield eng
     eng.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(sim_engine: EngineProcess) -> OpenAI:
+    """The real `openai` client on the module's simulated engine."""
+    return OpenAI(base_url=f"{sim_engine.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from pathlib import Path
@@ -133,27 +134,53 @@ def test_prompt_over_the_context_refused_before_tokenizing(sim_engine: EnginePro
     assert rss_kib(sim_engine.proc.pid) < rss0 + 128 * 1024
 
 
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n" % len(data) + data + b"\r\n"
+
+
 def test_chunked_body_is_counted(sim_engine: EngineProcess) -> None:
-    """No Content-Length: the limit is enforced on the bytes that arrive, and reading stops."""
+    """No Content-Length: the limit is enforced on the bytes that arrive, reading stops, and the
+    client is told 413 (on a raw socket that reads while it sends: an HTTP client that only reads
+    after sending loses the answer to the reset, and a test that forgave that could not fail)."""
+    import select
+    from urllib.parse import urlsplit
+
     rss0 = rss_kib(sim_engine.proc.pid)
-    block = b" " * MiB
-
-    def body():
-        yield b'{"model": "sim-model", "prompt": "'
-        for _ in range(100):
-            yield block
-        yield b'"}'
-
+    url = urlsplit(sim_engine.base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
     try:
-        resp = httpx.post(
-            f"{sim_engine.base_url}/v1/completions",
-            content=body(),
-            headers={**AUTH, "content-type": "application/json"},
-            timeout=60,
+        sock.sendall(
+            (
+                f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            ).encode()
+            + _chunk(b'{"model": "sim-model", "prompt": "')
         )
-        assert error_of(resp, 413)["code"] == "body_too_large"
-    except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
-        pass  # answered and closed before the client finished sending
+        block = _chunk(b" " * (64 * 1024))
+        reply, sent = b"", 0
+        while sent < 100 * MiB and b"\r\n\r\n" not in reply:
+            readable, writable, _ = select.select([sock], [sock], [], 30)
+            if readable:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                reply += data
+            elif writable:
+                try:
+                    sent += sock.send(block)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+            else:
+                pytest.fail("the engine neither read the body nor answered for 30 s")
+        sock.settimeout(10)
+        with contextlib.suppress(OSError):
+            while b"body_too_large" not in reply and (data := sock.recv(65536)):
+                reply += data
+    finally:
+        sock.close()
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    assert b'"code":"body_too_large"' in reply.replace(b" ", b""), reply[:500]
+    assert sent < 100 * MiB  # it stopped reading long before the whole body
     assert rss_kib(sim_engine.proc.pid) < rss0 + 64 * 1024
     assert chat(sim_engine, body_with()).status_code == 200
 

@@ -240,6 +240,11 @@ def test_renderer_cache_tracks_changes() -> None:
     assert 'running_lora_adapters="a,b"' in text and text.count("vllm:lora_requests_info{") == 1
 
 
+def test_the_batch_slots_are_exported_for_routers() -> None:
+    text = EngineMetrics("m", CacheConfigInfo(16, 64, True), max_num_seqs=32).render().decode()
+    assert 'kvgate:max_num_seqs{model_name="m",engine="0"} 32.0' in text
+
+
 def test_engine_dead_error_carries_status() -> None:
     assert EngineDeadError("x", 503).status == 503
 

@@ -16,11 +16,6 @@ from .conftest import API_KEY
 MODEL = "sim-model"
 
 
-@pytest.fixture(scope="module")
-def client(sim_engine: EngineProcess) -> OpenAI:
-    return OpenAI(base_url=f"{sim_engine.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
-
-
 def _chat(client: OpenAI, **kw):
     kw.setdefault("messages", [{"role": "user", "content": "Tell me about Paris."}])
     kw.setdefault("max_tokens", 8)

@@ -13,10 +13,6 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvgate.testing.engine_server import EngineProcess
-
-from .conftest import API_KEY
-
 MODEL = "sim-model"
 SCHEMA = {
     "type": "object",
@@ -30,11 +26,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 ASK = [{"role": "user", "content": "Describe a city as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def client(sim_engine: EngineProcess) -> OpenAI:
-    return OpenAI(base_url=f"{sim_engine.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
 
 
 def _streamed_text(stream: Any) -> tuple[str, str | None]:

@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvgate.testing.engine_server import EngineProcess, launch, spawn
+from kvgate.testing.engine_server import launch, spawn
 
 from .conftest import API_KEY, SIM_ARGS
 
@@ -48,11 +48,6 @@ HISTORY = [
     },
     {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
 ]
-
-
-@pytest.fixture(scope="module")
-def client(sim_engine: EngineProcess) -> OpenAI:
-    return OpenAI(base_url=f"{sim_engine.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -225,7 +225,7 @@ def test_deadline_ends_held_requests_with_a_503() -> None:
     pool.set_state(waiting=50)
     pool.flow.dispatch()
     assert held.decision is not None and held.decision.status == 503
-    assert held.decision.retry_after >= 1 and "TTL" in held.decision.reason
+    assert held.decision.retry_after == 1 and "TTL" in held.decision.reason  # ceil(5 s / 10)
     assert pool.flow.queued == 0
 
 
@@ -234,6 +234,8 @@ def test_sheddable_work_is_refused_at_once_without_room() -> None:
     pool.busy()
     shed = pool.flow.submit(request("b", priority=-1, rid="shed"))
     assert shed.decision is not None and shed.decision.status == 429 and "sheddable" in shed.decision.reason
+    # saturation is judged anew every scrape: come back in a second, not a tenth of the TTL
+    assert shed.decision.retry_after == 1
     assert pool.flow.queued == 0
     pool.idle()
     assert pool.flow.submit(request("b", priority=-1, rid="later")).state == "dispatched"
@@ -494,12 +496,15 @@ def test_a_flow_that_catches_up_with_its_share_is_held_again() -> None:
 def test_the_recent_work_fades_and_the_rule_can_be_turned_off() -> None:
     pool = Pool(engines=1, dispatch="pool")
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
-    pool.clock.now += 200  # twenty half-lives: the heavy tenant's work is forgotten
+    pool.clock.now += 30  # three half-lives: an eighth of the heavy tenant's work is left
     pool.set_state(waiting=10)
     assert pool.flow.submit(request("heavy", prompt=1000, rid="h1")).state == "queued"
-    # what little is left of it lets one light request pass, which is then most of the work
+    # what is left of it lets one light request pass, which is then most of the work
     assert pool.flow.submit(request("light", prompt=1000, rid="l0")).state == "dispatched"
     assert pool.flow.submit(request("light", prompt=1000, rid="l1")).state == "queued"
+    pool.clock.now += 200  # twenty more: both forgotten, no one is under a share of nothing
+    assert pool.flow.submit(request("other", prompt=10, rid="o0")).state == "queued"
+    assert len(pool.flow._recent) == 0
     off = Pool(FlowControlConfig(fair_share_half_life_s=0), engines=1, dispatch="pool")
     assert off.flow.submit(request("heavy", prompt=1000, rid="h0")).state == "dispatched"
     off.idle()

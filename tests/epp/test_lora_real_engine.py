@@ -13,9 +13,10 @@ import pytest
 from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.kv_subscriber import KVEventSubscribers
 from kvgate.epp.request import InferenceRequest
-from kvgate.epp.scheduling import scorers
 from kvgate.epp.scheduling.adapters import request_adapter
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.plugins.lora_affinity_scorer import LoraAffinityScorer
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 from kvgate.epp.scraper import MAPPINGS, MetricsScraper
 from kvgate.testing import eventually_async
 from kvgate.testing import processes as harness
@@ -57,12 +58,12 @@ async def test_base_requests_match_the_engines_blocks_and_adapters_do_not(tmp_pa
 
             assert request_adapter(ctx(base)) is None
             assert request_adapter(ctx("sql-lora")) == "sql-lora"  # not a base model the pool lists
-            prefix = scorers.PrecisePrefixCacheScorer(recent_window_seconds=0)
+            prefix = PrecisePrefixCacheScorer(recent_window_seconds=0)
             assert prefix.score(ctx(base), ds.all()) == [1.0]
             # the engine keys an adapter's blocks apart: the base model's are no hit for it
             assert prefix.score(ctx("sql-lora"), ds.all()) == [0.0]
             # an adapter request on an engine without LoRA slots scores 0; the base model 1
-            affinity = scorers.LoraAffinityScorer()
+            affinity = LoraAffinityScorer()
             assert affinity.score(ctx("sql-lora"), ds.all()) == [0.0]
             assert affinity.score(ctx(base), ds.all()) == [1.0]
         finally:

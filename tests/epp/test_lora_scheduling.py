@@ -10,10 +10,12 @@ import pytest
 from kvgate.api.contracts.kv_events import BlockStored
 from kvgate.api.lora import lora_int_id
 from kvgate.epp.datastore import Datastore, EndpointMetrics
-from kvgate.epp.scheduling import filters, scorers
 from kvgate.epp.scheduling.adapters import request_adapter
 from kvgate.epp.scheduling.config import build_profiles, load_config
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.plugins.lora_affinity_filter import LoraAffinityFilter
+from kvgate.epp.scheduling.plugins.lora_affinity_scorer import LoraAffinityScorer
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
 
 PROMPT = "a shared system prompt that is long enough for several blocks"
 
@@ -68,7 +70,7 @@ def test_affinity_scorer_prefers_running_then_free_slot(pool: Datastore, req) ->
     lora_state(pool, a, 2, running=["b", "a"])
     lora_state(pool, b, 2, running=["b"])
     lora_state(pool, c, 2, running=["b", "x"])
-    s = scorers.LoraAffinityScorer()
+    s = LoraAffinityScorer()
     assert s.score(ctx(pool, req, "a"), pool.all()) == [1.0, 0.5, 0.0]
     lora_state(pool, c, 2, waiting=["a"])
     assert s.score(ctx(pool, req, "a"), pool.all())[2] == 1.0
@@ -81,7 +83,7 @@ def test_affinity_filter_passes_base_requests(pool: Datastore, req) -> None:
     lora_state(pool, a, 1, running=["b"])
     lora_state(pool, b, 1, running=["b"])
     lora_state(pool, c, 2, running=["b"])
-    f = filters.LoraAffinityFilter()
+    f = LoraAffinityFilter()
     assert [e.address for e in f.filter(ctx(pool, req, "base"), pool.all())] == [a, b, c]
     assert [e.address for e in f.filter(ctx(pool, req, "a"), pool.all())] == [c]
 
@@ -91,9 +93,9 @@ def test_kvgates_filter_drops_only_engines_where_the_adapter_waits_for_a_slot(po
     lora_state(pool, a, 2, running=["a"])  # runs it
     lora_state(pool, b, 2, running=["x"])  # a free slot: may take it (a hot adapter spreads)
     lora_state(pool, c, 2, running=["x", "y"])  # every slot busy: it would wait there
-    spread = filters.LoraAffinityFilter(loaded_only=False)
+    spread = LoraAffinityFilter(loaded_only=False)
     assert [e.address for e in spread.filter(ctx(pool, req, "a"), pool.all())] == [a, b]
-    assert [e.address for e in filters.LoraAffinityFilter().filter(ctx(pool, req, "a"), pool.all())] == [a]
+    assert [e.address for e in LoraAffinityFilter().filter(ctx(pool, req, "a"), pool.all())] == [a]
     lora_state(pool, a, 2, running=["x", "y"])
     lora_state(pool, b, 2, running=["x", "y"])  # nowhere to go without a wait: all stay
     assert len(spread.filter(ctx(pool, req, "a"), pool.all())) == 3
@@ -137,7 +139,7 @@ def test_precise_prefix_is_keyed_per_adapter(pool: Datastore, req, char_tokenize
     pool.index.apply(b, [BlockStored(list(range(1, n + 1)), None, tokens[:full], 16, lora_id=None)])
     for s in pool.all():
         s.kv_events_live = True
-    scorer = scorers.PrecisePrefixCacheScorer(recent_window_seconds=0)
+    scorer = PrecisePrefixCacheScorer(recent_window_seconds=0)
     assert scorer.score(ctx(pool, req, "a"), pool.all()) == [1.0, 0.0, 0.0]
     assert scorer.score(ctx(pool, req, "base"), pool.all()) == [0.0, 1.0, 0.0]
     assert scorer.score(ctx(pool, req, "b"), pool.all()) == [0.0, 0.0, 0.0]

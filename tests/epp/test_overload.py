@@ -24,7 +24,9 @@ import pytest
 from kvgate.epp.datastore import Endpoint, EndpointState
 from kvgate.epp.http_get import KeepAliveGetter, ScrapeError
 from kvgate.epp.scheduling import config as scheduling_config
+from kvgate.epp.scheduling import registry
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.registry import Consumes
 from kvgate.epp.server import EppServer, ServerSettings
 from kvgate.testing.processes import Envoy, start_envoy, stop_all
 from kvgate.testing.upstream_stub import stub_handler, stub_in_thread, vllm_metrics
@@ -38,6 +40,7 @@ class BlockingScorer:
     """A scorer as slow as a heavy one on a saturated host, holding the loop as CPU work does."""
 
     type_name: ClassVar[str] = "test-blocking-scorer"
+    consumes: ClassVar[frozenset[Consumes]] = frozenset()
     name: str = type_name
 
     def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
@@ -80,7 +83,8 @@ def _burst(port: int, count: int) -> Counter[str]:
 async def test_a_starved_epp_serves_every_request_slowly(
     grpc_server: str, engine: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(scheduling_config.PLUGIN_TYPES, BlockingScorer.type_name, BlockingScorer)
+    registry.load_plugins()  # then the registry holds every plugin type, and this one for the test
+    monkeypatch.setitem(registry._TYPES, BlockingScorer.type_name, BlockingScorer)
     config = scheduling_config.parse_config(
         {
             "plugins": [{"type": BlockingScorer.type_name}, {"type": "max-score-picker"}],

@@ -13,9 +13,9 @@ from kvgate.epp.datastore import Datastore, Endpoint
 from kvgate.epp.prefix_index import PreciseIndex, RecentPicks, block_keys, chain_key, root_key
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.framework import SchedulingContext
-from kvgate.epp.scheduling.latency import WorkingSets
-from kvgate.epp.scheduling.pickers import MaxScorePicker, tie_breaker
-from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.plugins.max_score_picker import MaxScorePicker, tie_breaker
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.plugins.predicted_latency_scorer import WorkingSets
 
 BS = 4
 

@@ -34,6 +34,15 @@ def test_vllm_names_sum_counts_max_utilisation_latest_lora() -> None:
     assert (m.max_lora, m.running_loras, m.waiting_loras) == (2, frozenset({"c"}), frozenset({"d"}))
 
 
+def test_kvgates_batch_slots_add_up_and_a_forged_value_is_bounded() -> None:
+    assert parse_metrics(VLLM, MAPPINGS["vllm"], now=5.0).max_num_seqs == 0  # vLLM says none
+    two = 'kvgate:max_num_seqs{engine="0",model_name="m"} 128\nkvgate:max_num_seqs{engine="1",model_name="m"} 64\n'
+    assert parse_metrics(two, MAPPINGS["vllm"], now=1.0).max_num_seqs == 192
+    for forged in ("+Inf", "NaN", "-5", "1e300"):
+        m = parse_metrics(f'kvgate:max_num_seqs{{engine="0"}} {forged}\n', MAPPINGS["vllm"], now=1.0)
+        assert 0 <= m.max_num_seqs <= 1 << 20, forged
+
+
 def test_deprecated_gpu_cache_alias() -> None:
     m = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.75\n', MAPPINGS["vllm"], now=1.0)
     assert m.kv_usage == 0.75

@@ -162,14 +162,21 @@ def test_valid_fairness_id(value: str | None, expected: str | None) -> None:
 # -- the handler, message by message ---------------------------------------------------------
 
 
-def make_handler(char_tokenizer, tenants=None) -> EndpointPickerHandler:
+def make_handler(char_tokenizer, tenants=None, engine_api_key=None) -> EndpointPickerHandler:
     ds = Datastore()
     ds.set_endpoints([Endpoint(a) for a in ADDRS])
     for a in ADDRS:
         ds.update_metrics(a, EndpointMetrics(updated_at=time.monotonic()))
     cfg = load_config(None, "precise-prefix")
     director = Director(ds, build_profiles(cfg)[0], saturation_detector(cfg))
-    return EndpointPickerHandler(director, EppMetrics(ds), char_tokenizer, {"batch": -1}, tenants=tenants)
+    return EndpointPickerHandler(
+        director,
+        EppMetrics(ds),
+        char_tokenizer,
+        {"batch": -1},
+        tenants=tenants,
+        engine_api_key=engine_api_key,
+    )
 
 
 @pytest.fixture
@@ -273,6 +280,46 @@ def test_the_engine_is_told_the_priority_and_a_clients_own_value_is_replaced(han
     removed = set(out[0].request_headers.response.header_mutation.remove_headers)
     assert {OVER_SHARE_HEADER, "authorization"} <= removed and OVER_SHARE_HEADER not in sent
     assert order_from_headers(sent) == QueueOrder(1, "alice")  # what the engine makes of it
+
+
+def test_the_engines_key_replaces_the_tenants_key(char_tokenizer, tenants_file: Path) -> None:
+    """With the engines' key known (KVGATE_API_KEY), it is what the engine gets: engines that
+    require it serve only what the EPP picked, and the tenant's key never leaves the gateway."""
+    handler = make_handler(char_tokenizer, load_tenants(tenants_file), engine_api_key="engine-key-0123456789")
+    x = _Exchange()
+    handler.handle(x, headers_msg({"authorization": f"Bearer {ALICE_KEY}"}))
+    out = handler.handle(x, BODY)
+    assert sent_headers(out[0])["authorization"] == "Bearer engine-key-0123456789"
+    assert "authorization" not in out[0].request_headers.response.header_mutation.remove_headers
+    # without tenants the client's header is the engines' business: passed through untouched
+    plain = make_handler(char_tokenizer, engine_api_key="engine-key-0123456789")
+    x = _Exchange()
+    plain.handle(x, headers_msg({"authorization": "Bearer client-key"}))
+    out = plain.handle(x, BODY)
+    assert "authorization" not in sent_headers(out[0])
+    assert "authorization" not in out[0].request_headers.response.header_mutation.remove_headers
+
+
+def test_up_with_tenants_gives_every_process_one_random_engine_key(
+    tenants_file: Path, tmp_path: Path
+) -> None:
+    """The key goes in the environment (argv is world-readable in `ps`), the same to engines,
+    EPPs and the router; without tenants the engines ask for no key."""
+    from kvgate.local.ports import plan_ports
+    from kvgate.local.stack import LocalStack, PoolConfig, StackConfig, engine_spec, epp_spec, router_spec
+
+    plan = plan_ports(0, 0, 2, 2, model_router=True)
+    pools = (PoolConfig("a", engines=1), PoolConfig("b", engines=1))
+    cfg = StackConfig(ports=plan, engines=2, epp_replicas=2, pools=pools, tenants_file=str(tenants_file))
+    stacks = [LocalStack(cfg, progress=None), LocalStack(cfg, progress=None)]
+    keys = [s.cfg.engine_api_key for s in stacks]
+    assert keys[0] and keys[1] and keys[0] != keys[1] and len(keys[0]) >= 32
+    c = stacks[0].cfg
+    specs = [engine_spec(c, 0), engine_spec(c, 1), epp_spec(c, 0), epp_spec(c, 1), router_spec(c)]
+    assert all(spec.env == {"KVGATE_API_KEY": keys[0]} for spec in specs)
+    assert not any(keys[0] in arg for spec in specs for arg in spec.argv)
+    plain = LocalStack(StackConfig(ports=plan, engines=2, epp_replicas=2, pools=pools)).cfg
+    assert plain.engine_api_key is None and engine_spec(plain, 0).env is None
 
 
 def test_without_tenants_no_key_is_asked_and_a_plain_fairness_header_is_kept(char_tokenizer) -> None:

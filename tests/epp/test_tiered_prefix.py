@@ -12,9 +12,9 @@ from kvgate.epp.datastore import Datastore, EndpointMetrics
 from kvgate.epp.prefix_index import PreciseIndex, block_keys
 from kvgate.epp.scheduling.config import build_profiles, load_config
 from kvgate.epp.scheduling.framework import SchedulingContext
-from kvgate.epp.scheduling.latency import LatencyModel, PredictedLatencyScorer
-from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
-from tests.epp.test_latency_scorer import NOW, PER_TOKEN, STEP, pool, request
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.plugins.predicted_latency_scorer import LatencyModel, PredictedLatencyScorer
+from tests.epp.plugins.test_predicted_latency_scorer import NOW, PER_TOKEN, STEP, pool, request
 
 BS = 4
 TOKENS = list(range(1, 41))  # 10 blocks

@@ -34,12 +34,16 @@ POOL = {
     },
 }
 POOL_CLUSTER = "httproute/models/smollm2/rule/0"
+# what the API server holds: (namespace, HTTPRoute, rule index) -> that rule's backendRefs
+RULES: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
 
 
 @pytest.fixture(scope="module")
 def stub() -> Any:
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
-    server.add_generic_rpc_handlers((ext.Extension().handler(),))
+    server.add_generic_rpc_handlers(
+        (ext.Extension(lambda ns, name, rule: RULES.get((ns, name, rule))).handler(),)
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -306,13 +310,16 @@ def test_a_rule_split_between_two_pools_is_a_weighted_choice_with_only_the_chose
 ) -> None:
     canary = {**POOL, "metadata": {"name": "canary", "namespace": "models"}}
     canary["spec"] = {**POOL["spec"], "endpointPickerRef": {"name": "canary-epp", "port": {"number": 9002}}}
-    # what Envoy Gateway sends for a rule with backendRefs smollm2 (weight 70) and canary (30):
-    # one cluster, a locality per backendRef, the pools in backendRef order
+    # what Envoy Gateway (v1.9) sends for a rule with backendRefs smollm2 (weight 70) and canary
+    # (30): one EDS cluster for the rule, no endpoints, the pools in backendRef order, no weights
+    # (those are in its EDS localities); the weights come from the HTTPRoute
+    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool"}
+    RULES[("models", "smollm2", 0)] = [
+        {**pool_ref, "name": "smollm2", "weight": 70},
+        {**pool_ref, "name": "canary", "weight": 30},
+        {**pool_ref, "name": "dark", "weight": 0},  # no traffic: Envoy Gateway leaves it out
+    ]
     cluster = _eg_cluster(POOL_CLUSTER)
-    for i, weight in enumerate((70, 30)):
-        locality = cluster.load_assignment.endpoints.add()
-        locality.locality.region = f"{POOL_CLUSTER}/backend/{i}"
-        locality.load_balancing_weight.value = weight
     req = ext.MESSAGES["PostClusterModifyRequest"](cluster=cluster)
     req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(canary)])
     modified = stub("PostClusterModify", req).cluster
@@ -346,15 +353,26 @@ def test_a_rule_split_between_two_pools_is_a_weighted_choice_with_only_the_chose
 
 
 def test_a_rule_mixing_a_pool_with_another_backend_is_not_split(stub: Any) -> None:
-    cluster = _eg_cluster(POOL_CLUSTER)
-    for i in range(2):
-        cluster.load_assignment.endpoints.add().locality.region = f"{POOL_CLUSTER}/backend/{i}"
-    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=cluster)
-    other = {"apiVersion": "example.com/v1", "kind": "Bucket", "metadata": {"name": "b"}}
-    req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(other)])
-    modified = stub("PostClusterModify", req).cluster
-    assert ext.SPLIT_KEY not in modified.metadata.filter_metadata
-    assert ext.Pool.from_cluster(modified).name == "smollm2"
+    canary = {**POOL, "metadata": {"name": "canary", "namespace": "models"}}
+    pool_ref = {"group": "inference.networking.k8s.io", "kind": "InferencePool"}
+    for rule, refs in enumerate(
+        [
+            [{**pool_ref, "name": "smollm2"}, {"kind": "Service", "name": "plain", "port": 80}],
+            [{**pool_ref, "name": "smollm2"}, {**pool_ref, "name": "elsewhere"}],  # not among those given
+        ]
+    ):
+        RULES[("mixed", "route", rule)] = refs
+        req = ext.MESSAGES["PostClusterModifyRequest"](
+            cluster=_eg_cluster(f"httproute/mixed/route/rule/{rule}")
+        )
+        req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(canary)])
+        modified = stub("PostClusterModify", req).cluster
+        assert ext.SPLIT_KEY not in modified.metadata.filter_metadata
+        assert ext.Pool.from_cluster(modified).name == "smollm2"
+    # a route the API server cannot give (gone, or no access): one pool, never a guessed split
+    req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster("httproute/mixed/unknown/rule/0"))
+    req.post_cluster_context.backend_extension_resources.extend([_resource(POOL), _resource(canary)])
+    assert ext.SPLIT_KEY not in stub("PostClusterModify", req).cluster.metadata.filter_metadata
 
 
 def test_a_pool_of_h2c_model_servers_gets_http2_to_its_endpoints(stub: Any) -> None:

@@ -248,3 +248,25 @@ def test_cli_refuses_a_bad_tenants_file(tmp_path) -> None:
     bad.write_text("- {name: a, key: short}\n")
     out = harness.run_kvgate("router", "serve", "--pool", "a=127.0.0.1:1", "--tenants", str(bad))
     assert out.returncode == 2 and "--tenants" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_each_pools_engine_key_comes_from_its_file_else_the_common_key(tmp_path) -> None:
+    """A ModelDeployment with tenants has engines that require a key of their own (its Secret
+    <name>-engine-key, projected into the router's pod as a file named after the pool); read at
+    every poll, so a key made after the router started is used from the next refresh."""
+    table = ModelTable(
+        [PoolSource("a", ("127.0.0.1:1",)), PoolSource("b", ("127.0.0.1:2",))],
+        api_key="common",
+        engine_keys=tmp_path,
+    )
+    assert table.engine_key("a") == "common"  # no file yet
+    (tmp_path / "a").write_text("key-of-a\n")
+    assert table.engine_key("a") == "key-of-a" and table.engine_key("b") == "common"
+    (tmp_path / "b").write_text("")  # an empty or unreadable file is no key
+    assert table.engine_key("b") == "common"
+    (tmp_path / "b").write_bytes(b"\x00\x01binary")
+    assert table.engine_key("b") == "common"
+    (tmp_path / "b").write_text("rotated")
+    assert table.engine_key("b") == "rotated"
+    assert table.engine_key("../a") == "common" and table.engine_key(".hidden") == "common"
+    assert ModelTable([PoolSource("a", ("127.0.0.1:1",))]).engine_key("a") is None

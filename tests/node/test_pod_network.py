@@ -5,7 +5,9 @@ namespace (kvgate.testing.netns_relay), and the kubelet's $(VAR) expansion and s
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -178,6 +180,46 @@ def test_secret_volumes_and_annotation_fields(tmp_path: Path) -> None:
     assert pod._field("metadata.labels['absent']") == ""
 
 
+def test_a_changed_secret_reaches_the_mounted_volume_whole_and_a_subpath_file_stays(tmp_path: Path) -> None:
+    spec = {
+        "volumes": [
+            {"name": "tenants", "secret": {"secretName": "tenants"}},
+            {"name": "sds", "configMap": {"name": "sds", "items": [{"key": "a.json", "path": "x/a.json"}]}},
+            {"name": "unmounted", "secret": {"secretName": "other"}},
+        ],
+        "containers": [],
+    }
+    pod = pod_process.Pod(
+        spec=spec,
+        root=tmp_path,
+        name="p",
+        namespace="n",
+        image_env={},
+        secrets={"tenants": {"tenants.yaml": "- {name: a, key: k1}", "old.yaml": "x"}, "other": {"o": "1"}},
+        config_maps={"sds": {"a.json": "{}"}},
+    )
+    tenants, sds = pod.volume("tenants"), pod.volume("sds")
+    before = (tenants / "tenants.yaml").stat().st_ino
+    # as a subPath mount would: the container holds the old file, not the folder's entry
+    held = (tenants / "tenants.yaml").open()
+    changed = pod.refresh(
+        {"sds": {"a.json": "{}"}},
+        {"tenants": {"tenants.yaml": "- {name: a, key: k2}"}, "other": {"o": "2"}},
+    )
+    assert changed == ["tenants"]
+    assert (tenants / "tenants.yaml").read_text() == "- {name: a, key: k2}"
+    assert (tenants / "tenants.yaml").stat().st_ino != before  # replaced, never rewritten in place
+    assert not (tenants / "old.yaml").exists()  # a key gone is a file gone
+    assert held.read() == "- {name: a, key: k1}"
+    held.close()
+    assert (sds / "x" / "a.json").read_text() == "{}"
+    assert not (tmp_path / "volumes" / "unmounted").exists()  # only volumes in use are written
+    # a Secret deleted meanwhile: the last content stays, as the kubelet keeps it
+    assert pod.refresh({"sds": {"a.json": "[]"}}, {}) == ["sds"]
+    assert (tenants / "tenants.yaml").read_text() == "- {name: a, key: k2}"
+    assert (sds / "x" / "a.json").read_text() == "[]"
+
+
 def test_the_relay_carries_tcp_through_a_unix_socket(tmp_path: Path) -> None:
     async def run() -> bytes:
         async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -242,3 +284,42 @@ def test_two_pods_whose_containers_bind_every_address_themselves_coexist(tmp_pat
         for pod in pods:
             pod.stop(5)
     assert not list(pod_process.RELAY_DIR.glob(f"*-{port}.sock")), "the relay sockets outlived their pods"
+
+
+def test_the_pods_fs_group_owns_its_secret_and_empty_dir_volumes(tmp_path: Path) -> None:
+    """As the kubelet's SetVolumeOwnership: a Secret with defaultMode 0440 is group-owned by
+    fsGroup, so a non-root container in that group reads it (the EPP's tenants file under the
+    images' user 65532), and a refreshed file keeps that ownership."""
+    spec = {
+        "securityContext": {"fsGroup": 4242},
+        "volumes": [
+            {"name": "tenants", "secret": {"secretName": "tenants", "defaultMode": 0o440}},
+            {"name": "scratch", "emptyDir": {}},
+        ],
+        "containers": [],
+    }
+    pod = pod_process.Pod(
+        spec=spec,
+        root=tmp_path,
+        name="p",
+        namespace="n",
+        image_env={},
+        secrets={"tenants": {"tenants.yaml": "- {name: a, key: k1}"}},
+    )
+    tenants, scratch = pod.volume("tenants"), pod.volume("scratch")
+    for path in (tenants, tenants / "tenants.yaml", scratch):
+        assert path.stat().st_gid == 4242, path
+    assert (tenants / "tenants.yaml").stat().st_mode & 0o777 == 0o440
+    assert tenants.stat().st_mode & stat.S_ISGID and scratch.stat().st_mode & 0o7777 == 0o2777
+    pod.refresh({}, {"tenants": {"tenants.yaml": "- {name: a, key: k2}"}})
+    assert (tenants / "tenants.yaml").stat().st_gid == 4242
+    # no fsGroup: files stay as written (root's), as before
+    plain = pod_process.Pod(
+        spec={**spec, "securityContext": {}},
+        root=tmp_path / "plain",
+        name="q",
+        namespace="n",
+        image_env={},
+        secrets={"tenants": {"tenants.yaml": "x"}},
+    )
+    assert (plain.volume("tenants") / "tenants.yaml").stat().st_gid == os.getgid()

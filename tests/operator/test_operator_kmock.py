@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import os
@@ -391,12 +392,21 @@ async def test_a_missing_tenants_secret_is_a_degraded_condition_until_it_exists(
     await cluster.client.create(
         MODEL_DEPLOYMENTS, NS, model_deployment({"tenants": {"secretName": "llm-tenants"}})
     )
-    await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN)
+    # with tenants the engines get a key of their own, which only the picker sends
+    await cluster.eventually(
+        lambda: set(cluster.children(UID)) == BASE_CHILDREN | {("Secret", "smol-engine-key")}
+    )
     pod = cluster.objects(DEPLOYMENTS)["smol-epp"]["spec"]["template"]["spec"]
     assert {"name": "tenants", "secret": {"secretName": "llm-tenants", "defaultMode": 0o440}} in pod[
         "volumes"
     ]
     assert "/etc/kvgate/tenants/tenants.yaml" in pod["containers"][0]["args"]
+    key_ref = {"secretKeyRef": {"name": "smol-engine-key", "key": "api-key"}}
+    engine = cluster.objects(DEPLOYMENTS)["smol"]["spec"]["template"]["spec"]["containers"][0]
+    for container in (pod["containers"][0], engine):
+        assert {"name": "KVGATE_API_KEY", "valueFrom": key_ref} in container["env"], container["env"]
+    key = base64.b64decode(cluster.objects(SECRETS)["smol-engine-key"]["data"]["api-key"]).decode()
+    assert len(key) >= 32
 
     def degraded(reason: str) -> dict[str, Any] | None:
         cond = condition(cluster, "Degraded") or {}
@@ -420,6 +430,8 @@ async def test_a_missing_tenants_secret_is_a_degraded_condition_until_it_exists(
     await cluster.client.patch(SECRETS, NS, "llm-tenants", {"data": {"tenants.yaml": "LSBbXQ=="}})
     cond = await cluster.eventually(lambda: degraded("AsExpected"), what="Degraded cleared")
     assert cond["status"] == "False"
+    # made once: the passes since kept its value
+    assert base64.b64decode(cluster.objects(SECRETS)["smol-engine-key"]["data"]["api-key"]).decode() == key
 
 
 async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: Any, operator: Any) -> None:
@@ -446,6 +458,10 @@ async def test_invalid_spec_gets_a_condition_an_event_and_no_children(cluster: A
 
 
 async def test_deletion_leaves_children_to_garbage_collection(cluster: Any, operator: Any) -> None:
+    # A second deployment stays: its resync passes (each reads it back first) show the
+    # operator's timers running, so "nothing recreated" is checked after passes, not a sleep.
+    other_uid = "6f1c2a9e-0000-4000-8000-0000000000a2"
+    await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment(name="other", uid=other_uid))
     await cluster.client.create(MODEL_DEPLOYMENTS, NS, model_deployment())
     await cluster.eventually(lambda: set(cluster.children(UID)) == BASE_CHILDREN)
     await cluster.eventually(lambda: cluster.objects(MODEL_DEPLOYMENTS)["smol"]["metadata"].get("finalizers"))
@@ -454,8 +470,24 @@ async def test_deletion_leaves_children_to_garbage_collection(cluster: Any, oper
         lambda: "smol" not in cluster.objects(MODEL_DEPLOYMENTS), what="finalizer released"
     )
     assert await cluster.collect_garbage() == len(BASE_CHILDREN)
-    await asyncio.sleep(3 * RESYNC_S)  # a stale timer or handler would recreate them now
+
+    def reads_of_other() -> int:
+        return sum(
+            1
+            for r in cluster.emulator.requests()
+            if r.method == "GET"
+            and r.name == "other"
+            and r.resource
+            and r.resource.plural == "modeldeployments"
+        )
+
+    after_gc = reads_of_other()
+    # three more passes over the survivor: a stale timer or handler of the deleted one had its turns
+    await cluster.eventually(lambda: reads_of_other() >= after_gc + 3, within=30, what="three resync passes")
     assert cluster.children(UID) == {}
+    assert set(cluster.children(other_uid)) == {
+        (kind, name.replace("smol", "other")) for kind, name in BASE_CHILDREN
+    }
 
 
 async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, operator: Any) -> None:
@@ -500,12 +532,25 @@ async def test_hand_made_pool_with_managed_annotation_gets_an_epp(cluster: Any, 
         "port": {"number": 9002},
         "failureMode": "FailClose",
     }
-    # A pool without the annotation is left alone.
+    # A pool without the annotation is left alone. Seen, not waited for: a managed pool created
+    # after it comes through the same watch, so once that one has its picker, the operator has
+    # passed over the plain one; and annotating the plain one then gives it one too.
     plain = copy.deepcopy(pool)
     plain["metadata"].update(name="other", uid="6f1c2a9e-0000-4000-8000-0000000000aa", annotations={})
     await cluster.client.create(INFERENCE_POOLS, NS, plain)
-    await asyncio.sleep(3 * RESYNC_S)
+    probe = copy.deepcopy(pool)
+    probe["metadata"].update(name="probe", uid="6f1c2a9e-0000-4000-8000-0000000000ab")
+    await cluster.client.create(INFERENCE_POOLS, NS, probe)
+    await cluster.eventually(
+        lambda: cluster.children("6f1c2a9e-0000-4000-8000-0000000000ab"), what="probe's EPP"
+    )
     assert cluster.children("6f1c2a9e-0000-4000-8000-0000000000aa") == {}
+    await cluster.client.patch(
+        INFERENCE_POOLS, NS, "other", {"metadata": {"annotations": pool["metadata"]["annotations"]}}
+    )
+    await cluster.eventually(
+        lambda: cluster.children("6f1c2a9e-0000-4000-8000-0000000000aa"), what="the EPP once annotated"
+    )
 
 
 async def test_managed_pool_is_read_with_the_gie_model(cluster: Any, operator: Any) -> None:

@@ -549,6 +549,16 @@ def test_flow_control_fields_become_the_epp_flags() -> None:
         2,
     )
     assert args.flow_short_prompt_tokens == 300
+    # The fair-share rule of pool dispatch: its half-life (0s turns it off) and queue bound.
+    flow = {"fairShareHalfLife": "30s", "fairShareMaxQueue": 8}
+    _, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
+    assert (args.flow_fair_share_half_life, args.flow_fair_share_max_queue) == (30.0, 8.0)
+    _, args = _epp_command(
+        {"model": {"source": "hf://a/b"}, "routing": {"flowControl": {"fairShareHalfLife": "0s"}}}
+    )
+    assert args.flow_fair_share_half_life == 0.0
+    _, args = _epp_command({"model": {"source": "hf://a/b"}})
+    assert args.flow_fair_share_half_life == FLOW_DEFAULTS.fair_share_half_life_s
     # A byte count as a number, a TTL under a second.
     flow = {"maxQueuedBytes": 1000000, "ttl": "500ms"}
     _, args = _epp_command({"model": {"source": "hf://a/b"}, "routing": {"flowControl": flow}})
@@ -1120,4 +1130,38 @@ def test_tenants_with_fail_open_are_refused_where_the_api_server_did_not_check()
     # without tenants, FailOpen stays the user's choice
     ModelDeploymentSpec.model_validate(
         {"model": {"source": "hf://a/b"}, "routing": {"failureMode": "FailOpen"}}
+    )
+
+
+def test_with_tenants_the_engines_require_a_key_only_the_picker_sends() -> None:
+    """The operator's own key (Secret <name>-engine-key) reaches the engine and picker pods from
+    the same secretKeyRef; a key the user brings as engine.env is used instead, and one given
+    only as an engine argument (which the picker could not send) is refused."""
+    from pydantic import ValidationError
+
+    from kvgate.api.k8s.model_deployment import ModelDeploymentSpec
+    from kvgate.operator.children.engine_key import engine_key_wanted, with_engine_key
+
+    keyed = {"model": {"source": "hf://a/b"}, "tenants": {"secretName": "llm-tenants"}}
+    spec = ModelDeploymentSpec.model_validate(keyed)
+    assert engine_key_wanted(spec)
+    run = with_engine_key("smol", spec)
+    ref = {"secretKeyRef": {"name": "smol-engine-key", "key": "api-key"}}
+    owner = ch.model_deployment_owner("smol", "ns1", "uid-1")
+    dep = ch.engine_deployment("smol", owner, run, OperatorConfig(), replicas=1)
+    engine = dep["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "KVGATE_API_KEY", "valueFrom": ref} in engine["env"]
+    epp = ch.epp_target_for_md("smol", owner, run, OperatorConfig())
+    assert epp.api_key_env == {"name": "KVGATE_API_KEY", "valueFrom": ref}
+    # without tenants nothing changes; with the user's own key, theirs is used
+    plain = ModelDeploymentSpec.model_validate({"model": {"source": "hf://a/b"}})
+    assert not engine_key_wanted(plain) and with_engine_key("smol", plain) == plain
+    own = {"env": [{"name": "KVGATE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "mine", "key": "k"}}}]}
+    mine = ModelDeploymentSpec.model_validate({**keyed, "engine": own})
+    assert not engine_key_wanted(mine) and with_engine_key("smol", mine) == mine
+    for args in (["--api-key", "x"], ["--api-key=x"]):
+        with pytest.raises(ValidationError, match=r"engine\.args: --api-key with spec\.tenants"):
+            ModelDeploymentSpec.model_validate({**keyed, "engine": {"args": args}})
+    ModelDeploymentSpec.model_validate(
+        {"model": {"source": "hf://a/b"}, "engine": {"args": ["--api-key", "x"]}}
     )

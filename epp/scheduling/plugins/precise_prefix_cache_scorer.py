@@ -1,4 +1,4 @@
-"""Scorers: one score in [0, 1] per endpoint; the profile multiplies by a weight and sums."""
+"""The `precise-prefix-cache-scorer` scorer (PrecisePrefixCacheScorer)."""
 
 from __future__ import annotations
 
@@ -7,138 +7,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from kvgate.epp.datastore import EndpointState
-from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, RecentPicks, block_keys, root_key
-from kvgate.epp.scheduling.adapters import request_adapter, request_lora_id
-from kvgate.epp.scheduling.framework import (
-    AdmissionObserver,
-    EndpointForgetter,
-    SchedulingContext,
-    UsesTokens,
-)
+from kvgate.epp.prefix_index import ApproximateIndex, PreciseIndex, RecentPicks, block_keys
+from kvgate.epp.scheduling.adapters import request_lora_id
+from kvgate.epp.scheduling.framework import AdmissionObserver, EndpointForgetter, SchedulingContext
+from kvgate.epp.scheduling.registry import Consumes, register
 
 
-@dataclass
-class QueueScorer:
-    """Shorter waiting queue scores higher, min-max normalised over the candidates (GIE).
-
-    The queue includes this EPP's picks the last scrape cannot show yet, so a burst between
-    two scrapes spreads out instead of piling onto the endpoint that looked emptiest."""
-
-    type_name: ClassVar[str] = "queue-scorer"
-    name: str = type_name
-
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        queues = [e.queue() for e in endpoints]
-        lo, hi = min(queues), max(queues)
-        if hi == lo:
-            return [1.0] * len(endpoints)
-        span = hi - lo
-        return [(hi - q) / span for q in queues]
-
-
-@dataclass
-class KVCacheUtilizationScorer:
-    """More free KV cache scores higher: 1 - utilisation."""
-
-    type_name: ClassVar[str] = "kv-cache-utilization-scorer"
-    name: str = type_name
-
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        return [1.0 - e.metrics.kv_usage for e in endpoints]
-
-
-@dataclass
-class LoadAwareScorer:
-    """Absolute load: 1 when idle, falling linearly to 0 at ``threshold`` requests in flight.
-
-    Unlike the min-max queue scorer, equal-but-high load does not score 1, and a gap of N
-    requests costs the same whatever the others carry, which is what lets a prefix holder
-    lose once it is clearly busier than its peers. Load is the scraped running+waiting count
-    plus this EPP's picks no scrape shows yet (and, when Envoy sends the response phase, at
-    least the requests this EPP has in flight there).
-    """
-
-    type_name: ClassVar[str] = "load-aware-scorer"
-    name: str = type_name
-    threshold: float = 16.0
-
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        t = self.threshold
-        tracked = ctx.datastore.inflight_tracked
-        return [max(0.0, 1.0 - e.load(tracked) / t) for e in endpoints]
-
-
-@dataclass
-class LoraAffinityScorer:
-    """GIE's LoRA affinity: for a request naming an adapter, 1 where the adapter is running or
-    waiting (no load), 0.5 where a slot is free (a load, nothing evicted), 0 where the engine is
-    at max_lora without it (a load that waits for a slot) or serves no LoRA at all. Base-model
-    requests score 1 everywhere: they need no adapter slot."""
-
-    type_name: ClassVar[str] = "lora-affinity-scorer"
-    name: str = type_name
-
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        adapter = request_adapter(ctx)
-        if adapter is None:
-            return [1.0] * len(endpoints)
-        out: list[float] = []
-        for e in endpoints:
-            m = e.metrics
-            if m.has_adapter(adapter):
-                out.append(1.0)
-            elif len(m.running_loras) < m.max_lora:
-                out.append(0.5)
-            else:
-                out.append(0.0)
-        return out
-
-
-@dataclass
-class PrefixCacheScorer:
-    """GIE's approximate prefix scorer: prompt text hashed in character blocks, remembered per
-    endpoint when this EPP routes there. Needs no tokenizer and no engine cooperation."""
-
-    type_name: ClassVar[str] = "prefix-cache-scorer"
-    name: str = type_name
-    block_size: int = 64  # characters
-    max_prefix_blocks: int = 256
-    lru_capacity: int = 200_000
-    index: ApproximateIndex = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.index = ApproximateIndex(self.lru_capacity)
-
-    def _keys(self, ctx: SchedulingContext) -> list[int]:
-        cache_key = f"{self.name}:keys"
-        keys = ctx.cache.get(cache_key)
-        if keys is None:
-            text = ctx.request.prompt_text
-            parent = hash((root_key(None), ctx.request.target_model))
-            keys = []
-            size = self.block_size
-            for start in range(0, min(len(text), size * self.max_prefix_blocks) - size + 1, size):
-                parent = hash((parent, text[start : start + size]))
-                keys.append(parent)
-            ctx.cache[cache_key] = keys
-        return keys
-
-    def score(self, ctx: SchedulingContext, endpoints: list[EndpointState]) -> list[float]:
-        keys = self._keys(ctx)
-        if not keys:
-            return [0.0] * len(endpoints)
-        hits = self.index.prefix_blocks(keys, [e.address for e in endpoints])
-        n = len(keys)
-        return [hits[e.address] / n for e in endpoints]
-
-    def pre_request(self, ctx: SchedulingContext, target: EndpointState) -> None:
-        self.index.record(self._keys(ctx), target.address)
-
-    def forget_endpoint(self, address: str) -> None:
-        """The endpoint left the pool: a new pod on the same ip:port must not inherit its prefixes."""
-        self.index.forget_endpoint(address)
-
-
+@register
 @dataclass
 class PrecisePrefixCacheScorer:
     """Fraction of the request's token blocks the endpoint holds, as the longest run from the
@@ -146,7 +21,9 @@ class PrecisePrefixCacheScorer:
     approximate index of the same token-block keys, fed by our own routing."""
 
     type_name: ClassVar[str] = "precise-prefix-cache-scorer"
-    uses_tokens: ClassVar[bool] = True  # the EPP loads the model's tokenizer for it
+    consumes: ClassVar[frozenset[Consumes]] = frozenset(
+        {Consumes.TOKENS, Consumes.KV_INDEX, Consumes.ADMISSIONS, Consumes.ADAPTERS}
+    )
     name: str = type_name
     # Tokens per block for endpoints that have published no KV event yet (and for the fallback
     # index). An endpoint's own events say its real block size, and that one is used for it:
@@ -296,22 +173,8 @@ class PrecisePrefixCacheScorer:
         self.recent.forget_endpoint(address)
 
 
-__all__ = [
-    "KVCacheUtilizationScorer",
-    "LoadAwareScorer",
-    "LoraAffinityScorer",
-    "PrecisePrefixCacheScorer",
-    "PrefixCacheScorer",
-    "QueueScorer",
-]
-
-
-if TYPE_CHECKING:  # mypy holds each scorer to the contracts the profile resolves on it
-    _contracts: tuple[
-        type[EndpointForgetter], type[EndpointForgetter], type[AdmissionObserver], type[UsesTokens]
-    ] = (
-        PrefixCacheScorer,
-        PrecisePrefixCacheScorer,
+if TYPE_CHECKING:  # mypy holds the scorer to the contracts the profile resolves on it
+    _contracts: tuple[type[EndpointForgetter], type[AdmissionObserver]] = (
         PrecisePrefixCacheScorer,
         PrecisePrefixCacheScorer,
     )

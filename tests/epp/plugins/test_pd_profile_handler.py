@@ -25,7 +25,7 @@ from kvgate.epp.scheduling.config import (
     parse_config,
     saturation_detector,
 )
-from kvgate.epp.scheduling.disaggregation import PrefillDecodeHandler
+from kvgate.epp.scheduling.plugins.pd_profile_handler import PrefillDecodeHandler
 from kvgate.testing.processes import run_kvgate
 
 P1, P2, D1, D2, B1 = "10.0.1.1:8000", "10.0.1.2:8000", "10.0.2.1:8000", "10.0.2.2:8000", "10.0.3.1:8000"

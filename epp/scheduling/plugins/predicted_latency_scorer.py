@@ -35,9 +35,9 @@ from kvgate.epp.scheduling.framework import (
     AdmissionObserver,
     EndpointForgetter,
     SchedulingContext,
-    UsesTokens,
 )
-from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.registry import Consumes, register
 
 
 @dataclass
@@ -271,12 +271,15 @@ class WorkingSets:
                 del where[key]
 
 
+@register
 @dataclass
 class PredictedLatencyScorer:
     """Score = fastest predicted TTFT among the candidates / this endpoint's predicted TTFT."""
 
     type_name: ClassVar[str] = "predicted-latency-scorer"
-    uses_tokens: ClassVar[bool] = True  # the EPP loads the model's tokenizer for it
+    consumes: ClassVar[frozenset[Consumes]] = frozenset(
+        {Consumes.TOKENS, Consumes.KV_INDEX, Consumes.ADMISSIONS, Consumes.METRICS, Consumes.ADAPTERS}
+    )
     name: str = type_name
     block_size: int = 16  # as the precise prefix scorer's: the default until events say
     recent_window_seconds: float = 2.0
@@ -469,8 +472,7 @@ class PredictedLatencyScorer:
 
 
 if TYPE_CHECKING:  # mypy holds the scorer to the contracts the profile resolves on it
-    _contracts: tuple[type[EndpointForgetter], type[AdmissionObserver], type[UsesTokens]] = (
-        PredictedLatencyScorer,
+    _contracts: tuple[type[EndpointForgetter], type[AdmissionObserver]] = (
         PredictedLatencyScorer,
         PredictedLatencyScorer,
     )

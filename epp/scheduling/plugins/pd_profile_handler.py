@@ -17,13 +17,16 @@ transfer) is more than computing a few hundred tokens in place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvgate.api.contracts.disaggregation import serves_prefill
 from kvgate.epp.datastore import EndpointState
 from kvgate.epp.prefix_index import PreciseIndex
 from kvgate.epp.scheduling.framework import SchedulingContext, SchedulingProfile
-from kvgate.epp.scheduling.pickers import MaxScorePicker
-from kvgate.epp.scheduling.scorers import PrecisePrefixCacheScorer, QueueScorer
+from kvgate.epp.scheduling.plugins.max_score_picker import MaxScorePicker
+from kvgate.epp.scheduling.plugins.precise_prefix_cache_scorer import PrecisePrefixCacheScorer
+from kvgate.epp.scheduling.plugins.queue_scorer import QueueScorer
+from kvgate.epp.scheduling.registry import Consumes
 
 # Decision labels (the EPP's kvgate_epp_pd_decisions_total{decision, reason}).
 DISAGGREGATED = "disaggregated"
@@ -61,6 +64,14 @@ def _prefill_profile() -> SchedulingProfile:
 
 @dataclass
 class PrefillDecodeHandler:
+    """llm-d's pd-profile-handler. Not a configurable plugin type: the config's ``pdThreshold``
+    (or --pd-threshold) turns it on; it declares what it consumes all the same, so the EPP builds
+    its data sources."""
+
+    type_name: ClassVar[str] = "pd-profile-handler"
+    consumes: ClassVar[frozenset[Consumes]] = frozenset(
+        {Consumes.TOKENS, Consumes.KV_INDEX, Consumes.ADMISSIONS, Consumes.METRICS, Consumes.ADAPTERS}
+    )
     # Uncached prompt tokens at the decode engine above which the prefill goes elsewhere
     # (0: every prompt with anything to compute is split).
     threshold: int

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.request import InferenceRequest
-from kvgate.epp.scheduling.filters import BoundedLoadFilter
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.plugins.bounded_load_filter import BoundedLoadFilter
 
 NOW = 100.0
 

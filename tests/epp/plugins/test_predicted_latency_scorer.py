@@ -10,7 +10,7 @@ from kvgate.api.contracts.kv_events import BlockStored
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
 from kvgate.epp.request import InferenceRequest
 from kvgate.epp.scheduling.framework import PREFILL_TOKENS, SchedulingContext
-from kvgate.epp.scheduling.latency import LatencyModel, PredictedLatencyScorer
+from kvgate.epp.scheduling.plugins.predicted_latency_scorer import LatencyModel, PredictedLatencyScorer
 
 PER_TOKEN = 0.001  # seconds per prefill token, the prior every test starts from
 STEP = 0.02
@@ -179,7 +179,7 @@ def test_an_slo_puts_endpoints_that_meet_it_first() -> None:
     [("250", 0.25), ("1.5", 0.0015), ("", None), ("soon", None), ("-5", None), ("inf", None), ("nan", None)],
 )
 def test_slo_headers_parse_or_are_ignored(header: str, seconds: float | None) -> None:
-    from kvgate.epp.extproc import _milliseconds
+    from kvgate.epp.requestcontrol import _milliseconds
 
     assert _milliseconds(header) == seconds
 
@@ -215,16 +215,15 @@ def test_the_epp_loads_a_tokenizer_for_the_predicted_latency_profile() -> None:
     """Before: only the precise prefix scorer asked for one, so this profile ran without tokens,
     saw no prefix anywhere and balanced load alone (29% prefix hits where 76% were possible)."""
     from kvgate.api.k8s.crds import TOKEN_SCORERS
-    from kvgate.epp.scheduling.config import PLUGIN_TYPES, load_config
+    from kvgate.epp.scheduling.config import load_config
     from kvgate.epp.server import needs_tokenizer
 
     assert needs_tokenizer(load_config(None, "precise-prefix-weights"))
     assert needs_tokenizer(load_config(None, "precise-prefix"))
     assert not needs_tokenizer(load_config(None, "default"))
-    # the operator's list (it decides whether the picker pod needs the model's tokenizer) agrees
-    assert set(TOKEN_SCORERS) == {
-        name for name, cls in PLUGIN_TYPES.items() if getattr(cls, "uses_tokens", False)
-    }
+    # the operator's list (it decides whether the picker pod needs the model's tokenizer) has it:
+    # generated from the declarations (tests/epp/test_plugin_registry.py checks it is current)
+    assert PredictedLatencyScorer.type_name in TOKEN_SCORERS
 
 
 def test_one_pick_ranks_every_candidate_with_the_same_speed() -> None:

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from kvgate.epp.datastore import Datastore, Endpoint, EndpointMetrics
-from kvgate.epp.scheduling import filters
 from kvgate.epp.scheduling.config import BUILTIN_PROFILES, build_profiles, load_config, parse_config
 from kvgate.epp.scheduling.framework import SchedulingContext
+from kvgate.epp.scheduling.plugins.model_served_filter import ModelServedFilter
 
 
 def ctx(store: Datastore, req, model: str) -> SchedulingContext:
@@ -31,7 +31,7 @@ def addresses(endpoints) -> list[str]:
 def test_keeps_only_the_engines_that_list_the_model(store: Datastore, req) -> None:
     a, b, c = addresses(store.all())
     serve(store, {"base", "sql"}, {"base"}, {"base", "sql"})
-    f = filters.ModelServedFilter()
+    f = ModelServedFilter()
     assert addresses(f.filter(ctx(store, req, "sql"), store.all())) == [a, c]
     # the base model is everywhere: every engine stays, in order
     assert addresses(f.filter(ctx(store, req, "base"), store.all())) == [a, b, c]
@@ -40,13 +40,13 @@ def test_keeps_only_the_engines_that_list_the_model(store: Datastore, req) -> No
 def test_an_engine_without_a_model_list_yet_is_kept(store: Datastore, req) -> None:
     a, _b, c = addresses(store.all())
     serve(store, {"base", "sql"}, {"base"}, set())  # c has not answered GET /v1/models yet
-    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "sql"), store.all())) == [a, c]
+    assert addresses(ModelServedFilter().filter(ctx(store, req, "sql"), store.all())) == [a, c]
 
 
 def test_a_model_listed_nowhere_passes_everything_through(store: Datastore, req) -> None:
     # no new error path: the engine's own 404 answers (or the adapter is too new for the poll)
     serve(store, {"base"}, {"base"}, {"base"})
-    f = filters.ModelServedFilter()
+    f = ModelServedFilter()
     assert len(f.filter(ctx(store, req, "nope"), store.all())) == 3
     serve(store, set(), set(), set())  # nothing reported at all
     assert len(f.filter(ctx(store, req, "sql"), store.all())) == 3
@@ -62,7 +62,7 @@ def test_an_adapter_running_there_counts_as_served(store: Datastore, req) -> Non
     store.update_metrics(
         c, EndpointMetrics(updated_at=time.monotonic(), max_lora=2, waiting_loras=frozenset({"x"}))
     )
-    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b, c]
+    assert addresses(ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b, c]
 
 
 def test_a_model_list_beats_a_running_label(store: Datastore, req) -> None:
@@ -73,16 +73,16 @@ def test_a_model_list_beats_a_running_label(store: Datastore, req) -> None:
     store.update_metrics(
         a, EndpointMetrics(updated_at=time.monotonic(), max_lora=2, running_loras=frozenset({"x"}))
     )
-    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b]
+    assert addresses(ModelServedFilter().filter(ctx(store, req, "x"), store.all())) == [b]
 
 
 def test_it_filters_the_candidates_it_is_given(store: Datastore, req) -> None:
     a, b, c = addresses(store.all())
     serve(store, {"sql"}, {"base"}, {"sql"})
     some = [s for s in store.all() if s.address != a]
-    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "sql"), some)) == [c]
+    assert addresses(ModelServedFilter().filter(ctx(store, req, "sql"), some)) == [c]
     # a candidate set where none serves it: pass through (the others were filtered out before)
-    assert addresses(filters.ModelServedFilter().filter(ctx(store, req, "sql"), some[:1])) == [b]
+    assert addresses(ModelServedFilter().filter(ctx(store, req, "sql"), some[:1])) == [b]
 
 
 # (conformance: the suite's client names the pod, and its fake model is served nowhere)
@@ -105,7 +105,7 @@ def test_it_is_configurable_by_name() -> None:
         }
     )
     (profile,) = build_profiles(cfg)
-    assert isinstance(profile.filters[0], filters.ModelServedFilter)
+    assert isinstance(profile.filters[0], ModelServedFilter)
 
 
 @pytest.mark.parametrize("name", list(BUILTIN_PROFILES))
