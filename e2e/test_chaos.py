@@ -75,7 +75,7 @@ def _envoy_retry_stats(stack: UpProcess) -> str:
     try:
         admin = json.loads((stack.log_dir / "stack.json").read_text())["envoy_admin_url"]
         stats = httpx.get(
-            admin + "/stats", params={"filter": "retry|overflow|ejections_enforced_total"}, timeout=5
+            admin + "/stats", params={"filter": "retry|overflow|ejections_enforced_total|ext_proc"}, timeout=5
         )
         return "\n".join(line for line in stats.text.splitlines() if not line.endswith(": 0"))
     except (OSError, ValueError, KeyError, httpx.HTTPError) as exc:
@@ -91,8 +91,15 @@ def _assert_done(run: chaos.Run, stack: UpProcess) -> None:
         for o in bad[:10]
     )
     assert not bad, f"{figures}\n{detail}\n" + "\n".join(stack.lines[-10:]) + "\n" + _envoy_retry_stats(stack)
-    kills = sum(what == "kill-epp" for what, _ in run.events)
-    assert figures["lost_with_killed_epp"] <= chaos.MAX_LOST_PER_EPP_KILL * kills, figures
+    kills = [at for what, at in run.events if what == "kill-epp"]
+    lost = [o for o in run.outcomes if run.lost_with_killed_epp(o)]
+    # when each lost request began and ended against the kill, and what Envoy said of it
+    lost_detail = "\n".join(
+        f"started {o.started - kills[0]:+.3f}s ended {o.ended - kills[0]:+.3f}s: {o.error}" for o in lost[:10]
+    )
+    assert len(lost) <= chaos.MAX_LOST_PER_EPP_KILL * len(kills), (
+        f"{figures}\n{lost_detail}\n" + _envoy_retry_stats(stack)
+    )
     # the SIGKILLed engine's own requests end with an error, promptly, never hang
     for o in run.outcomes:
         assert o.ended - o.started < chaos.REQUEST_TIMEOUT_S - 1, o

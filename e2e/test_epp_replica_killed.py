@@ -97,3 +97,50 @@ def test_requests_held_by_a_killed_replica_are_picked_by_the_other(tmp_path) -> 
         assert statuses == [200] * REQUESTS, f"{statuses} ({held} were held by the killed replica) {stats}"
     finally:
         harness.stop_all(*procs)
+
+
+def test_a_request_its_replica_already_answered_survives_the_replicas_death(tmp_path) -> None:
+    """The pick is made and the request waits on its (frozen) engine when the only EPP replica is
+    SIGKILLed: Envoy is done with the ext_proc stream's request phase, so the request is served
+    once the engine thaws, even under FailClose. (The stream still ends when the request does: the
+    EPP counts the request in flight until then.)"""
+    engine = harness.start_engine(tmp_path)
+    procs = [engine.proc]
+    try:
+        engine.wait_ready()
+        epp = harness.start_epp(tmp_path, [engine])
+        procs.append(epp.proc)
+        envoy = harness.start_envoy(
+            tmp_path, epp.grpc_port, failure_mode="FailClose", pool_endpoints=[engine.address]
+        )
+        procs.append(envoy.proc)
+        harness.wait_gateway(epp, envoy)
+        warm = {"model": "default", "prompt": "warm", "max_tokens": 2}
+        eventually(
+            lambda: httpx.post(f"{envoy.url}/v1/completions", json=warm, timeout=30).status_code == 200,
+            15,
+            "a first request served",
+        )
+        answered = "http.kvgate.ext_proc.stream_msgs_received"
+        before = envoy.stats().get(answered, 0)
+        result: dict[str, object] = {}
+
+        def send() -> None:
+            body = {"model": "default", "prompt": "picked, then its picker died", "max_tokens": 2}
+            resp = httpx.post(f"{envoy.url}/v1/completions", json=body, timeout=60)
+            result.update(status=resp.status_code, body=resp.text[:300])
+
+        os.kill(engine.proc.popen.pid, signal.SIGSTOP)
+        try:
+            thread = threading.Thread(target=send)
+            thread.start()
+            # both answers (request headers and body) are back: the pick is made
+            eventually(lambda: envoy.stats().get(answered, 0) - before >= 2, 15, "the EPP's answer")
+            epp.proc.popen.kill()
+            epp.proc.popen.wait(timeout=10)
+        finally:
+            os.kill(engine.proc.popen.pid, signal.SIGCONT)
+        thread.join(timeout=30)
+        assert result.get("status") == 200, result
+    finally:
+        harness.stop_all(*procs)
