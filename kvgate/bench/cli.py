@@ -166,6 +166,18 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="lora: adapter slots per engine (fewer than --adapters: an adapter not in a slot is loaded, "
         "at --sim-lora-load-time)",
     )
+    w.add_argument(
+        "--batch-lines",
+        type=int,
+        default=5000,
+        help="batch-and-online: lines of the batch submitted beside the online load",
+    )
+    w.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=1800.0,
+        help="batch-and-online: seconds the batch may take after the online runs before it is cancelled",
+    )
     w.add_argument("--min-output-tokens", type=int, default=16, help="random: shortest answer")
     w.add_argument("--max-output-tokens", type=int, default=64, help="random: longest answer")
 
@@ -315,8 +327,16 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     progress = False if args.no_progress else None
-    from kvgate.bench.presets import NOISY_NEIGHBOR
+    from kvgate.bench.presets import BATCH_AND_ONLINE, NOISY_NEIGHBOR
 
+    if args.preset == BATCH_AND_ONLINE:
+        if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
+            return _fail("SLO bounds must be > 0")
+        from kvgate.bench import batch_and_online
+
+        return batch_and_online.main(
+            args, Slo(ttft_s=args.slo_ttft_ms / 1000, itl_s=args.slo_itl_ms / 1000), progress
+        )
     if args.preset == NOISY_NEIGHBOR:
         if args.slo_ttft_ms <= 0 or args.slo_itl_ms <= 0:
             return _fail("SLO bounds must be > 0")

@@ -31,6 +31,7 @@ _LLM_D_SHARED_PREFIX: dict[str, object] = {
 }
 
 NOISY_NEIGHBOR = "noisy-neighbor"
+BATCH_AND_ONLINE = "batch-and-online"
 
 PRESETS: dict[str, Preset] = {
     # llm-d's precise-prefix routing benchmark shape: many long system prompts shared by users
@@ -139,6 +140,24 @@ PRESETS: dict[str, Preset] = {
             "max_prompt_tokens": 256,
             "output_tokens": 128,
             "duration": 20.0,
+        },
+    ),
+    # A batch job beside online chat (issue 45's experiment): the pool's capacity measured with a
+    # closed-loop flood, online Poisson traffic at 60% of it alone, then beside a batch submitted
+    # through the gateway's Batch API. Its own runner (kvgate.bench.batch_and_online).
+    BATCH_AND_ONLINE: Preset(
+        "online chat (256-token prompts, 128-token answers) at 60% of the pool's measured capacity, "
+        "alone and beside a 5,000-line batch of the same requests submitted at once; 2 simulated "
+        "engines of 8 batch slots, the stack at kvgate up's defaults; 30 s of arrivals per run",
+        {
+            "simulate": True,
+            "engines": 2,
+            "max_num_seqs": 8,
+            "min_prompt_tokens": 256,
+            "max_prompt_tokens": 256,
+            "output_tokens": 128,
+            "duration": 30.0,
+            "batch_lines": 5000,
         },
     ),
 }
