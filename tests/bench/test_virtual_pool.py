@@ -129,6 +129,7 @@ def test_a_preset_fills_only_the_flags_left_at_their_defaults() -> None:
     assert args.groups == 64 and args.prefix_tokens == 4096 and args.engines == 16
     assert args.request_rate == "4,8,16,24" and "--prefix-tokens 6000" not in applied
     assert set(PRESETS) == {
+        "batch-and-online",
         "llm-d-shared-prefix",
         "llm-d-tiered",
         "multi-turn-chat",
