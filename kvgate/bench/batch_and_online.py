@@ -8,7 +8,8 @@ FailOpen, the batch service behind the gateway), three runs in turn:
    EPPs, Envoy and this client share its cores, so it is measured, not derived);
 2. online alone: Poisson arrivals of the same requests at ONLINE_FRACTION of that capacity;
 3. online with the batch: a --batch-lines batch submitted at once through the gateway's
-   /v1/files and /v1/batches, then the same online arrivals (same seed) again.
+   /v1/files and /v1/batches, then the same online arrival times (same seed) again, with prompts
+   of their own (the alone run's, sent again, would hit the engines' prefix cache).
 
 Reported: online TTFT/ITL p50/p90 alone and beside the batch, and their ratio (target: TTFT p90
 <= 1.15x); the batch's output tokens/s during the online window (the engines' generation token
@@ -274,10 +275,13 @@ async def _drive(
 
     target = Target(base_url=gateway, model=model)
     load = LoadSpec(request_rate=load_rate, concurrency=concurrency, duration_s=args.duration, seed=args.seed)
-    requests = online_requests(
-        run if run != MIXED else ONLINE, args.min_prompt_tokens, args.output_tokens, args.seed
-    )
-    return await run_load(target, requests, load, on_result=on_result)
+    return await run_load(target, run_requests(run, args), load, on_result=on_result)
+
+
+def run_requests(run: str, args: argparse.Namespace) -> Iterator[BenchRequest]:
+    """A run's online requests: prompts of its own in every run (one run's prompts sent again
+    would be prefix-cache hits in the next), the same shape in all."""
+    return online_requests(run, args.min_prompt_tokens, args.output_tokens, args.seed)
 
 
 async def _measured(

@@ -132,3 +132,11 @@ def test_the_preset_fills_the_shape_and_refuses_what_it_cannot_do() -> None:
     ):
         with pytest.raises(ValueError, match=message):
             bo.check_args(_args(*argv))
+
+
+def test_the_run_beside_the_batch_sends_prompts_the_alone_run_did_not() -> None:
+    """The same prompts again would be prefix-cache hits: the second run would look faster."""
+    args = argparse.Namespace(min_prompt_tokens=20, output_tokens=8, seed=0)
+    alone = list(itertools.islice(bo.run_requests(bo.ONLINE, args), 50))
+    mixed = list(itertools.islice(bo.run_requests(bo.MIXED, args), 50))
+    assert not {r.messages[0].content for r in alone} & {r.messages[0].content for r in mixed}
