@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from kvgate.bench import report
-from kvgate.bench.stats import RequestResult, Slo, Summary, summarize
+from kvgate.bench.stats import RequestResult, Slo, Summary, summarize, window_tokens
 from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
 
 PRESET = "batch-and-online"
@@ -99,12 +99,6 @@ def batch_input(model: str, lines: int, prompt_tokens: int, output_tokens: int, 
             )
         )
     return ("\n".join(out) + "\n").encode()
-
-
-def window_tokens(results: Sequence[RequestResult], start: float, end: float) -> int:
-    """Output chunks (one token each from the simulated engines) that reached the client in
-    [start, end), seconds since the run started."""
-    return sum(1 for r in results for t in r.token_times if start <= r.sent_at + t < end)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from kvgate.bench import report
-from kvgate.bench.stats import RequestResult, Slo, Summary, summarize
+from kvgate.bench.stats import RequestResult, Slo, Summary, summarize, window_tokens
 from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
 
 if TYPE_CHECKING:
@@ -164,12 +164,6 @@ def tenant_requests(run: str, load: TenantLoad, output_tokens: int) -> Iterator[
             priority=load.priority,
         )
         index += 1
-
-
-def window_tokens(results: Sequence[RequestResult], start: float, end: float) -> int:
-    """Output chunks (one token each from the engines) that reached the client in [start, end),
-    seconds since the run started; failed requests' tokens count too (they were produced)."""
-    return sum(1 for r in results for t in r.token_times if start <= r.sent_at + t < end)
 
 
 @dataclass

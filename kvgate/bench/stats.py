@@ -208,3 +208,9 @@ def ideal_prefix_hit_rate(
     if total == 0:
         return None
     return hits / total
+
+
+def window_tokens(results: Sequence[RequestResult], start: float, end: float) -> int:
+    """Output chunks (one token each from the engines) that reached the client in [start, end),
+    seconds since the run started; failed requests' tokens count too (they were produced)."""
+    return sum(1 for r in results for t in r.token_times if start <= r.sent_at + t < end)
