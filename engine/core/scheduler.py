@@ -25,6 +25,12 @@ cost say pay, 0 to k (spec_decode/adaptive.py; the engine reports step times to 
 When the pool runs dry the policy's last running request (lowest priority, over its tenant's
 share, newest) is preempted: its blocks are freed and it goes back to the queue, to be recomputed
 (prefix hits make that cheap when its blocks have not been evicted meanwhile).
+
+Under the priority and fair policies a waiting request also preempts running ones of a strictly
+lower priority when it finds no batch slot or too few free blocks (pass 0): sheddable work
+(a batch job) may then fill every slot without an online arrival waiting behind it for a
+generation to end. vLLM waits for a slot instead; its priority policy only chooses whom to
+preempt when blocks run out. Same-priority requests never preempt each other.
 """
 
 from __future__ import annotations
@@ -255,6 +261,42 @@ class Scheduler:
         candidates = [r for r in self.running if r.request_id not in scheduled]
         return max(candidates, key=self.waiting.order_key)
 
+    def _make_room(self, budget: int) -> None:
+        """Preempt, lowest-ranked first, the running requests of a lower priority than the
+        waiting ones this step could admit but finds no slot or blocks for: waiting requests in
+        the policy's order while the step's token budget lasts (they are admitted in pass 2).
+        Not under fcfs, where priority means nothing; never for an equal priority, so over-share
+        order and arrival never evict running work."""
+        if self.waiting.policy == "fcfs" or not self.running:
+            return
+        cfg = self.config
+        slots = cfg.max_num_seqs - len(self.running)
+        reserved = 0  # free blocks the requests accounted for here will take
+        adapters = self.running_lora_ids()
+        for request in list(self.waiting):
+            if budget <= 0:
+                return
+            lora = request.lora_id
+            if cfg.max_loras and lora is not None and lora not in adapters and len(adapters) >= cfg.max_loras:
+                continue  # passed over in pass 2 anyway
+            while True:
+                hit = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - hit.num_tokens, budget)
+                revived = sum(1 for b in hit.blocks if b.ref_cnt == 0)  # free now, taken by the hit
+                need = self.kv.blocks_needed(hit.num_tokens + num_new) - len(hit.blocks)
+                if slots > 0 and need <= self.kv.num_free_blocks - revived - reserved:
+                    break
+                victim = max(self.running, key=self.waiting.order_key, default=None)
+                if victim is None or victim.priority <= request.priority:
+                    return  # nothing it outranks; neither does anything behind it
+                self._preempt(victim)
+                slots += 1
+            slots -= 1
+            reserved += need
+            budget -= num_new
+            if lora is not None:
+                adapters.add(lora)
+
     def _is_long(self, request: Request, num_new: int) -> bool:
         """While the cap holds: a prompt whose uncached part is longer than
         long_prefill_token_threshold, with more than a step's allowance still to compute (the
@@ -436,6 +478,9 @@ class Scheduler:
         # every lower-priority long prompt at a block a step for seconds after the last urgent
         # request, and for ever under sparse urgent traffic (one every few seconds).
         self._urgent = min(self._live_short, default=math.inf)
+
+        # 0. Slots and blocks for waiting requests that outrank running ones.
+        self._make_room(cfg.max_num_batched_tokens - len(self.running))
 
         # 1. Running requests, oldest first: decodes and prompts with little left to compute.
         #    A long prompt being prefilled in pieces waits for step 3, so that what is admitted

@@ -226,3 +226,86 @@ def test_pending_prefill_tokens_counts_the_step_in_flight() -> None:
     assert sched.pending_prefill_tokens() == 0
     batch = sched.schedule()  # decodes only: no prompt tokens in flight
     assert sched.in_flight_prefill_tokens == 0
+
+
+def _add_ranked(sched: Scheduler, rid: str, priority: int, n_prompt: int = 5, max_tokens: int = 6) -> Request:
+    req = _add(sched, rid, n_prompt, max_tokens=max_tokens, t=float(sched._next_seq_no))
+    req.priority = priority
+    return req
+
+
+def _fair(num_blocks: int = 64, max_seqs: int = 2, policy: str = "fair") -> tuple[Scheduler, SimulatedRunner]:
+    sched, runner = _setup(num_blocks=num_blocks, max_tokens=100, max_seqs=max_seqs)
+    sched.config.scheduling_policy = policy
+    sched.waiting = type(sched.waiting)(policy)
+    return sched, runner
+
+
+def test_a_waiting_request_preempts_running_work_of_a_lower_priority_for_a_slot() -> None:
+    sched, runner = _fair()
+    old, new = _add_ranked(sched, "batch-old", 1), _add_ranked(sched, "batch-new", 1)
+    _step(sched, runner)
+    _step(sched, runner)
+    assert sched.num_running == 2 and new.num_output_tokens == 2
+    urgent = _add_ranked(sched, "online", 0)
+    batch = _step(sched, runner)
+    # The newest of the lower priority gave its slot at once; the oldest decodes on.
+    assert {s.request_id for s in batch.seqs} == {"batch-old", "online"}
+    assert new.status == RequestStatus.PREEMPTED and new.block_ids == [] and sched.num_preemptions_total == 1
+    assert urgent.num_output_tokens == 1
+    _drain(sched, runner)
+    assert [r.num_output_tokens for r in (old, new, urgent)] == [6, 6, 6]
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_the_preempted_request_resumes_with_the_same_output() -> None:
+    def run(urgent_arrives: bool) -> list[int]:
+        sched, runner = _fair(max_seqs=1)
+        victim = _add_ranked(sched, "batch", 1, max_tokens=10)
+        for _ in range(4):
+            _step(sched, runner)
+        if urgent_arrives:
+            _add_ranked(sched, "online", -3)
+        _drain(sched, runner)
+        assert victim.num_preemptions == int(urgent_arrives)
+        return victim.output_token_ids
+
+    assert run(True) == run(False)
+
+
+def test_equal_priorities_and_fcfs_never_preempt_for_a_slot() -> None:
+    for policy, priorities in (("fair", (0, 0)), ("priority", (2, 2)), ("fcfs", (1, 0))):
+        sched, runner = _fair(policy=policy)
+        _add_ranked(sched, "a", priorities[0])
+        _add_ranked(sched, "b", priorities[0])
+        _step(sched, runner)
+        late = _add_ranked(sched, "c", priorities[1])
+        _step(sched, runner)
+        assert sched.num_preemptions_total == 0 and late.status == RequestStatus.WAITING, policy
+
+
+def test_a_waiting_request_preempts_lower_priority_work_for_blocks() -> None:
+    # 6 blocks of 4: the batch request holds 4 (13 tokens of prompt + output); the urgent one
+    # needs 3 of the 2 left and only a preemption makes room. A free slot does not suffice.
+    sched, runner = _fair(num_blocks=6, max_seqs=4)
+    batch_req = _add_ranked(sched, "batch", 5, n_prompt=13, max_tokens=8)
+    _step(sched, runner)
+    assert len(batch_req.block_ids) == 4
+    urgent = _add_ranked(sched, "online", 0, n_prompt=10)
+    batch = _step(sched, runner)
+    assert [s.request_id for s in batch.seqs] == ["online"]
+    assert batch_req.status == RequestStatus.PREEMPTED
+    _drain(sched, runner)
+    assert urgent.num_output_tokens == 6 and batch_req.num_output_tokens == 8
+
+
+def test_only_the_room_the_urgent_requests_need_is_taken() -> None:
+    # Four batch requests run, two online ones arrive: two preemptions, not four.
+    sched, runner = _fair(max_seqs=4)
+    batch = [_add_ranked(sched, f"b{i}", 1, max_tokens=20) for i in range(4)]
+    _step(sched, runner)
+    _add_ranked(sched, "o1", 0)
+    _add_ranked(sched, "o2", 0)
+    _step(sched, runner)
+    assert sched.num_preemptions_total == 2 and sched.num_running == 4
+    assert [r.status for r in batch] == [RequestStatus.RUNNING] * 2 + [RequestStatus.PREEMPTED] * 2
