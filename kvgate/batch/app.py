@@ -18,6 +18,7 @@ from starlette.routing import Route
 from kvgate.batch import objects
 from kvgate.batch.blobs import Blobs
 from kvgate.batch.jsonl import ENDPOINTS, InputError, parse_input
+from kvgate.batch.metrics import BatchMetrics
 from kvgate.batch.store import (
     CANCELLABLE,
     CANCELLING,
@@ -60,6 +61,7 @@ def build_app(
     tenant's files and batches are its own, whichever of its keys made them. Without it every
     key (and no key) owns what it made."""
     lim = limits or Limits()
+    registry = (worker.metrics if worker is not None else BatchMetrics(store)).registry
 
     def owner_of_auth(auth: str | None) -> str:
         if tenant_of is None:
@@ -264,6 +266,11 @@ def build_app(
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
+    async def metrics(_: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     async def not_found(request: Request, _exc: Exception) -> Response:
         return objects.error_response(404, f"Unknown request URL: {request.method} {request.url.path}")
 
@@ -286,6 +293,7 @@ def build_app(
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/files", endpoint(create_file), methods=["POST"]),
         Route("/v1/files", endpoint(list_files), methods=["GET"]),
         Route("/v1/files/{file_id}", endpoint(get_file), methods=["GET"]),

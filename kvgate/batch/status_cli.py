@@ -11,7 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-HELP = "show batches (status, a progress bar of lines done and failed) at a gateway; --watch follows them"
+from kvgate.batch.progress import duration, progress
+
+HELP = (
+    "show batches (status, a progress bar of lines done and failed, rate and ETA) at a gateway; --watch "
+    "follows them"
+)
 FINAL = ("completed", "failed", "cancelled", "expired")
 EXIT_USAGE = 2
 
@@ -45,14 +50,26 @@ def bar(done: int, failed: int, total: int, width: int = 30) -> str:
     return "[" + "#" * n_done + "x" * n_failed + "." * (width - n_done - n_failed) + "]"
 
 
-def line(b: dict[str, Any]) -> str:
+def line(b: dict[str, Any], now: float | None = None) -> str:
+    """One batch: status, bar, lines finished; while in progress its rate since it started and
+    the time left at that rate (from the Batch object's in_progress_at and request_counts)."""
     counts = b.get("request_counts") or {}
     total, done, failed = (int(counts.get(k) or 0) for k in ("total", "completed", "failed"))
     pct = 100.0 * (done + failed) / total if total else 0.0
-    return (
+    text = (
         f"{b['id']}  {b['status']:<11} {bar(done, failed, total)} {done + failed}/{total} "
         f"({pct:.0f}%), {failed} failed"
     )
+    if b.get("status") == "in_progress":
+        started = b.get("in_progress_at")
+        p = progress(
+            total, done, failed, float(started) if started else None, time.time() if now is None else now
+        )
+        if p.lines_per_s is None or p.eta_s is None:
+            text += ", ETA unknown"
+        else:
+            text += f", {p.lines_per_s:.2f} lines/s, ETA {duration(p.eta_s)}"
+    return text
 
 
 def _base_url(args: argparse.Namespace) -> str:

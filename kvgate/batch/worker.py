@@ -26,6 +26,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from kvgate.batch import objects
 from kvgate.batch.blobs import Blobs
 from kvgate.batch.limiter import Aimd, retry_after
+from kvgate.batch.metrics import BatchMetrics, completion_tokens
 from kvgate.batch.store import (
     CANCELLED,
     CANCELLING,
@@ -62,6 +63,7 @@ class Worker:
         poll_s: float = 0.1,
         client: httpx.AsyncClient | None = None,
         commit_retry_s: float = 30.0,
+        metrics: BatchMetrics | None = None,
     ) -> None:
         self.store = store
         self.blobs = blobs
@@ -75,6 +77,9 @@ class Worker:
         self._wake = asyncio.Event()
         self.commit_retry_s = commit_retry_s  # how long an outcome is retried while the database is away
         self._next_lease_work = 0.0
+        self.metrics = metrics or BatchMetrics(store)
+        self.metrics.concurrency.set_function(lambda: self.limiter.limit)
+        self.metrics.in_flight.set_function(lambda: self.limiter.in_flight)
 
     def wake(self) -> None:
         self._wake.set()
@@ -123,16 +128,16 @@ class Worker:
         for b in self.store.batches_in(IN_PROGRESS):
             room = self.limiter.room()
             for line in self.store.claim(b.id, room):
-                self._send(line)
+                self._send(line, b.created_at)
             if self.store.unfinished(b.id) == 0:
                 with contextlib.suppress(TransitionError):
                     self.store.transition(b.id, (IN_PROGRESS,), FINALIZING)
         for b in self.store.batches_in(FINALIZING):
             self._finalize(b.id, COMPLETED)
 
-    def _send(self, line: LineToSend) -> None:
+    def _send(self, line: LineToSend, batch_created_at: float) -> None:
         self.limiter.in_flight += 1
-        task = asyncio.create_task(self._attempt(line))
+        task = asyncio.create_task(self._attempt(line, batch_created_at))
         self.tasks[line.id] = (line.batch_id, task)
 
     def _cancel_in_flight(self, batch_id: str) -> None:
@@ -143,9 +148,9 @@ class Worker:
                 self.limiter.in_flight -= 1
                 self.store.release_line(line_id, refund_attempt=True)  # our claim: we still track it
 
-    async def _attempt(self, line: LineToSend) -> None:
+    async def _attempt(self, line: LineToSend, batch_created_at: float) -> None:
         try:
-            await self._attempt_once(line)
+            await self._attempt_once(line, batch_created_at)
         except Exception as exc:  # the outcome could not be committed: the lease runs out, it is retried
             log.warning("line %s of %s: %s: %s", line.custom_id, line.batch_id, type(exc).__name__, exc)
         finally:
@@ -153,27 +158,34 @@ class Worker:
                 self.limiter.in_flight -= 1
             self.wake()
 
-    async def _attempt_once(self, line: LineToSend) -> None:
+    async def _attempt_once(self, line: LineToSend, batch_created_at: float) -> None:
         headers = {"content-type": "application/json", OBJECTIVE_HEADER: self.objective}
         if line.authorization:
             headers["authorization"] = line.authorization
+        sent = time.monotonic()
         try:
             r = await self.client.post(self.gateway_url + line.url, content=line.body, headers=headers)
         except httpx.HTTPError as exc:
+            self.metrics.attempts.labels("error").inc()
             await self._retry_or_fail(
                 line, None, None, f"connection_error: {type(exc).__name__}: {exc}"[:500]
             )
             return
         request_id = r.headers.get("x-request-id")
         if r.status_code in REFUSED:
+            self.metrics.attempts.labels("refused").inc()
             self.limiter.refused(retry_after(r.headers.get("retry-after")))
             await self._commit(
                 lambda: self.store.release_line(line.id, refund_attempt=True, attempt=line.attempts)
             )
             return
+        self.metrics.duration_seconds.observe(time.monotonic() - sent)
+        if line.attempts == 1:  # its first send the pool took (a refusal refunds the attempt)
+            self.metrics.queue_seconds.observe(max(0.0, time.time() - batch_created_at))
         if 200 <= r.status_code < 300:
+            self.metrics.attempts.labels("ok").inc()
             self.limiter.success()
-            await self._commit(
+            ours = await self._commit(
                 lambda: self.store.finish_line(
                     line.id,
                     DONE,
@@ -183,13 +195,17 @@ class Worker:
                     attempt=line.attempts,
                 )
             )
+            if ours:
+                self.metrics.lines.labels("completed").inc()
+                self.metrics.output_tokens.inc(completion_tokens(r.text))
             return
+        self.metrics.attempts.labels("error").inc()
         if r.status_code >= 500:
             await self._retry_or_fail(
                 line, r.status_code, r.text, f"server_error: the gateway answered {r.status_code}"
             )
             return
-        await self._commit(
+        ours = await self._commit(
             lambda: self.store.finish_line(
                 line.id,
                 FAILED,
@@ -200,16 +216,18 @@ class Worker:
                 attempt=line.attempts,
             )
         )
+        if ours:
+            self.metrics.lines.labels("failed").inc()
 
-    async def _commit(self, write: Callable[[], object]) -> None:
+    async def _commit(self, write: Callable[[], object]) -> object:
         """A line's outcome written, retried while the database is unreachable (restarting):
-        the answer is in hand, and sending the line again would run it twice."""
+        the answer is in hand, and sending the line again would run it twice. Returns what the
+        write did (finish_line: False when the line was no longer ours)."""
         deadline = time.monotonic() + self.commit_retry_s
         delay = 0.1
         while True:
             try:
-                write()
-                return
+                return write()
             except SQLAlchemyError:
                 if time.monotonic() > deadline:
                     raise
@@ -221,7 +239,7 @@ class Worker:
     ) -> None:
         if line.attempts >= self.max_attempts:
             code, _, message = reason.partition(": ")
-            await self._commit(
+            ours = await self._commit(
                 lambda: self.store.finish_line(
                     line.id,
                     FAILED,
@@ -231,6 +249,8 @@ class Worker:
                     attempt=line.attempts,
                 )
             )
+            if ours:
+                self.metrics.lines.labels("failed").inc()
         else:
             await self._commit(
                 lambda: self.store.release_line(line.id, refund_attempt=False, attempt=line.attempts)

@@ -240,3 +240,75 @@ def test_with_tenants_a_key_must_name_one_and_a_tenant_sees_what_its_keys_made(t
         r = http.get("http://testserver/v1/files")  # no key at all
         assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
         assert http.get("http://testserver/health").status_code == 200
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_count_this_replicas_lines_attempts_and_queue_time(client: openai.OpenAI) -> None:
+    f = client.files.create(
+        file=("in.jsonl", io.BytesIO(jsonl("a", "refuse-once", "bad", "b"))), purpose="batch"
+    )
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    wait_done(client, b.id)
+    r = client._client.get("http://testserver/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = _samples(r.text)
+    assert m[("kvgate_batch_lines_total", (("outcome", "completed"),))] == 3
+    assert m[("kvgate_batch_lines_total", (("outcome", "failed"),))] == 1
+    assert m[("kvgate_batch_attempts_total", (("result", "refused"),))] == 1
+    assert m[("kvgate_batch_attempts_total", (("result", "ok"),))] == 3
+    assert m[("kvgate_batch_attempts_total", (("result", "error"),))] == 1  # the 400
+    assert m[("kvgate_batch_line_queue_seconds_count", ())] == 4  # first sends only, not the resend
+    assert m[("kvgate_batch_line_duration_seconds_count", ())] == 4  # answered, refusal excluded
+    assert m[("kvgate_batch_in_flight", ())] == 0 and m[("kvgate_batch_concurrency_limit", ())] >= 1
+    # Finished batches get no per-batch gauges.
+    assert not any(name == "kvgate_batch_requests" for name, _ in m)
+
+
+def test_a_running_batch_reports_its_lines_rate_and_eta(tmp_path: Path) -> None:
+    from kvgate.batch.store import DONE, IN_PROGRESS, VALIDATING
+
+    store = Store(f"sqlite:///{tmp_path / 'g.db'}")
+    app = build_app(store, Blobs(tmp_path / "files"), None)  # no worker: nothing moves by itself
+    with TestClient(app) as http:
+        oa = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(jsonl("a", "b", "c", "d"))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        store.transition(b.id, (VALIDATING,), IN_PROGRESS, in_progress_at=int(time.time()) - 10)
+        m = _samples(http.get("/metrics").text)
+        assert m[("kvgate_batch_requests", (("batch_id", b.id), ("state", "pending")))] == 4
+        assert ("kvgate_batch_eta_seconds", (("batch_id", b.id),)) not in m  # no line finished yet
+        line = store.claim(b.id, 1)[0]
+        assert store.finish_line(line.id, DONE, status_code=200, result="{}")
+        m = _samples(http.get("/metrics").text)
+        assert m[("kvgate_batch_requests", (("batch_id", b.id), ("state", "completed")))] == 1
+        rate = m[("kvgate_batch_throughput_lines_per_second", (("batch_id", b.id),))]
+        assert 1 / 12 < rate < 1 / 9  # one line in about ten seconds
+        assert m[("kvgate_batch_eta_seconds", (("batch_id", b.id),))] == pytest.approx(3 / rate)
+
+
+def test_progress_rate_eta_and_the_status_line() -> None:
+    from kvgate.batch import status_cli
+    from kvgate.batch.progress import duration, progress
+
+    assert progress(10, 0, 0, 100.0, 150.0).eta_s is None
+    p = progress(10, 3, 1, 100.0, 120.0)
+    assert p.lines_per_s == pytest.approx(0.2) and p.eta_s == pytest.approx(30.0)
+    assert [duration(s) for s in (12.4, 245, 3 * 3600 + 4 * 60 + 5)] == ["12s", "4m05s", "3h04m"]
+    doc = {
+        "id": "batch_x",
+        "status": "in_progress",
+        "in_progress_at": 100,
+        "request_counts": {"total": 10, "completed": 3, "failed": 1},
+    }
+    assert status_cli.line(doc, now=120.0).endswith("4/10 (40%), 1 failed, 0.20 lines/s, ETA 30s")
+    assert status_cli.line({**doc, "request_counts": {"total": 10}}, now=120.0).endswith("ETA unknown")
+    assert "lines/s" not in status_cli.line({**doc, "status": "completed"}, now=120.0)
