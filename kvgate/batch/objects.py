@@ -41,7 +41,8 @@ def batch_object(row: BatchRow, counts: Counts) -> dict[str, Any]:
         "finalizing_at": row.finalizing_at,
         "completed_at": row.completed_at,
         "failed_at": row.failed_at,
-        "expired_at": None,
+        # (no column of its own: a batch expires at the worker's first look past expires_at)
+        "expired_at": row.expires_at if row.status == "expired" else None,
         "cancelling_at": row.cancelling_at,
         "cancelled_at": row.cancelled_at,
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},

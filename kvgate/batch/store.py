@@ -381,6 +381,24 @@ class Store:
                 or 0
             )
 
+    def expire_pending(self, batch_id: str, error: str) -> int:
+        """The batch's lines still pending fail with ``error`` (its completion window ended);
+        how many."""
+        with self.session.begin() as s:
+            rows = list(
+                s.scalars(
+                    select(LineRow)
+                    .where(LineRow.batch_id == batch_id, LineRow.status == PENDING)
+                    .with_for_update(skip_locked=True)
+                )
+            )
+            for row in rows:
+                row.status = FAILED
+                row.error = error
+                row.claimed_by = None
+                row.lease_until = None
+            return len(rows)
+
     def finished_lines(self, batch_id: str) -> list[LineRow]:
         with self.session() as s:
             return list(
@@ -403,7 +421,8 @@ class Store:
                 s.add(f)
                 setattr(row, attr, f.id)
             row.status = to
-            setattr(row, f"{to}_at", now)
+            if hasattr(BatchRow, f"{to}_at"):  # (expired has no column: see objects.py)
+                setattr(row, f"{to}_at", now)
             for k, v in fields.items():
                 setattr(row, k, v)
             return row

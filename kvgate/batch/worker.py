@@ -32,6 +32,7 @@ from kvgate.batch.store import (
     CANCELLING,
     COMPLETED,
     DONE,
+    EXPIRED,
     FAILED,
     FINALIZING,
     IN_PROGRESS,
@@ -46,6 +47,7 @@ from kvgate.batch.store import (
 log = logging.getLogger(__name__)
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+EXPIRED_ERROR = "batch_expired: this request was not run before the batch's completion window ended"
 REFUSED = (429, 503)
 
 
@@ -125,7 +127,11 @@ class Worker:
             # leases run out)
             if self.store.in_flight(b.id) == 0:
                 self._finalize(b.id, CANCELLED)
+        now = time.time()
         for b in self.store.batches_in(IN_PROGRESS):
+            if b.expires_at is not None and now >= b.expires_at:
+                self._expire(b.id)
+                continue
             room = self.limiter.room()
             for line in self.store.claim(b.id, room):
                 self._send(line, b.created_at)
@@ -134,6 +140,15 @@ class Worker:
                     self.store.transition(b.id, (IN_PROGRESS,), FINALIZING)
         for b in self.store.batches_in(FINALIZING):
             self._finalize(b.id, COMPLETED)
+
+    def _expire(self, batch_id: str) -> None:
+        """Past its completion window (OpenAI's ``expired``): nothing more is sent, the lines in
+        flight are taken back, and once no replica sends any, what never ran fails with
+        ``batch_expired`` into the error file; finished lines keep their results."""
+        self._cancel_in_flight(batch_id)
+        if self.store.in_flight(batch_id) == 0:
+            self.store.expire_pending(batch_id, EXPIRED_ERROR)
+            self._finalize(batch_id, EXPIRED)
 
     def _send(self, line: LineToSend, batch_created_at: float) -> None:
         self.limiter.in_flight += 1

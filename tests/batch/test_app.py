@@ -312,3 +312,44 @@ def test_progress_rate_eta_and_the_status_line() -> None:
     assert status_cli.line(doc, now=120.0).endswith("4/10 (40%), 1 failed, 0.20 lines/s, ETA 30s")
     assert status_cli.line({**doc, "request_counts": {"total": 10}}, now=120.0).endswith("ETA unknown")
     assert "lines/s" not in status_cli.line({**doc, "status": "completed"}, now=120.0)
+
+
+def test_a_batch_past_its_completion_window_expires_keeping_what_finished(tmp_path: Path) -> None:
+    import asyncio
+
+    from sqlalchemy import update
+
+    from kvgate.batch.store import BatchRow
+
+    async def slow_gateway(request: httpx.Request) -> httpx.Response:
+        if json.loads(request.content)["prompt"] == "slow":
+            await asyncio.sleep(60)  # still in flight when the window ends
+        return gateway(request)
+
+    store = Store(f"sqlite:///{tmp_path / 'e.db'}")
+    blobs = Blobs(tmp_path / "files")
+    worker = Worker(
+        store,
+        blobs,
+        "http://gateway",
+        poll_s=0.02,
+        client=httpx.AsyncClient(transport=httpx.MockTransport(slow_gateway)),
+    )
+    with TestClient(build_app(store, blobs, worker)) as http:
+        oa = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
+        f = oa.files.create(file=("in.jsonl", io.BytesIO(jsonl("a", "slow", "b", "slow"))), purpose="batch")
+        b = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 10
+        while oa.batches.retrieve(b.id).request_counts.completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with store.session.begin() as s:  # the 24 hours are up
+            s.execute(update(BatchRow).where(BatchRow.id == b.id).values(expires_at=int(time.time()) - 1))
+        done = wait_done(oa, b.id)
+        assert done.status == "expired" and done.expired_at == done.expires_at
+        assert done.request_counts.completed == 2 and done.request_counts.failed == 2
+        assert set(results(oa, done.output_file_id)) == {"id-0", "id-2"}
+        errors = results(oa, done.error_file_id)
+        assert set(errors) == {"id-1", "id-3"}
+        assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+        assert store.in_flight(b.id) == 0 and not worker.tasks
