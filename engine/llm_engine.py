@@ -64,6 +64,11 @@ class EngineStats:
     generation_tokens_total: int
     max_model_len: int = 0
     prefill_tokens_pending: int = 0
+    # the part of num_running / num_waiting / prefill_tokens_pending that lower-priority
+    # (sheddable) requests make up: preempted for a default-priority arrival
+    sheddable_running: int = 0
+    sheddable_waiting: int = 0
+    sheddable_prefill_tokens_pending: int = 0
     # LoRA adapter names with a running / a waiting request (vllm:lora_requests_info)
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
@@ -502,7 +507,11 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
+        shed_running, shed_waiting, shed_prefill = self.scheduler.sheddable_load()
         return EngineStats(
+            sheddable_running=shed_running,
+            sheddable_waiting=shed_waiting,
+            sheddable_prefill_tokens_pending=shed_prefill,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv.usage(),

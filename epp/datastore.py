@@ -6,6 +6,7 @@ consistent enough view without locks because everything runs on one asyncio loop
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections import deque
@@ -61,6 +62,30 @@ class EndpointMetrics:
     # Successful runtime LoRA loads + unloads (http_requests_total of those two handlers, 2xx):
     # when it moves, the engine's GET /v1/models changed. None: not exported.
     adapter_changes: float | None = None
+    # The part of waiting / running / prefill_tokens_pending that is sheddable work, which the
+    # engine preempts for a default-priority arrival (kvgate:*_sheddable; 0 where not exported).
+    sheddable_waiting: int = 0
+    sheddable_running: int = 0
+    sheddable_prefill_tokens: int = 0
+
+    @property
+    def has_sheddable(self) -> bool:
+        return bool(self.sheddable_waiting or self.sheddable_running or self.sheddable_prefill_tokens)
+
+    def without_sheddable(self) -> EndpointMetrics:
+        """These metrics as a request the engine ranks above sheddable work sees the engine."""
+        pending = self.prefill_tokens_pending
+        return dataclasses.replace(
+            self,
+            waiting=max(0, self.waiting - self.sheddable_waiting),
+            running=max(0, self.running - self.sheddable_running),
+            prefill_tokens_pending=None
+            if pending is None
+            else max(0, pending - self.sheddable_prefill_tokens),
+            sheddable_waiting=0,
+            sheddable_running=0,
+            sheddable_prefill_tokens=0,
+        )
 
     def has_adapter(self, name: str) -> bool:
         """The engine reports the adapter running or waiting (vllm:lora_requests_info)."""

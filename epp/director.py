@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -127,7 +128,7 @@ class Director:
                 error_type="rate_limit_exceeded",
             )
         ctx = SchedulingContext(request, self.datastore, now)
-        result = self.profile.run(ctx, candidates)
+        result = self.profile.run(ctx, above_sheddable(candidates) if request.priority >= 0 else candidates)
         if not result.targets:
             return Decision(
                 429,
@@ -135,7 +136,7 @@ class Director:
                 error_type="rate_limit_exceeded",
                 plugin_seconds=ctx.plugin_seconds,
             )
-        chosen = result.targets[0]
+        chosen = next(e for e in candidates if e.address == result.targets[0].address)
         self.profile.pre_request(ctx, chosen)
         prefill_tokens = ctx.cache.get(PREFILL_TOKENS, {}).get(chosen.address, 0)
         split = None
@@ -182,3 +183,17 @@ class Director:
         state = self.datastore.get(address)
         if state is not None and state.inflight > 0:
             state.inflight -= 1
+
+
+def above_sheddable(candidates: list[EndpointState]) -> list[EndpointState]:
+    """The candidates as a request of a default or higher priority sees them: kvgate's engines
+    preempt sheddable work (a batch line) for it, so their sheddable part of running, waiting and
+    prefill pending is left out (views; the datastore's states are not touched). Without that,
+    an engine whose slots a batch fills looks full, and online requests crowd onto the engine
+    that holds online work, which they cannot preempt."""
+    if not any(e.metrics.has_sheddable for e in candidates):
+        return candidates
+    return [
+        dataclasses.replace(e, metrics=e.metrics.without_sheddable()) if e.metrics.has_sheddable else e
+        for e in candidates
+    ]

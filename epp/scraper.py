@@ -92,6 +92,18 @@ _ADAPTER_HANDLERS = ('handler="/v1/load_lora_adapter"', 'handler="/v1/unload_lor
 MAX_BATCH_SLOTS = 1 << 20  # no engine runs more sequences at once
 
 
+_SHEDDABLE = (
+    vllm.KVGATE_NUM_REQUESTS_WAITING_SHEDDABLE,
+    vllm.KVGATE_NUM_REQUESTS_RUNNING_SHEDDABLE,
+    vllm.KVGATE_PREFILL_TOKENS_PENDING_SHEDDABLE,
+)
+_MAX_COUNT = 1e12  # a forged +Inf or huge gauge is capped, never an OverflowError
+
+
+def _count(counters: dict[str, float], name: str) -> int:
+    return int(min(_MAX_COUNT, counters.get(name, 0.0)))
+
+
 def _sum_present(counters: dict[str, float], *names: str) -> float | None:
     found = [counters[n] for n in names if n in counters]
     return sum(found) if found else None
@@ -106,6 +118,7 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         vllm.KVGATE_DRAINING,
         vllm.KVGATE_PREFILL_TOKENS_PENDING,
         vllm.KVGATE_MAX_NUM_SEQS,
+        *_SHEDDABLE,
         *_COUNTERS,
     }
     if mapping.lora_info:
@@ -145,6 +158,9 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         if name == vllm.KVGATE_MAX_NUM_SEQS:
             # one series per engine index: their slots add up; a forged huge or NaN value is capped
             max_num_seqs = min(float(MAX_BATCH_SLOTS), max_num_seqs + max(0.0, value))
+            continue
+        if name in _SHEDDABLE:  # one series per engine index: they add up
+            counters[name] = counters.get(name, 0.0) + max(0.0, value)
             continue
         if name in _COUNTERS:
             counters[name] = counters.get(name, 0.0) + value
@@ -186,6 +202,10 @@ def parse_metrics(text: str, mapping: MetricMapping, now: float, sent_at: float 
         draining=draining,
         sent_at=sent_at,
         prefill_tokens_pending=None if prefill_pending is None else int(prefill_pending),
+        # (a forged value larger than the total only empties the view: without_sheddable clamps)
+        sheddable_waiting=_count(counters, vllm.KVGATE_NUM_REQUESTS_WAITING_SHEDDABLE),
+        sheddable_running=_count(counters, vllm.KVGATE_NUM_REQUESTS_RUNNING_SHEDDABLE),
+        sheddable_prefill_tokens=_count(counters, vllm.KVGATE_PREFILL_TOKENS_PENDING_SHEDDABLE),
         kv_blocks_total=blocks_total,
         max_num_seqs=int(max_num_seqs),
         prompt_tokens_total=counters.get(vllm.PROMPT_TOKENS_TOTAL),

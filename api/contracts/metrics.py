@@ -27,6 +27,12 @@ KVGATE_PREFILL_TOKENS_PENDING = "kvgate:prefill_tokens_pending"
 # kvgate's own gauge: the engine's batch slots (--max-num-seqs), so a router knows how many of
 # its picks the engine runs at once instead of queueing
 KVGATE_MAX_NUM_SEQS = "kvgate:max_num_seqs"
+# kvgate's own gauges: the part of the running, waiting and prefill counts that is sheddable
+# work (GIE priority < 0, e.g. batch lines). The engine preempts it for a waiting request of a
+# higher priority, so a router places online requests as if it were not there.
+KVGATE_NUM_REQUESTS_RUNNING_SHEDDABLE = "kvgate:num_requests_running_sheddable"
+KVGATE_NUM_REQUESTS_WAITING_SHEDDABLE = "kvgate:num_requests_waiting_sheddable"
+KVGATE_PREFILL_TOKENS_PENDING_SHEDDABLE = "kvgate:prefill_tokens_pending_sheddable"
 REQUEST_SUCCESS_TOTAL = "vllm:request_success_total"
 TIME_TO_FIRST_TOKEN_SECONDS = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY_SECONDS = "vllm:inter_token_latency_seconds"

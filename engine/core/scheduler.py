@@ -232,14 +232,26 @@ class Scheduler:
         the prefill work ahead of a new request, in the engine's own accounting (cache hits
         known at admission excluded). Without the step in flight, an engine computing the last
         chunk of a long prompt would look idle for that whole step."""
-        total = self._in_flight_prefill_tokens
-        for request in self.running:
-            total += max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
-        for request in self.waiting:
-            total += max(
-                0, request.num_tokens - max(request.expected_cached_tokens, request.num_computed_tokens)
-            )
-        return total
+        return (
+            self._in_flight_prefill_tokens
+            + sum(map(_prefill_left, self.running))
+            + sum(map(_prefill_left, self.waiting))
+        )
+
+    def sheddable_load(self) -> tuple[int, int, int]:
+        """(running, waiting, prefill tokens pending) of the requests of a priority below the
+        default (engine priority > 0: the EPP's sheddable work). Under the priority and fair
+        policies pass 0 preempts them for any default-priority arrival, so a router places such
+        an arrival as if they were not there. Zeros under fcfs, which preempts nothing."""
+        if self.waiting.policy == "fcfs":
+            return (0, 0, 0)
+        running = [r for r in self.running if r.priority > 0]
+        waiting = [r for r in self.waiting if r.priority > 0]
+        return (
+            len(running),
+            len(waiting),
+            sum(map(_prefill_left, running)) + sum(map(_prefill_left, waiting)),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -683,6 +695,13 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None
+
+
+def _prefill_left(request: Request) -> int:
+    """Prompt tokens (and, after a preemption, output) still to compute before it decodes."""
+    if request.status == RequestStatus.RUNNING:
+        return max(0, len(request.prompt_token_ids) - request.num_computed_tokens)
+    return max(0, request.num_tokens - max(request.expected_cached_tokens, request.num_computed_tokens))
 
 
 def _may_speculate(request: Request) -> bool:

@@ -185,6 +185,9 @@ class StatsSnapshot:
     prefix_cache_hits_total: int = 0
     num_preemptions_total: int = 0
     prefill_tokens_pending: int = 0
+    sheddable_running: int = 0
+    sheddable_waiting: int = 0
+    sheddable_prefill_tokens_pending: int = 0
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     lora_loads_total: int = 0
@@ -211,6 +214,9 @@ class StatsSnapshot:
             prefix_cache_hits_total=int(getattr(stats, "prefix_cache_hits_total", 0)),
             num_preemptions_total=int(getattr(stats, "num_preemptions_total", 0)),
             prefill_tokens_pending=int(getattr(stats, "prefill_tokens_pending", 0)),
+            sheddable_running=int(getattr(stats, "sheddable_running", 0)),
+            sheddable_waiting=int(getattr(stats, "sheddable_waiting", 0)),
+            sheddable_prefill_tokens_pending=int(getattr(stats, "sheddable_prefill_tokens_pending", 0)),
             running_loras=tuple(getattr(stats, "running_loras", ())),
             waiting_loras=tuple(getattr(stats, "waiting_loras", ())),
             lora_loads_total=int(getattr(stats, "lora_loads_total", 0)),
@@ -381,6 +387,25 @@ _ROUTING_SERIES: tuple[_Series, ...] = (
         "gauge",
         "Prompt tokens still to compute, queued and running (prefix-cache hits excluded).",
     ),
+    # the sheddable part of the three above: work the engine preempts for an online arrival
+    (
+        "sheddable_running",
+        names.KVGATE_NUM_REQUESTS_RUNNING_SHEDDABLE,
+        "gauge",
+        "Running requests of a priority below the default (sheddable), preempted for a waiting default-priority one.",
+    ),
+    (
+        "sheddable_waiting",
+        names.KVGATE_NUM_REQUESTS_WAITING_SHEDDABLE,
+        "gauge",
+        "Waiting requests of a priority below the default (sheddable).",
+    ),
+    (
+        "sheddable_prefill_pending",
+        names.KVGATE_PREFILL_TOKENS_PENDING_SHEDDABLE,
+        "gauge",
+        "Prompt tokens still to compute of requests of a priority below the default (sheddable).",
+    ),
     # constant: the batch slots, so a router can tell a request that runs at once from one that waits
     (
         "max_num_seqs",
@@ -489,6 +514,9 @@ class EngineMetrics:
     kv_transfer_pinned: _Child
     draining: _Child
     prefill_pending: _Child
+    sheddable_running: _Child
+    sheddable_waiting: _Child
+    sheddable_prefill_pending: _Child
     max_num_seqs: _Child
     ttft: Histogram
     itl: Histogram
@@ -653,6 +681,9 @@ class EngineMetrics:
         self.kv_usage.set(snap.kv_cache_usage)
         self.gpu_usage.set(snap.kv_cache_usage)
         self.prefill_pending.set(snap.prefill_tokens_pending)
+        self.sheddable_running.set(snap.sheddable_running)
+        self.sheddable_waiting.set(snap.sheddable_waiting)
+        self.sheddable_prefill_pending.set(snap.sheddable_prefill_tokens_pending)
         self.host_kv_usage.set(snap.host_kv_usage)
         if self._max_lora:  # the engine's adapters with running / waiting requests, as vLLM
             self._set_lora_labels(

@@ -32,10 +32,16 @@ def _setup(
     return sched, runner
 
 
-def _add(sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, t: float = 0.0) -> Request:
+def _add(
+    sched: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, t: float = 0.0, priority: int = 0
+) -> Request:
     base = 1000 * (sched._next_seq_no + 1)  # distinct prompts: no accidental prefix hits
     req = Request(
-        rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens), arrival_time=t
+        rid,
+        [base + i for i in range(n_prompt)],
+        SamplingParams(max_tokens=max_tokens),
+        arrival_time=t,
+        priority=priority,
     )
     sched.add_request(req)
     return req
@@ -229,9 +235,7 @@ def test_pending_prefill_tokens_counts_the_step_in_flight() -> None:
 
 
 def _add_ranked(sched: Scheduler, rid: str, priority: int, n_prompt: int = 5, max_tokens: int = 6) -> Request:
-    req = _add(sched, rid, n_prompt, max_tokens=max_tokens, t=float(sched._next_seq_no))
-    req.priority = priority
-    return req
+    return _add(sched, rid, n_prompt, max_tokens=max_tokens, t=float(sched._next_seq_no), priority=priority)
 
 
 def _fair(num_blocks: int = 64, max_seqs: int = 2, policy: str = "fair") -> tuple[Scheduler, SimulatedRunner]:
@@ -309,3 +313,17 @@ def test_only_the_room_the_urgent_requests_need_is_taken() -> None:
     _step(sched, runner)
     assert sched.num_preemptions_total == 2 and sched.num_running == 4
     assert [r.status for r in batch] == [RequestStatus.RUNNING] * 2 + [RequestStatus.PREEMPTED] * 2
+
+
+def test_sheddable_load_counts_the_lower_priority_part_and_none_under_fcfs() -> None:
+    sched, runner = _fair(max_seqs=2)
+    _add_ranked(sched, "online", 0, n_prompt=8)
+    _add_ranked(sched, "batch", 1, n_prompt=8)
+    _add_ranked(sched, "batch-2", 2, n_prompt=12)
+    assert sched.sheddable_load() == (0, 2, 20)
+    _step(sched, runner)  # online and batch run, batch-2 waits
+    assert sched.sheddable_load() == (1, 1, 12)
+    assert sched.pending_prefill_tokens() == 12
+    fcfs, _ = _fair(policy="fcfs")
+    _add_ranked(fcfs, "x", 1)
+    assert fcfs.sheddable_load() == (0, 0, 0)

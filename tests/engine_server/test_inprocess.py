@@ -245,6 +245,25 @@ def test_the_batch_slots_are_exported_for_routers() -> None:
     assert 'kvgate:max_num_seqs{model_name="m",engine="0"} 32.0' in text
 
 
+def test_the_sheddable_part_of_the_load_is_exported_for_routers() -> None:
+    import types
+
+    stats = types.SimpleNamespace(
+        num_running=5,
+        num_waiting=4,
+        sheddable_running=3,
+        sheddable_waiting=2,
+        sheddable_prefill_tokens_pending=96,
+    )
+    m = EngineMetrics("m", CacheConfigInfo(16, 64, True), max_num_seqs=8)
+    m.update(StatsSnapshot.from_engine_stats(stats))
+    served = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert served["kvgate:num_requests_running_sheddable"] == 3
+    assert served["kvgate:num_requests_waiting_sheddable"] == 2
+    assert served["kvgate:prefill_tokens_pending_sheddable"] == 96
+    assert served["vllm:num_requests_running"] == 5  # vLLM's totals are unchanged
+
+
 def test_engine_dead_error_carries_status() -> None:
     assert EngineDeadError("x", 503).status == 503
 

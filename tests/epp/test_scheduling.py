@@ -239,6 +239,34 @@ def test_director_sheds_negative_priority_when_saturated(store: Datastore) -> No
     assert d.pick(make_request(priority=-1)).routed
 
 
+def test_an_online_request_goes_where_only_sheddable_work_holds_the_slots(store: Datastore) -> None:
+    """Engine a runs 8 online requests with 4 waiting; engine b runs 8 batch lines with 4 more
+    waiting and their prompts to prefill. By the totals b looks busier, but b's engine would
+    preempt those for an online request: it goes to b, and in every profile that reads load.
+    A sheddable request sees the totals: by them the pool is saturated, and it is refused."""
+    a, b, _ = (s.address for s in store.all())
+    store.set_endpoints([Endpoint(a), Endpoint(b)])
+    set_metrics(store, a, running=8, waiting=4, max_num_seqs=8, prefill_tokens_pending=1024)
+    shed = dict(sheddable_running=8, sheddable_waiting=5, sheddable_prefill_tokens=2048)
+    set_metrics(store, b, running=8, waiting=5, max_num_seqs=8, prefill_tokens_pending=2048, **shed)
+    for profile in ("precise-prefix", "default", "precise-prefix-weights"):
+        d = director_for(store, profile)
+        assert d.pick(make_request("hello there", priority=0)).targets == [b], profile
+        assert d.pick(make_request("hello again", priority=-1)).status == 429, profile
+    # the datastore's own states keep the engine's totals
+    assert store.get(b).metrics.waiting == 5 and store.get(b).metrics.sheddable_waiting == 5
+    assert store.get(b).pending >= 1  # the pick was recorded on the real state, not the view
+
+
+def test_without_sheddable_clamps_forged_parts() -> None:
+    m = EndpointMetrics(
+        waiting=2, running=3, prefill_tokens_pending=10, sheddable_waiting=9, sheddable_running=1
+    )
+    v = m.without_sheddable()
+    assert (v.waiting, v.running, v.prefill_tokens_pending) == (0, 2, 10) and not v.has_sheddable
+    assert EndpointMetrics(sheddable_prefill_tokens=5).without_sheddable().prefill_tokens_pending is None
+
+
 def test_director_filters_removing_all_is_429(store: Datastore) -> None:
     cfg = parse_config(
         {

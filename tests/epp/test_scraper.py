@@ -43,6 +43,21 @@ def test_kvgates_batch_slots_add_up_and_a_forged_value_is_bounded() -> None:
         assert 0 <= m.max_num_seqs <= 1 << 20, forged
 
 
+def test_kvgates_sheddable_parts_add_up_and_forged_values_are_bounded() -> None:
+    assert not parse_metrics(VLLM, MAPPINGS["vllm"], now=5.0).has_sheddable  # vLLM says none
+    text = (
+        'kvgate:num_requests_running_sheddable{engine="0"} 3\n'
+        'kvgate:num_requests_running_sheddable{engine="1"} 2\n'
+        "kvgate:num_requests_waiting_sheddable 4\n"
+        "kvgate:prefill_tokens_pending_sheddable 512\n"
+    )
+    m = parse_metrics(text, MAPPINGS["vllm"], now=1.0)
+    assert (m.sheddable_running, m.sheddable_waiting, m.sheddable_prefill_tokens) == (5, 4, 512)
+    for forged, expect in (("+Inf", 10**12), ("NaN", 0), ("-7", 0)):
+        m = parse_metrics(f"kvgate:num_requests_waiting_sheddable {forged}\n", MAPPINGS["vllm"], now=1.0)
+        assert m.sheddable_waiting == expect, forged
+
+
 def test_deprecated_gpu_cache_alias() -> None:
     m = parse_metrics('vllm:gpu_cache_usage_perc{model_name="m"} 0.75\n', MAPPINGS["vllm"], now=1.0)
     assert m.kv_usage == 0.75
