@@ -32,7 +32,8 @@ from pathlib import Path
 import httpx
 
 from kvgate.bench import report
-from kvgate.bench.stats import RequestResult, Slo, Summary, summarize, window_tokens
+from kvgate.bench.preset_main import PresetError, preset_main
+from kvgate.bench.stats import RequestResult, Slo, Summary, ratio, summarize, window_tokens
 from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
 
 PRESET = "batch-and-online"
@@ -46,12 +47,6 @@ BATCH_FINAL = ("completed", "failed", "cancelled", "expired")
 CAPACITY = "capacity"
 ONLINE = "online alone"
 MIXED = "online + batch"
-
-
-class BatchBenchError(RuntimeError):
-    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.details = list(details)
 
 
 def _say(message: str) -> None:
@@ -162,20 +157,16 @@ class BatchAndOnlineResult:
         alone, mixed = self.row(ONLINE), self.row(MIXED)
         if alone is None or mixed is None:
             return None
-        return _div(mixed.summary.ttft_p90_s, alone.summary.ttft_p90_s)
+        return ratio(mixed.summary.ttft_p90_s, alone.summary.ttft_p90_s)
 
     def leftover_share(self) -> float | None:
-        return _div(self.batch_tok_s(), self.leftover_tok_s())
+        return ratio(self.batch_tok_s(), self.leftover_tok_s())
 
     def targets_met(self) -> bool:
         ratio, share = self.ttft_p90_ratio(), self.leftover_share()
         return (
             ratio is not None and share is not None and ratio <= TTFT_P90_TARGET and share >= LEFTOVER_TARGET
         )
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 # -- the batch API, over plain HTTP (the openai client is a test dependency, not the bench's) --
@@ -190,7 +181,7 @@ class BatchClient:
 
     def _ok(self, resp: httpx.Response) -> dict:
         if resp.status_code != 200:
-            raise BatchBenchError(
+            raise PresetError(
                 f"{resp.request.method} {resp.request.url.path}: {resp.status_code} {resp.text[:300]}"
             )
         return resp.json()
@@ -252,7 +243,7 @@ async def _engine_tokens(urls: Sequence[str]) -> float:
 
     snap = await engine_metrics.snapshot(urls)
     if snap.reachable != len(urls):
-        raise BatchBenchError(f"only {snap.reachable} of {len(urls)} engines answered /metrics")
+        raise PresetError(f"only {snap.reachable} of {len(urls)} engines answered /metrics")
     return snap.values.get(m.GENERATION_TOKENS_TOTAL, 0.0)
 
 
@@ -347,9 +338,9 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Bat
         try:
             info = stack.start()
         except PortBusyError as exc:
-            raise BatchBenchError(str(exc)) from None
+            raise PresetError(str(exc)) from None
         except StackError as exc:
-            raise BatchBenchError(str(exc), exc.details) from None
+            raise PresetError(str(exc), exc.details) from None
         urls, gateway, model = info.engine_metrics_urls, info.gateway_url, info.model
 
         def run(name: str, rate: float | None, concurrency: int | None) -> RunRow:
@@ -369,7 +360,7 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Bat
         cap = run(CAPACITY, None, flood)
         cap_req_s = sum(1 for r in cap.results if r.ok) / max(cap.summary.duration_s, 1e-9)
         if cap.window_tok_s <= 0 or cap_req_s <= 0:
-            raise BatchBenchError("the capacity run completed nothing")
+            raise PresetError("the capacity run completed nothing")
         rate = ONLINE_FRACTION * cap_req_s
         _say(
             f"capacity {cap.window_tok_s:.0f} output tok/s ({cap_req_s:.2f} req/s); online at {rate:.2f} req/s"
@@ -387,7 +378,7 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Bat
             deadline = time.monotonic() + 60
             while client.retrieve(batch_id)["status"] == "validating":
                 if time.monotonic() > deadline:
-                    raise BatchBenchError(f"batch {batch_id} still validating after 60 s")
+                    raise PresetError(f"batch {batch_id} still validating after 60 s")
                 time.sleep(0.2)
             done_before = sum(_counts(client.retrieve(batch_id)))
             _say(f"{MIXED}: {rate:.2f} req/s for {args.duration:g} s beside the batch")
@@ -443,14 +434,6 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Bat
 # -- report -----------------------------------------------------------------------------------
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _x(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
 TABLE_HEADERS = [
     "run",
     "req/s",
@@ -475,10 +458,10 @@ def table_rows(rows: Sequence[RunRow]) -> list[list[str]]:
                 "closed loop" if r.offered_req_s is None else f"{r.offered_req_s:.2f}",
                 str(len(r.results)),
                 str(sum(1 for x in r.results if x.ok)),
-                _ms(s.ttft_p50_s),
-                _ms(s.ttft_p90_s),
-                _ms(s.itl_p50_s),
-                _ms(s.itl_p90_s),
+                report.ms(s.ttft_p50_s),
+                report.ms(s.ttft_p90_s),
+                report.ms(s.itl_p50_s),
+                report.ms(s.itl_p90_s),
                 f"{r.window_tok_s:.0f}",
                 "-" if r.pool_tok_s is None else f"{r.pool_tok_s:.0f}",
             ]
@@ -491,7 +474,7 @@ def summary_lines(result: BatchAndOnlineResult) -> list[str]:
     ratio, share = result.ttft_p90_ratio(), result.leftover_share()
     left, batch = result.leftover_tok_s(), result.batch_tok_s()
     lines = [
-        f"online TTFT p90 beside the batch / alone: {_x(ratio)} (target <= {TTFT_P90_TARGET:g}x)",
+        f"online TTFT p90 beside the batch / alone: {report.times(ratio)} (target <= {TTFT_P90_TARGET:g}x)",
         f"batch output tok/s in the online window: {'-' if batch is None else f'{batch:.0f}'} of "
         f"{'-' if left is None else f'{left:.0f}'} left over by the online load "
         f"({'-' if share is None else f'{share * 100:.0f}%'}; target >= {LEFTOVER_TARGET * 100:.0f}%)",
@@ -546,17 +529,12 @@ def write_json(path: Path, result: BatchAndOnlineResult, started: str) -> None:
 def main(args: argparse.Namespace, slo: Slo, progress: bool | None) -> int:
     """`kvgate bench --preset batch-and-online` after the preset filled its flags. Exit 1 when
     a run completed no request or the batch did not complete."""
-    try:
-        check_args(args)
-        result = run_preset(args, slo, progress)
-    except ValueError as exc:
-        print(f"kvgate bench: {exc}", file=sys.stderr)
-        return 2
-    except BatchBenchError as exc:
-        print(f"kvgate bench: {exc}", file=sys.stderr)
-        for line in exc.details:
-            print(f"    {line}", file=sys.stderr)
-        return 2
-    print_report(args, result, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    ok = all(any(r.ok for r in row.results) for row in result.rows) and result.batch.status == "completed"
-    return 0 if ok else 1
+    return preset_main(
+        args,
+        check_args,
+        lambda: run_preset(args, slo, progress),
+        print_report,
+        lambda result: (
+            all(any(r.ok for r in row.results) for row in result.rows) and result.batch.status == "completed"
+        ),
+    )

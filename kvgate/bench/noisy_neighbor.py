@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from kvgate.bench import report
-from kvgate.bench.stats import RequestResult, Slo, Summary, summarize, window_tokens
+from kvgate.bench.preset_main import PresetError, preset_main
+from kvgate.bench.stats import RequestResult, Slo, Summary, ratio, summarize, window_tokens
 from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
 
 if TYPE_CHECKING:
@@ -65,12 +66,6 @@ LIGHT = ("B", "C")
 # Arrival seeds: one Poisson stream per tenant, the same in every run it takes part in (so a
 # tenant alone and the same tenant beside a flood see the same arrival times).
 _SEED_SLOT = {"A": 1, "B": 2, "C": 3, "flood": 4, "critical": 5}
-
-
-class NoisyNeighborError(RuntimeError):
-    def __init__(self, message: str, details: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.details = list(details)
 
 
 @dataclass(frozen=True)
@@ -227,10 +222,6 @@ class Ratio:
     tok_s: float | None
 
 
-def _div(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def ratios(rows: Sequence[TenantRow]) -> list[Ratio]:
     """Every tenant that ran alone: its other runs against that one."""
     alone = {r.tenant: r for r in rows if r.run == ALONE}
@@ -244,11 +235,11 @@ def ratios(rows: Sequence[TenantRow]) -> list[Ratio]:
             Ratio(
                 r.tenant,
                 r.run,
-                _div(s.ttft_p50_s, b.ttft_p50_s),
-                _div(s.ttft_p90_s, b.ttft_p90_s),
-                _div(s.itl_p50_s, b.itl_p50_s),
-                _div(s.itl_p90_s, b.itl_p90_s),
-                _div(r.window_tok_s, base.window_tok_s),
+                ratio(s.ttft_p50_s, b.ttft_p50_s),
+                ratio(s.ttft_p90_s, b.ttft_p90_s),
+                ratio(s.itl_p50_s, b.itl_p50_s),
+                ratio(s.itl_p90_s, b.itl_p90_s),
+                ratio(r.window_tok_s, base.window_tok_s),
             )
         )
     return out
@@ -290,7 +281,7 @@ def virtual_capacity(
     result = VirtualPool(spec, profile).run(stream)
     done = sorted(r.finished for r in result.done() if r.finished is not None)
     if len(done) < 5:
-        raise NoisyNeighborError(
+        raise PresetError(
             f"the capacity flood of {prompt_tokens}-token prompts completed {len(done)} requests"
         )
     lo, hi = len(done) // 5, len(done) - 1 - len(done) // 5
@@ -450,9 +441,9 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Noi
             try:
                 info = stack.start()
             except PortBusyError as exc:
-                raise NoisyNeighborError(str(exc)) from None
+                raise PresetError(str(exc)) from None
             except StackError as exc:
-                raise NoisyNeighborError(str(exc), exc.details) from None
+                raise PresetError(str(exc), exc.details) from None
             for run in (r for r in runs if r.flow_control == flow_control):
                 who = ", ".join(
                     f"{t.name} {t.rate:.2f} req/s x {t.prompt_tokens} tokens" for t in run.tenants
@@ -499,16 +490,6 @@ def run_preset(args: argparse.Namespace, slo: Slo, progress: bool | None) -> Noi
 # -- report -----------------------------------------------------------------------------------
 
 
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def _x(v: float | None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.0f}x" if v >= 100 else f"{v:.2f}x" if v < 10 else f"{v:.1f}x"
-
-
 TABLE_HEADERS = [
     "run",
     "tenant",
@@ -544,10 +525,10 @@ def table_rows(rows: Sequence[TenantRow]) -> list[list[str]]:
                 str(c["429"]),
                 str(c["503"]),
                 str(c["other"]),
-                _ms(s.ttft_p50_s),
-                _ms(s.ttft_p90_s),
-                _ms(s.itl_p50_s),
-                _ms(s.itl_p90_s),
+                report.ms(s.ttft_p50_s),
+                report.ms(s.ttft_p90_s),
+                report.ms(s.itl_p50_s),
+                report.ms(s.itl_p90_s),
                 f"{r.window_tok_s:.1f}",
             ]
         )
@@ -559,7 +540,15 @@ RATIO_HEADERS = ["tenant", "run / alone", "TTFT p50", "TTFT p90", "ITL p50", "IT
 
 def ratio_rows(found: Sequence[Ratio]) -> list[list[str]]:
     return [
-        [q.tenant, q.run, _x(q.ttft_p50), _x(q.ttft_p90), _x(q.itl_p50), _x(q.itl_p90), _x(q.tok_s)]
+        [
+            q.tenant,
+            q.run,
+            report.times(q.ttft_p50),
+            report.times(q.ttft_p90),
+            report.times(q.itl_p50),
+            report.times(q.itl_p90),
+            report.times(q.tok_s),
+        ]
         for q in found
     ]
 
@@ -578,7 +567,7 @@ def summary_lines(result: NoisyNeighborResult) -> list[str]:
 
         lines.append(
             f"pool output tok/s from {span:g} s to the end of arrivals: flow control {fc:.1f}, none {none:.1f} "
-            f"({_x(_div(fc, none))}); A's share {share(FLOW)} with flow control, {share(NO_FLOW)} without"
+            f"({report.times(ratio(fc, none))}); A's share {share(FLOW)} with flow control, {share(NO_FLOW)} without"
         )
     by = {(r.run, r.tenant): r for r in rows}
     base = by.get((ALONE, "critical"))
@@ -588,8 +577,8 @@ def summary_lines(result: NoisyNeighborResult) -> list[str]:
             r = by.get((run, "critical"))
             if r is not None and r.summary.ttft_p90_s is not None:
                 parts.append(
-                    f"{what} {_x(_div(r.summary.ttft_p90_s, base.summary.ttft_p90_s))} "
-                    f"({_ms(r.summary.ttft_p90_s)} ms)"
+                    f"{what} {report.times(ratio(r.summary.ttft_p90_s, base.summary.ttft_p90_s))} "
+                    f"({report.ms(r.summary.ttft_p90_s)} ms)"
                 )
         flood = by.get((PRIO_FLOW, "flood"))
         shed = ""
@@ -597,7 +586,7 @@ def summary_lines(result: NoisyNeighborResult) -> list[str]:
             c = flood.counts()
             shed = f"; the flood with flow control: {c['429']} of {c['sent']} refused 429 (sheddable)"
         lines.append(
-            f"critical TTFT p90 during the sheddable flood vs alone ({_ms(base.summary.ttft_p90_s)} ms): "
+            f"critical TTFT p90 during the sheddable flood vs alone ({report.ms(base.summary.ttft_p90_s)} ms): "
             + ", ".join(parts)
             + shed
         )
@@ -693,16 +682,10 @@ def write_json(path: Path, result: NoisyNeighborResult, started: str) -> None:
 
 def main(args: argparse.Namespace, slo: Slo, progress: bool | None) -> int:
     """`kvgate bench --preset noisy-neighbor` after the preset filled its flags."""
-    try:
-        check_args(args)
-        result = run_preset(args, slo, progress)
-    except ValueError as exc:
-        print(f"kvgate bench: {exc}", file=sys.stderr)
-        return 2
-    except NoisyNeighborError as exc:
-        print(f"kvgate bench: {exc}", file=sys.stderr)
-        for line in exc.details:
-            print(f"    {line}", file=sys.stderr)
-        return 2
-    print_report(args, result, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    return 0 if result.all_ok_enough() else 1
+    return preset_main(
+        args,
+        check_args,
+        lambda: run_preset(args, slo, progress),
+        print_report,
+        lambda result: result.all_ok_enough(),
+    )

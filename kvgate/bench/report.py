@@ -175,3 +175,15 @@ def write_requests_jsonl(path: Path, label: str, results: Sequence[RequestResult
                 "error": r.error,
             }
             f.write(json.dumps(rec) + "\n")
+
+
+def ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds; '-' for none."""
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def times(v: float | None) -> str:
+    """A ratio as 1.23x, 12.3x or 123x; '-' for none."""
+    if v is None:
+        return "-"
+    return f"{v:.0f}x" if v >= 100 else f"{v:.2f}x" if v < 10 else f"{v:.1f}x"

@@ -214,3 +214,8 @@ def window_tokens(results: Sequence[RequestResult], start: float, end: float) ->
     """Output chunks (one token each from the engines) that reached the client in [start, end),
     seconds since the run started; failed requests' tokens count too (they were produced)."""
     return sum(1 for r in results for t in r.token_times if start <= r.sent_at + t < end)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing or b is 0."""
+    return a / b if a is not None and b else None
