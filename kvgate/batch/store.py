@@ -38,6 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
+from kvgate.batch import migrations
 from kvgate.batch.jsonl import InputLine
 
 # Line states
@@ -160,7 +161,7 @@ class Store:
             if self.engine.dialect.name == "postgresql":
                 # replicas starting together: one creates the tables, the others wait and see them
                 conn.execute(text("SELECT pg_advisory_xact_lock(4545045)"))
-            Base.metadata.create_all(conn)
+            migrations.upgrade(conn)
         self.session = sessionmaker(self.engine, expire_on_commit=False)
 
     def close(self) -> None:
