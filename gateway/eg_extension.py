@@ -15,13 +15,16 @@ know, hands the result to an extension server over gRPC (`envoygateway.extension
   the GIE settings kvgate's own gateway uses (kvgate.gateway.envoy_config). Ahead of them, a
   header_mutation filter removes a client's ``x-gateway-destination-endpoint``: only the EPP
   names the endpoint (``use_http_header`` is unsanitised by Envoy: a forged value would
-  send the request to any host and port the proxy can reach). The filters fail closed even
-  for a ``FailOpen`` pool: with the EPP gone no endpoint is named, and an ``ORIGINAL_DST``
-  cluster then connects to the listener's own address, the proxy itself, a request looping
-  through it until its headers overflow; a warning is logged, and FailOpen waits for a cluster
-  with the pool's endpoints as its fallback.
+  send the request to any host and port the proxy can reach).
+- ``FailOpen`` pools: an ``ORIGINAL_DST`` cluster cannot fail open (with the EPP gone no endpoint
+  is named, and it connects to the listener's own address, the proxy itself). So a FailOpen
+  pool's cluster is its endpoints instead, resolved through a headless "shadow" Service of the
+  pool's selector (as Istio makes one per InferencePool; `PoolStatus` keeps it, owned by the
+  pool), with Envoy's override-host policy: the EPP's pick when it named one, round robin over
+  the pool's ready endpoints when no EPP answered (the ext_proc filter then lets the request
+  through). A forged header can only name one of the pool's own endpoints there.
 
-`PoolStatus` writes ``InferencePool.status.parents``: one entry per Gateway of Envoy Gateway's
+`PoolStatus` writes ``InferencePool.status.parents``, and keeps the FailOpen pools' shadow Services: one entry per Gateway of Envoy Gateway's
 class whose accepted HTTPRoute sends to the pool, with ``Accepted`` and ``ResolvedRefs`` (the
 EPP's Service exists). That is what makes ``kubectl get inferencepools`` say ACCEPTED True.
 
@@ -32,6 +35,7 @@ declaration of the extension's wire contract: no generated files, no protoc.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import re
@@ -57,7 +61,7 @@ import httpx
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, struct_pb2
 from google.protobuf.message import Message
 
-from kvgate.gateway.envoy_config import _any, _ext_proc_filter, _grpc_cluster
+from kvgate.gateway.envoy_config import _any, _ext_proc_filter, _grpc_cluster, _override_host_cluster
 
 log = logging.getLogger("kvgate.gateway.extension")
 
@@ -219,6 +223,7 @@ class Pool:
     epp_port: int
     failure_mode: str  # FailOpen | FailClose
     app_protocol: str = "http"  # of the target ports: http (HTTP/1.1) or kubernetes.io/h2c
+    target_port: int = 0  # the endpoints' port (spec.targetPorts[0]); 0: not known
 
     @classmethod
     def from_object(cls, obj: dict[str, Any]) -> Pool:
@@ -232,7 +237,25 @@ class Pool:
             epp_port=int(port),
             failure_mode=str(ref.get("failureMode") or "FailClose"),
             app_protocol=str(spec.get("appProtocol") or "http"),
+            target_port=int(((spec.get("targetPorts") or [{}])[0] or {}).get("number") or 0),
         )
+
+    @property
+    def fails_open(self) -> bool:
+        """FailOpen with a port to reach its endpoints on (its cluster is then those endpoints)."""
+        return self.failure_mode == "FailOpen" and self.target_port > 0
+
+    @property
+    def shadow_service(self) -> str:
+        """The headless Service of the pool's endpoints (a DNS label: the pool's name, which may
+        hold dots, trimmed, and a hash of namespace/name so two pools never share one)."""
+        digest = hashlib.sha256(self.key.encode()).hexdigest()[:8]
+        stem = re.sub(r"[^a-z0-9-]", "-", self.name.lower())[:50].strip("-") or "pool"
+        return f"{'p-' if stem[0].isdigit() else ''}{stem}-ip-{digest}"
+
+    @property
+    def shadow_host(self) -> str:
+        return f"{self.shadow_service}.{self.namespace}.svc.cluster.local"
 
     @property
     def key(self) -> str:
@@ -260,6 +283,7 @@ class Pool:
                 "eppPort": self.epp_port,
                 "failureMode": self.failure_mode,
                 "appProtocol": self.app_protocol,
+                "targetPort": self.target_port,
             }
         )
         return s
@@ -280,6 +304,7 @@ class Pool:
             int(d["eppPort"]),
             d["failureMode"],
             d.get("appProtocol", "http"),
+            int(d.get("targetPort") or 0),
         )
 
 
@@ -346,12 +371,7 @@ def pool_cluster(
     cluster of its own and the route a weighted choice between them."""
     out = cluster_pb2.Cluster()
     out.CopyFrom(cluster)
-    for name in ("load_assignment", "eds_cluster_config", "load_balancing_policy", "health_checks"):
-        out.ClearField(name)
-    out.type = cluster_pb2.Cluster.ORIGINAL_DST
-    out.lb_policy = cluster_pb2.Cluster.CLUSTER_PROVIDED
-    out.original_dst_lb_config.use_http_header = True
-    out.original_dst_lb_config.http_header_name = ENDPOINT_HEADER
+    _to_destination(out, pool)
     if pool.app_protocol == "kubernetes.io/h2c":  # GIE: the model servers speak HTTP/2 cleartext
         out.typed_extension_protocol_options[H2C_OPTIONS].CopyFrom(_h2c())
     out.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
@@ -360,6 +380,70 @@ def pool_cluster(
         entries.update({"pools": [{**dict(p.as_struct()), "weight": w} for p, w in split]})
         out.metadata.filter_metadata[SPLIT_KEY].CopyFrom(entries)
     return out
+
+
+def _to_destination(out: cluster_pb2.Cluster, pool: Pool) -> None:
+    """In place: the cluster reaches the endpoint the pool's EPP names. FailClose: an
+    ORIGINAL_DST cluster on the EPP's header (any pod, at once). FailOpen: the pool's endpoints
+    by DNS (its shadow Service) under the override-host policy, which also serves a request no
+    EPP saw, round robin. Envoy Gateway's other settings on the cluster (timeouts, circuit
+    breakers, TLS) stay."""
+    for name in (
+        "load_assignment",
+        "eds_cluster_config",
+        "load_balancing_policy",
+        "health_checks",
+        "lb_policy",
+        "original_dst_lb_config",
+        "dns_refresh_rate",
+        "dns_lookup_family",
+        "outlier_detection",
+    ):
+        out.ClearField(name)
+    if pool.fails_open:
+        endpoints = _override_host_cluster([(pool.shadow_host, pool.target_port)], by_dns=True, name=out.name)
+        for name in ("type", "dns_lookup_family"):
+            setattr(out, name, getattr(endpoints, name))
+        for name in ("dns_refresh_rate", "load_assignment", "load_balancing_policy", "outlier_detection"):
+            getattr(out, name).CopyFrom(getattr(endpoints, name))
+        return
+    out.type = cluster_pb2.Cluster.ORIGINAL_DST
+    out.lb_policy = cluster_pb2.Cluster.CLUSTER_PROVIDED
+    out.original_dst_lb_config.use_http_header = True
+    out.original_dst_lb_config.http_header_name = ENDPOINT_HEADER
+
+
+def shadow_service(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The headless Service a FailOpen InferencePool's cluster resolves its endpoints through
+    (its selector, its target port, owned by the pool so it goes with it); None for another pool."""
+    pool = Pool.from_object(obj)
+    selector = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    meta = obj.get("metadata") or {}
+    if not pool.fails_open or not selector or not meta.get("uid"):
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": pool.shadow_service,
+            "namespace": pool.namespace,
+            "labels": {METADATA_KEY: pool.name, "app.kubernetes.io/managed-by": "kvgate-gateway-extension"},
+            "ownerReferences": [
+                {
+                    "apiVersion": str(obj.get("apiVersion") or f"{POOL_GROUP}/v1"),
+                    "kind": POOL_KIND,
+                    "name": pool.name,
+                    "uid": meta["uid"],
+                }
+            ],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": dict(selector),
+            "ports": [{"name": "http", "port": pool.target_port, "targetPort": pool.target_port}],
+            "publishNotReadyAddresses": False,
+        },
+    }
 
 
 def _h2c() -> Any:
@@ -382,6 +466,7 @@ def _split_clusters(cluster: cluster_pb2.Cluster) -> list[tuple[cluster_pb2.Clus
         one.CopyFrom(cluster)
         one.name = f"{cluster.name}/pool/{pool.key}"
         del one.metadata.filter_metadata[SPLIT_KEY]
+        _to_destination(one, pool)
         one.metadata.filter_metadata[METADATA_KEY].CopyFrom(pool.as_struct())
         if H2C_OPTIONS in one.typed_extension_protocol_options:
             del one.typed_extension_protocol_options[H2C_OPTIONS]
@@ -419,11 +504,10 @@ def translate(
         return clusters, listeners, routes
     unique = {p.key: p for p in pools.values()}
     for pool in unique.values():
-        if pool.failure_mode == "FailOpen":
+        if pool.failure_mode == "FailOpen" and not pool.fails_open:
             log.warning(
-                "InferencePool %s: failureMode FailOpen is served as FailClose through Envoy Gateway "
-                "(with the EPP gone no endpoint is named, and the pool's ORIGINAL_DST cluster would "
-                "send the request back into the proxy)",
+                "InferencePool %s: failureMode FailOpen without a target port is served as FailClose "
+                "(no endpoints to fall back on)",
                 pool.key,
             )
     have = {c.name for c in clusters}
@@ -470,7 +554,8 @@ def _served_filter() -> hcm_pb2.HttpFilter:
 def _pool_ext_proc(pool: Pool) -> ext_proc_pb2.ExternalProcessor:
     """The pool's ext_proc filter: kvgate's gateway settings, plus the response headers (not
     the body) with ``envoy.lb`` forwarded, so the EPP learns the served endpoint (GIE)."""
-    config = _ext_proc_filter("FailClose", MESSAGE_TIMEOUT, False, pool.epp_cluster)
+    mode = "FailOpen" if pool.fails_open else "FailClose"
+    config = _ext_proc_filter(mode, MESSAGE_TIMEOUT, False, pool.epp_cluster)
     config.processing_mode.response_header_mode = config.processing_mode.SEND
     config.metadata_options.forwarding_namespaces.untyped.append(LB_NAMESPACE)
     return config
@@ -788,11 +873,14 @@ class PoolStatus:
             c["metadata"]["name"]: c
             for c in await self._items("/apis/gateway.networking.k8s.io/v1/gatewayclasses")
         }
-        services = {
-            (s["metadata"]["namespace"], s["metadata"]["name"]) for s in await self._items("/api/v1/services")
+        service_objects = {
+            (s["metadata"]["namespace"], s["metadata"]["name"]): s
+            for s in await self._items("/api/v1/services")
         }
+        services = set(service_objects)
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         for pool in pools:
+            await self._keep_shadow(pool, service_objects)
             parents = pool_parents(pool, routes, gateways, classes, services, now)
             if parents == ((pool.get("status") or {}).get("parents") or []):
                 continue
@@ -817,6 +905,38 @@ class PoolStatus:
                     meta["name"],
                     [p["parentRef"]["name"] for p in parents],
                 )
+
+    async def _keep_shadow(
+        self, pool: dict[str, Any], services: dict[tuple[str, str], dict[str, Any]]
+    ) -> None:
+        """A FailOpen pool's shadow Service: made when missing, its selector and ports put back
+        when they drifted from the pool's."""
+        want = shadow_service(pool)
+        if want is None:
+            return
+        ns, name = want["metadata"]["namespace"], want["metadata"]["name"]
+        have = services.get((ns, name))
+        if have is None:
+            resp = await self.api.post(f"/api/v1/namespaces/{ns}/services", json=want)
+            what = "made"
+        elif {k: (have.get("spec") or {}).get(k) for k in ("selector", "ports")} != {
+            "selector": want["spec"]["selector"],
+            "ports": [{**want["spec"]["ports"][0], "protocol": "TCP"}],
+        }:
+            patch = {"spec": {k: want["spec"][k] for k in ("selector", "ports")}}
+            resp = await self.api.patch(
+                f"/api/v1/namespaces/{ns}/services/{name}",
+                content=json.dumps(patch),
+                headers={"Content-Type": "application/merge-patch+json"},
+            )
+            what = "updated"
+        else:
+            return
+        if resp.status_code >= 400 and resp.status_code != 409:  # 409: made meanwhile
+            log.warning("InferencePool %s/%s: shadow Service %s: %s %s", ns, pool["metadata"]["name"], name,
+                        resp.status_code, resp.text[:300])  # fmt: skip
+        else:
+            log.info("InferencePool %s/%s: shadow Service %s %s", ns, pool["metadata"]["name"], name, what)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()

@@ -378,12 +378,15 @@ def test_the_gateway_accepts_the_route_and_the_pool_and_serves_through_the_epp(s
     assert served_by_engines() - engines_before >= 9
 
 
-def test_a_pool_whose_epp_is_gone_fails_closed_and_a_forged_endpoint_goes_nowhere(served: Served) -> None:
-    """An InferencePool whose EPP does not exist, marked FailOpen, behind the Gateway: the
-    request is a 503, not a pass-through; and a client's own x-gateway-destination-endpoint,
-    which an ORIGINAL_DST cluster would follow to any address, reaches nothing (the extension
-    strips it before the EPP, and fails closed: with no EPP the cluster would connect back to
-    the proxy's own listener)."""
+def test_a_pool_whose_epp_is_gone_follows_its_failure_mode_and_a_forged_endpoint_goes_nowhere(
+    served: Served,
+) -> None:
+    """Two InferencePools over the module's engines whose EPP does not exist, behind the
+    Gateway: the FailClose one answers 503; the FailOpen one is served by the pool's engines
+    (round robin through the shadow Service the extension keeps, owned by the pool and gone
+    with it). A client's own x-gateway-destination-endpoint, which an ORIGINAL_DST cluster would
+    follow to any address, reaches nothing on either (stripped before the EPP; and a FailOpen
+    pool's cluster holds only its own endpoints)."""
     import http.server
 
     cluster = served.cluster
@@ -400,44 +403,72 @@ def test_a_pool_whose_epp_is_gone_fails_closed_and_a_forged_endpoint_goes_nowher
 
     canary = http.server.ThreadingHTTPServer(("127.0.0.7", 0), Canary)  # not 127.0.0.1: the proxy's own
     threading.Thread(target=canary.serve_forever, daemon=True).start()
-    pool = {
-        "apiVersion": "inference.networking.k8s.io/v1",
-        "kind": "InferencePool",
-        "metadata": {"name": "orphan", "namespace": NS},
-        "spec": {
-            "selector": {"matchLabels": {"kvgate.dev/model-deployment": MD, "kvgate.dev/role": "engine"}},
-            "targetPorts": [{"number": 8000}],
-            "endpointPickerRef": {"name": "no-such-epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
-        },
-    }
-    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "orphan", "namespace": NS},
-             "spec": {"parentRefs": [{"name": "kvgate", "namespace": "default"}],
-                      "rules": [{"matches": [{"headers": [{"name": "x-test-pool", "value": "orphan"}]}],
-                                 "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                                                  "name": "orphan"}]}]}}  # fmt: skip
-    apply(cluster, [pool, route])
+
+    def orphan(name: str, mode: str) -> list[dict[str, Any]]:
+        pool = {
+            "apiVersion": "inference.networking.k8s.io/v1",
+            "kind": "InferencePool",
+            "metadata": {"name": name, "namespace": NS},
+            "spec": {
+                "selector": {"matchLabels": {"kvgate.dev/model-deployment": MD, "kvgate.dev/role": "engine"}},
+                "targetPorts": [{"number": 8000}],
+                "endpointPickerRef": {"name": "no-such-epp", "port": {"number": 9002}, "failureMode": mode},
+            },
+        }
+        route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": name, "namespace": NS},
+                 "spec": {"parentRefs": [{"name": "kvgate", "namespace": "default"}],
+                          "rules": [{"matches": [{"headers": [{"name": "x-test-pool", "value": name}]}],
+                                     "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                      "name": name}]}]}}  # fmt: skip
+        return [pool, route]
+
+    apply(cluster, orphan("orphan-closed", "FailClose") + orphan("orphan-open", "FailOpen"))
     try:
         address = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
-        forged = {
-            "x-test-pool": "orphan",
-            "x-gateway-destination-endpoint": f"127.0.0.7:{canary.server_port}",
-        }
         body = {"model": MD, "prompt": "where does this go", "max_tokens": 2}
 
-        def status() -> int:
+        def status(pool: str, forged: bool = False) -> int:
+            headers = {"x-test-pool": pool}
+            if forged:
+                headers["x-gateway-destination-endpoint"] = f"127.0.0.7:{canary.server_port}"
             return httpx.post(
-                f"http://{address}/v1/completions", json=body, headers=forged, timeout=30
+                f"http://{address}/v1/completions", json=body, headers=headers, timeout=30
             ).status_code
 
-        eventually(lambda: status() == 503, 90, "the orphan pool's route answering 503")
-        assert [status() for _ in range(5)] == [503] * 5
+        eventually(lambda: status("orphan-closed") == 503, 90, "the FailClose orphan's route answering 503")
+        assert [status("orphan-closed", forged=True) for _ in range(5)] == [503] * 5
+        eventually(
+            lambda: status("orphan-open") == 200, 90, "the FailOpen orphan served by the pool's engines"
+        )
+        assert [status("orphan-open", forged=i % 2 == 0) for i in range(6)] == [200] * 6
         assert hits == [], f"a forged endpoint was followed: {hits}"
-        # the module's own pool is untouched by the orphan's route
+        uid = cluster.get("inferencepool", "orphan-open", "-n", NS)["metadata"]["uid"]
+        (shadow,) = [
+            svc
+            for svc in cluster.get("services", "-n", NS)["items"]
+            if (svc["metadata"].get("labels") or {}).get("kvgate.dev/inference-pool") == "orphan-open"
+        ]
+        assert shadow["spec"]["clusterIP"] == "None"
+        assert [(o["kind"], o["uid"]) for o in shadow["metadata"]["ownerReferences"]] == [
+            ("InferencePool", uid)
+        ]
+        # the module's own pool is untouched by the orphans' routes
         assert httpx.post(f"http://{address}/v1/completions", json=body, timeout=30).status_code == 200
+        cluster.delete("inferencepool", "orphan-open", NS, within=60)
+        eventually(
+            lambda: (
+                not cluster.kubectl(
+                    "get", "service", shadow["metadata"]["name"], "-n", NS, check=False
+                ).stdout
+            ),
+            60,
+            "the shadow Service garbage-collected with its pool",
+        )
     finally:
         canary.shutdown()
-        cluster.kubectl("delete", "httproute", "orphan", "-n", NS, "--wait=false", check=False)
-        cluster.kubectl("delete", "inferencepool", "orphan", "-n", NS, "--wait=false", check=False)
+        for name in ("orphan-closed", "orphan-open"):
+            cluster.kubectl("delete", "httproute", name, "-n", NS, "--wait=false", check=False)
+            cluster.kubectl("delete", "inferencepool", name, "-n", NS, "--wait=false", check=False)
 
 
 def _wildcard_listeners() -> set[int]:

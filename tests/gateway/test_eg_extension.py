@@ -30,6 +30,14 @@ POOL = {
     "spec": {
         "selector": {"matchLabels": {"app": "smollm2"}},
         "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "smollm2-epp", "port": {"number": 9002}, "failureMode": "FailClose"},
+    },
+}
+FAIL_OPEN = {
+    **POOL,
+    "metadata": {**POOL["metadata"], "uid": "6b1d0c2e-0000-4000-8000-000000000001"},
+    "spec": {
+        **POOL["spec"],
         "endpointPickerRef": {"name": "smollm2-epp", "port": {"number": 9002}, "failureMode": "FailOpen"},
     },
 }
@@ -73,9 +81,9 @@ def _eg_cluster(name: str) -> cluster_pb2.Cluster:
     return c
 
 
-def _modified_pool_cluster(stub: Any) -> cluster_pb2.Cluster:
+def _modified_pool_cluster(stub: Any, pool: dict[str, Any] = POOL) -> cluster_pb2.Cluster:
     req = ext.MESSAGES["PostClusterModifyRequest"](cluster=_eg_cluster(POOL_CLUSTER))
-    req.post_cluster_context.backend_extension_resources.append(_resource(POOL))
+    req.post_cluster_context.backend_extension_resources.append(_resource(pool))
     return stub("PostClusterModify", req).cluster
 
 
@@ -120,7 +128,9 @@ def test_a_pool_cluster_connects_where_the_epp_says(stub: Any) -> None:
     assert c.original_dst_lb_config.use_http_header
     assert c.original_dst_lb_config.http_header_name == "x-gateway-destination-endpoint"
     assert not c.HasField("eds_cluster_config") and c.connect_timeout.seconds == 10
-    assert ext.Pool.from_cluster(c) == ext.Pool("models", "smollm2", "smollm2-epp", 9002, "FailOpen")
+    assert ext.Pool.from_cluster(c) == ext.Pool(
+        "models", "smollm2", "smollm2-epp", 9002, "FailClose", target_port=8000
+    )
 
 
 def test_a_cluster_of_another_backend_comes_back_unchanged(stub: Any) -> None:
@@ -158,9 +168,7 @@ def test_translation_adds_the_epp_and_enables_its_filter_only_on_the_pools_route
     proc = ext_proc_pb2.ExternalProcessor()
     assert filters[1].typed_config.Unpack(proc)
     assert proc.grpc_service.envoy_grpc.cluster_name == "kvgate/epp/models/smollm2"
-    # the pool says FailOpen, but with the EPP gone the ORIGINAL_DST cluster would connect to
-    # the proxy's own listener: it fails closed
-    assert not proc.failure_mode_allow
+    assert not proc.failure_mode_allow  # FailClose
     # GIE: the response headers (not the body) go to the EPP with the served endpoint, which the
     # filter after the EPP copies from the header it set into envoy.lb metadata
     mode = proc.processing_mode
@@ -384,3 +392,102 @@ def test_a_pool_of_h2c_model_servers_gets_http2_to_its_endpoints(stub: Any) -> N
         c = stub("PostClusterModify", req).cluster
         assert (options in c.typed_extension_protocol_options) is http2
         assert ext.Pool.from_cluster(c).app_protocol == ("kubernetes.io/h2c" if http2 else "http")
+
+
+def test_a_fail_open_pool_is_its_endpoints_chosen_by_the_epp_or_round_robin(stub: Any) -> None:
+    """FailOpen: the cluster is the pool's endpoints by DNS (its shadow Service) under the
+    override-host policy, and its ext_proc filter lets a request through when no EPP answers:
+    round robin over the pool, never an ORIGINAL_DST connect back into the proxy."""
+    import envoy.extensions.load_balancing_policies.override_host.v3.override_host_pb2 as override_host_pb2
+
+    pool = ext.Pool.from_object(FAIL_OPEN)
+    assert pool.fails_open and pool.shadow_service.startswith("smollm2-ip-")
+    c = _modified_pool_cluster(stub, FAIL_OPEN)
+    assert c.name == POOL_CLUSTER and c.type == cluster_pb2.Cluster.STRICT_DNS
+    assert not c.HasField("original_dst_lb_config") and not c.HasField("eds_cluster_config")
+    (endpoint,) = c.load_assignment.endpoints[0].lb_endpoints
+    address = endpoint.endpoint.address.socket_address
+    assert (address.address, address.port_value) == (pool.shadow_host, 8000)
+    assert pool.shadow_host == f"{pool.shadow_service}.models.svc.cluster.local"
+    (policy,) = c.load_balancing_policy.policies
+    override = override_host_pb2.OverrideHost()
+    assert policy.typed_extension_config.typed_config.Unpack(override)
+    assert [s.header for s in override.override_host_sources if s.header] == [
+        "x-gateway-destination-endpoint"
+    ]
+    assert c.connect_timeout.seconds == 10  # Envoy Gateway's settings stay
+    assert ext.Pool.from_cluster(c) == pool
+
+    req = ext.MESSAGES["PostTranslateModifyRequest"]()
+    req.clusters.append(c)
+    req.listeners.append(_listener())
+    req.routes.append(_routes())
+    filters = _hcm(stub("PostTranslateModify", req).listeners[0]).http_filters
+    proc = ext_proc_pb2.ExternalProcessor()
+    assert filters[1].typed_config.Unpack(proc) and proc.failure_mode_allow
+
+
+def test_a_fail_open_pool_without_a_port_fails_closed() -> None:
+    no_port = {**FAIL_OPEN, "spec": {**FAIL_OPEN["spec"], "targetPorts": []}}
+    pool = ext.Pool.from_object(no_port)
+    assert not pool.fails_open and ext.shadow_service(no_port) is None
+    c = ext.pool_cluster(_eg_cluster(POOL_CLUSTER), pool)
+    assert c.type == cluster_pb2.Cluster.ORIGINAL_DST
+    assert not ext._pool_ext_proc(pool).failure_mode_allow
+
+
+def test_the_shadow_service_is_headless_selects_the_pool_and_is_owned_by_it() -> None:
+    svc = ext.shadow_service(FAIL_OPEN)
+    assert svc is not None
+    assert svc["metadata"]["name"] == ext.Pool.from_object(FAIL_OPEN).shadow_service
+    assert svc["metadata"]["namespace"] == "models"
+    (owner,) = svc["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "InferencePool",
+        "smollm2",
+        FAIL_OPEN["metadata"]["uid"],
+    )
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"app": "smollm2"}
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000}]
+    assert ext.shadow_service(POOL) is None  # FailClose: none
+    # names are DNS labels, distinct per namespace, from any pool name
+    dotted = ext.Pool("a", "9.model.v2", "e", 1, "FailOpen", target_port=1).shadow_service
+    other = ext.Pool("b", "9.model.v2", "e", 1, "FailOpen", target_port=1).shadow_service
+    import re
+
+    assert re.fullmatch(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?", dotted) and dotted != other
+    long = ext.Pool("a", "x" * 253, "e", 1, "FailOpen", target_port=1).shadow_service
+    assert len(long) <= 63
+
+
+def test_pool_status_makes_the_shadow_service_and_puts_a_drifted_one_back() -> None:
+    import asyncio
+
+    import httpx
+
+    calls: list[tuple[str, str, dict[str, Any]]] = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        calls.append((request.method, request.url.path, json.loads(request.content or b"{}")))
+        return httpx.Response(201 if request.method == "POST" else 200, json={})
+
+    status = ext.PoolStatus(httpx.AsyncClient(transport=httpx.MockTransport(api), base_url="http://api"))
+    want = ext.shadow_service(FAIL_OPEN)
+    assert want is not None
+    key = (want["metadata"]["namespace"], want["metadata"]["name"])
+    defaulted = {**want, "spec": {**want["spec"], "ports": [{**want["spec"]["ports"][0], "protocol": "TCP"}]}}
+    drifted = {**want, "spec": {**want["spec"], "selector": {"app": "other"}}}
+
+    async def keep(services: dict[Any, Any], pool: dict[str, Any] = FAIL_OPEN) -> None:
+        await status._keep_shadow(pool, services)
+
+    asyncio.run(keep({}))
+    asyncio.run(keep({key: defaulted}))  # as the API server keeps it: nothing to do
+    asyncio.run(keep({key: drifted}))
+    asyncio.run(keep({}, POOL))  # FailClose: none
+    assert [(m, p) for m, p, _ in calls] == [
+        ("POST", "/api/v1/namespaces/models/services"),
+        ("PATCH", f"/api/v1/namespaces/models/services/{key[1]}"),
+    ]
+    assert calls[0][2] == want
+    assert calls[1][2] == {"spec": {"selector": {"app": "smollm2"}, "ports": want["spec"]["ports"]}}
