@@ -285,12 +285,21 @@ class Scheduler:
         slots = cfg.max_num_seqs - len(self.running)
         reserved = 0  # free blocks the requests accounted for here will take
         adapters = self.running_lora_ids()
+        # long prompts in prefill, per tenant: one more of a tenant at its limit waits in pass 2
+        longs = Counter(
+            self.waiting.tenant_of(r)
+            for r in self.running
+            if self._is_long(r, r.num_tokens - r.num_computed_tokens)
+        )
         for request in list(self.waiting):
             if budget <= 0:
                 return
             lora = request.lora_id
             if cfg.max_loras and lora is not None and lora not in adapters and len(adapters) >= cfg.max_loras:
                 continue  # passed over in pass 2 anyway
+            tenant = self.waiting.tenant_of(request)
+            if longs[tenant] >= cfg.max_long_partial_prefills and self._is_long(request, request.num_tokens):
+                continue  # likewise: a preemption for it would only be refilled by the victim
             while True:
                 hit = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - hit.num_tokens, budget)

@@ -327,3 +327,25 @@ def test_sheddable_load_counts_the_lower_priority_part_and_none_under_fcfs() -> 
     fcfs, _ = _fair(policy="fcfs")
     _add_ranked(fcfs, "x", 1)
     assert fcfs.sheddable_load() == (0, 0, 0)
+
+
+def test_no_preemption_for_a_long_prompt_that_would_wait_for_its_tenants_long_one_anyway() -> None:
+    """Long prompts of a tenant prefill one at a time (max_long_partial_prefills): a second one
+    is passed over in pass 2, so preempting a batch line for it would only have the line take
+    its slot back. It preempts once the first has finished its prefill."""
+    sched, runner = _fair(max_seqs=3)
+    cfg = sched.config
+    cfg.long_prefill_token_threshold, cfg.long_prefill_step_tokens = 8, 8
+    cfg.max_long_partial_prefills, cfg.short_prompt_window_s = 1, 1e9
+    _add_ranked(sched, "short", 0, n_prompt=4, max_tokens=60)  # keeps the long-prompt cap on
+    first = _add_ranked(sched, "long-1", 0, n_prompt=40, max_tokens=60)
+    _add_ranked(sched, "batch", 1, max_tokens=60)
+    _step(sched, runner)
+    assert sched.num_running == 3 and first.num_computed_tokens < 40
+    second = _add_ranked(sched, "long-2", 0, n_prompt=40)
+    _step(sched, runner)
+    assert sched.num_preemptions_total == 0 and second.status == RequestStatus.WAITING
+    while first.num_computed_tokens < 40:
+        _step(sched, runner)
+    _step(sched, runner)
+    assert sched.num_preemptions_total == 1 and second.status == RequestStatus.RUNNING
