@@ -927,7 +927,30 @@ def test_with_tenants_only_a_request_the_epp_picked_reaches_an_engine(
             } == restarts
         finally:
             keyed.envoy.proc.stop()
+
+        # The same through Envoy Gateway: an HTTPRoute of the tenants' namespace on the cluster's
+        # Gateway; the EPP's 401 comes back through it, a tenant's key is served.
+        route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "keyed", "namespace": KEYED},
+                 "spec": {"parentRefs": [{"name": "kvgate", "namespace": "default"}],
+                          "rules": [{"matches": [{"headers": [{"name": "x-test-pool", "value": "keyed"}]}],
+                                     "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                                      "name": MD}]}]}}  # fmt: skip
+        apply(cluster, [route])
+        address = cluster.get("gateway", "kvgate", "-n", "default")["status"]["addresses"][0]["value"]
+
+        def through_gateway(key: str | None) -> httpx.Response:
+            headers = {"x-test-pool": "keyed", **({"authorization": f"Bearer {key}"} if key else {})}
+            return httpx.post(f"http://{address}/v1/completions", json=body, headers=headers, timeout=30)
+
+        eventually(
+            lambda: through_gateway(rotated).status_code == 200, 90, "a tenant served through the Gateway"
+        )
+        for key in (None, alice, engine_key):  # no key, a retired one, the engines' own: not a tenant's
+            resp = through_gateway(key)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key", resp.text
+        assert through_gateway(rotated).json()["choices"][0]["text"]
     finally:
+        cluster.kubectl("delete", "httproute", "keyed", "-n", KEYED, "--wait=false", check=False)
         cluster.delete("modeldeployment", MD, KEYED, within=120)
 
 
