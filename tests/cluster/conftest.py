@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,7 +130,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             raise AssertionError(f"scripts/cluster.sh did not get ready:\n{log.read_text()[-4000:]}")
         time.sleep(0.5)
     text = log.read_text()
-    cluster = Cluster(state / "kubeconfig", proc, images="pods of kvgate's images run from " in text)
+    cluster = Cluster(state / "kubeconfig", proc, images=runs_images(text))
     if os.environ.get("CI") == "true" and not cluster.images:
         _kill_group(proc)
         raise AssertionError(
@@ -151,6 +152,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         _kill_group(proc)  # a clean stop leaves none; this is the guarantee
         out.close()
         assert not state.exists(), "scripts/cluster.sh left its state behind"
+
+
+def runs_images(cluster_log: str) -> bool:
+    """Whether scripts/cluster.sh said the node runs kvgate's pods from OCI archives. Both of its
+    lines begin "pods of kvgate's images run from": the other one goes on "this checkout's
+    venv" (matching the prefix alone took every venv cluster for an image one)."""
+    return re.search(r"pods of kvgate's images run from (?!this checkout's venv)", cluster_log) is not None
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
