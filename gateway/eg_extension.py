@@ -415,8 +415,12 @@ def _to_destination(out: cluster_pb2.Cluster, pool: Pool) -> None:
 
 def shadow_service(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The headless Service a FailOpen InferencePool's cluster resolves its endpoints through
-    (its selector, its target port, owned by the pool so it goes with it); None for another pool."""
-    pool = Pool.from_object(obj)
+    (its selector, its target port, owned by the pool so it goes with it); None for another pool,
+    and for one too malformed to route (no endpointPickerRef name: its status says so)."""
+    try:
+        pool = Pool.from_object(obj)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
     selector = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     meta = obj.get("metadata") or {}
     if not pool.fails_open or not selector or not meta.get("uid"):

@@ -450,6 +450,10 @@ def test_the_shadow_service_is_headless_selects_the_pool_and_is_owned_by_it() ->
     assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == {"app": "smollm2"}
     assert svc["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000}]
     assert ext.shadow_service(POOL) is None  # FailClose: none
+    # a pool with no EPP reference (GIE's InferencePoolMissingEPPRef) is no error: the status
+    # loop goes on to write every pool's status (a KeyError here stopped it for all of them)
+    missing = {**FAIL_OPEN, "spec": {k: v for k, v in FAIL_OPEN["spec"].items() if k != "endpointPickerRef"}}
+    assert ext.shadow_service(missing) is None
     # names are DNS labels, distinct per namespace, from any pool name
     dotted = ext.Pool("a", "9.model.v2", "e", 1, "FailOpen", target_port=1).shadow_service
     other = ext.Pool("b", "9.model.v2", "e", 1, "FailOpen", target_port=1).shadow_service
