@@ -34,7 +34,7 @@ import httpx
 from kvgate.bench import report
 from kvgate.bench.preset_main import PresetError, preset_main
 from kvgate.bench.stats import RequestResult, Slo, Summary, ratio, summarize, window_tokens
-from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
+from kvgate.bench.workloads import BenchRequest, ChatMessage, unique_prompt_words
 
 PRESET = "batch-and-online"
 ONLINE_FRACTION = 0.6  # the online load, as a share of the pool's measured capacity
@@ -53,17 +53,11 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def prompt_words(rng: random.Random, tag: str, tokens: int) -> list[str]:
-    """A unique prompt of `tokens` words from its first word on (nothing to share: this is about
-    slots and queues, not the prefix cache). The simulated engines count one token per word."""
-    return [tag, *(rng.choice(WORDS) for _ in range(max(0, tokens - 1)))]
-
-
 def online_requests(run: str, prompt_tokens: int, output_tokens: int, seed: int) -> Iterator[BenchRequest]:
     rng = random.Random(f"{seed}:{run}:online")
     index = 0
     while True:
-        words = prompt_words(rng, f"{run.replace(' ', '-')}-{index}", prompt_tokens)
+        words = unique_prompt_words(rng, f"{run.replace(' ', '-')}-{index}", prompt_tokens)
         yield BenchRequest(
             index=index,
             messages=(ChatMessage("user", " ".join(words)),),
@@ -83,7 +77,7 @@ def batch_input(model: str, lines: int, prompt_tokens: int, output_tokens: int, 
         body = {
             "model": model,
             "messages": [
-                {"role": "user", "content": " ".join(prompt_words(rng, f"batch-{i}", prompt_tokens))}
+                {"role": "user", "content": " ".join(unique_prompt_words(rng, f"batch-{i}", prompt_tokens))}
             ],
             "max_tokens": output_tokens,
             "ignore_eos": True,

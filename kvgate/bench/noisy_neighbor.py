@@ -44,7 +44,7 @@ import yaml
 from kvgate.bench import report
 from kvgate.bench.preset_main import PresetError, preset_main
 from kvgate.bench.stats import RequestResult, Slo, Summary, ratio, summarize, window_tokens
-from kvgate.bench.workloads import WORDS, BenchRequest, ChatMessage
+from kvgate.bench.workloads import BenchRequest, ChatMessage, unique_prompt_words
 
 if TYPE_CHECKING:
     from kvgate.engine.config import SimulationConfig
@@ -148,7 +148,7 @@ def tenant_requests(run: str, load: TenantLoad, output_tokens: int) -> Iterator[
     tag = f"{_slug(run)}-{load.name}"
     index = 0
     while True:
-        words = [f"{tag}-{index}", *(rng.choice(WORDS) for _ in range(max(0, load.prompt_tokens - 1)))]
+        words = unique_prompt_words(rng, f"{tag}-{index}", load.prompt_tokens)
         yield BenchRequest(
             index=index,
             messages=(ChatMessage("user", " ".join(words)),),

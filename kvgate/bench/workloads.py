@@ -176,6 +176,12 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return [rng.choice(WORDS) for _ in range(n)]
 
 
+def unique_prompt_words(rng: random.Random, tag: str, tokens: int) -> list[str]:
+    """A prompt of `tokens` words unique from its first word on (`tag`): nothing for the prefix
+    cache to share, for benches about slots and queues. Simulated engines count a token a word."""
+    return [tag, *_words(rng, max(0, tokens - 1))]
+
+
 def _text(words: list[str]) -> str:
     return " ".join(words)
 
