@@ -279,7 +279,12 @@ class Scheduler:
         the policy's order while the step's token budget lasts (they are admitted in pass 2).
         Not under fcfs, where priority means nothing; never for an equal priority, so over-share
         order and arrival never evict running work."""
-        if self.waiting.policy == "fcfs" or not self.running:
+        head = self.waiting.peek()
+        if self.waiting.policy == "fcfs" or head is None or not self.running:
+            return
+        # The queue is in priority order: when its head outranks nothing running (the common
+        # case, one priority), nothing behind it does, and the step pays for no more than this.
+        if head.priority >= max(r.priority for r in self.running):
             return
         cfg = self.config
         slots = cfg.max_num_seqs - len(self.running)
