@@ -7,7 +7,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from kvgate.batch.store import BatchRow, Counts, FileRow, LineRow
+from kvgate.batch.store import EXPIRED, BatchRow, Counts, FileRow, LineRow
 
 
 def file_object(row: FileRow) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def batch_object(row: BatchRow, counts: Counts) -> dict[str, Any]:
         "completed_at": row.completed_at,
         "failed_at": row.failed_at,
         # (no column of its own: a batch expires at the worker's first look past expires_at)
-        "expired_at": row.expires_at if row.status == "expired" else None,
+        "expired_at": row.expires_at if row.status == EXPIRED else None,
         "cancelling_at": row.cancelling_at,
         "cancelled_at": row.cancelled_at,
         "request_counts": {"total": counts.total, "completed": counts.completed, "failed": counts.failed},
