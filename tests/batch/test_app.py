@@ -282,7 +282,7 @@ def test_a_running_batch_reports_its_lines_rate_and_eta(tmp_path: Path) -> None:
         oa = openai.OpenAI(base_url="http://testserver/v1", api_key="k", http_client=http, max_retries=0)
         f = oa.files.create(file=("in.jsonl", io.BytesIO(jsonl("a", "b", "c", "d"))), purpose="batch")
         b = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-        store.transition(b.id, (VALIDATING,), IN_PROGRESS, in_progress_at=int(time.time()) - 10)
+        store.transition(b.id, (VALIDATING,), IN_PROGRESS, in_progress_at=int(time.time()) - 1000)
         m = _samples(http.get("/metrics").text)
         assert m[("kvgate_batch_requests", (("batch_id", b.id), ("state", "pending")))] == 4
         assert ("kvgate_batch_eta_seconds", (("batch_id", b.id),)) not in m  # no line finished yet
@@ -291,7 +291,8 @@ def test_a_running_batch_reports_its_lines_rate_and_eta(tmp_path: Path) -> None:
         m = _samples(http.get("/metrics").text)
         assert m[("kvgate_batch_requests", (("batch_id", b.id), ("state", "completed")))] == 1
         rate = m[("kvgate_batch_throughput_lines_per_second", (("batch_id", b.id),))]
-        assert 1 / 12 < rate < 1 / 9  # one line in about ten seconds
+        # one line in 1,000 s and a little (the scrape's own clock): no timing bound on the run
+        assert 1 / 1100 < rate <= 1 / 1000
         assert m[("kvgate_batch_eta_seconds", (("batch_id", b.id),))] == pytest.approx(3 / rate)
 
 
